@@ -1,0 +1,133 @@
+"""The client's side of a connection, as ``tail`` and workers use it.
+
+The client sends ``NAME``, ``PING`` (and ``OPTIONS`` when it wants row
+timestamps), then whatever ``REPLICATE`` its handler asks for. It keeps, per
+stream, whether a ``POSITION`` has been seen on this connection: ``RDATA``
+before that is dropped. ``batch`` rows are held until the line with the real
+token arrives, then handed over together.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, ClassVar, Optional
+
+from twisted.internet.interfaces import IReactorTime
+from twisted.python.failure import Failure
+
+from replication.commands import (
+    SERVER_COMMANDS,
+    ErrorCommand,
+    NameCommand,
+    OptionsCommand,
+    PositionCommand,
+    RdataCommand,
+    RemoteServerUpCommand,
+    ReplicateCommand,
+    ServerCommand,
+)
+from replication.protocol import LineCommandProtocol, ProtocolConfig
+
+logger = logging.getLogger(__name__)
+
+
+class ReplicationHandler:
+    """What a client does with what the master sends; override what you need."""
+
+    def connected(self, client: "ClientProtocol") -> None:
+        """The handshake is sent: ask for streams with ``client.replicate(...)``."""
+
+    def on_server(self, client: "ClientProtocol", server_name: str) -> None:
+        pass
+
+    def on_position(self, client: "ClientProtocol", command: PositionCommand) -> None:
+        pass
+
+    def on_rows(
+        self, client: "ClientProtocol", stream: str, instance: str, token: int, rows: list[list[Any]]
+    ) -> None:
+        """Rows of one token (one row, or a whole batch), in order."""
+
+    def on_error(self, client: "ClientProtocol", message: str) -> None:
+        pass
+
+    def on_remote_server_up(self, client: "ClientProtocol", server: str) -> None:
+        pass
+
+    def disconnected(self, client: "ClientProtocol", reason: Failure) -> None:
+        pass
+
+
+class ClientProtocol(LineCommandProtocol):
+    INBOUND: ClassVar[frozenset[str]] = SERVER_COMMANDS
+    SIDE: ClassVar[str] = "client"
+
+    def __init__(
+        self,
+        handler: ReplicationHandler,
+        client_name: str,
+        config: ProtocolConfig,
+        clock: IReactorTime,
+        with_ts: bool = False,
+    ) -> None:
+        super().__init__(config, clock)
+        self.handler = handler
+        self.client_name = client_name
+        self.with_ts = with_ts
+        self.server_name: Optional[str] = None
+        self.positioned: set[str] = set()
+        self._pending_batch: dict[str, list[list[Any]]] = {}
+
+    def connectionMade(self) -> None:
+        super().connectionMade()
+        self.conn_name = f"{self.client_name}->{self.conn_name}"
+        self.send(NameCommand(self.client_name))
+        self.send_ping()
+        if self.with_ts:
+            self.send(OptionsCommand(frozenset({"ts"})))
+        self.handler.connected(self)
+
+    def connectionLost(self, reason: Failure = None) -> None:
+        super().connectionLost(reason)
+        self.handler.disconnected(self, reason)
+
+    def replicate(self, stream: Optional[str] = None, token: Optional[int] = None) -> None:
+        """``REPLICATE`` (every stream, live from now) or one stream after a token."""
+        if stream is not None:
+            self.positioned.discard(stream)
+            self._pending_batch.pop(stream, None)
+        self.send(ReplicateCommand(stream, token))
+
+    # -- commands from the server --------------------------------------------------
+
+    def on_SERVER(self, command: ServerCommand) -> None:
+        self.server_name = command.server_name
+        self.handler.on_server(self, command.server_name)
+
+    def on_POSITION(self, command: PositionCommand) -> None:
+        self.positioned.add(command.stream)
+        self._pending_batch.pop(command.stream, None)
+        self.handler.on_position(self, command)
+
+    def on_RDATA(self, command: RdataCommand) -> None:
+        stream = command.stream
+        if stream not in self.positioned:
+            logger.debug("[%s] dropped RDATA for %s before its POSITION", self.conn_name, stream)
+            return
+        if command.token is None:
+            self._pending_batch.setdefault(stream, []).append(command.row)
+            return
+        pending = self._pending_batch.pop(stream, None)
+        if pending is None:
+            rows = [command.row]
+        else:
+            pending.append(command.row)
+            rows = pending
+        self.handler.on_rows(self, stream, command.instance, command.token, rows)
+
+    def on_ERROR(self, command: ErrorCommand) -> None:
+        super().on_ERROR(command)
+        self.handler.on_error(self, command.message)
+
+    def on_REMOTE_SERVER_UP(self, command: RemoteServerUpCommand) -> None:
+        self.handler.on_remote_server_up(self, command.server)

@@ -1,0 +1,505 @@
+"""The commands of the replication protocol: one class per command.
+
+Each class owns its wire grammar: ``parse(args)`` turns the text after the
+command name into an instance (raising :class:`MalformedCommand` with a
+message naming what was wrong), and ``to_line()`` gives the line back without
+its ``\\n``. :func:`parse_line` dispatches on the first word.
+
+Lines look like ``NAME args...``. Arguments are separated by single spaces;
+the last argument of some commands (``ERROR``'s message, ``RDATA``'s row JSON)
+is the rest of the line and may itself contain spaces.
+
+Which side may send which command is in :data:`SERVER_COMMANDS` and
+:data:`CLIENT_COMMANDS`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import ClassVar, Iterable, Optional, Union
+
+import attr
+import orjson
+
+__all__ = [
+    "Command",
+    "MalformedCommand",
+    "UnknownCommand",
+    "ServerCommand",
+    "PingCommand",
+    "NameCommand",
+    "ReplicateCommand",
+    "PositionCommand",
+    "RdataCommand",
+    "ErrorCommand",
+    "UserSyncCommand",
+    "ClearUserSyncCommand",
+    "FederationAckCommand",
+    "RemovePusherCommand",
+    "RemoteServerUpCommand",
+    "AuthCommand",
+    "OptionsCommand",
+    "COMMAND_CLASSES",
+    "SERVER_COMMANDS",
+    "CLIENT_COMMANDS",
+    "parse_line",
+    "encode_rdata",
+]
+
+# Stream, instance and server names are single words of printable ASCII.
+_WORD = re.compile(r"[!-~]+")
+_TOKEN = re.compile(r"0|[1-9][0-9]{0,18}")
+MAX_TOKEN = 2**63 - 1
+
+
+class MalformedCommand(ValueError):
+    """A line names a known command but its arguments are wrong."""
+
+
+class UnknownCommand(ValueError):
+    """A line's first word is no command of this protocol."""
+
+
+def _word(value: str, what: str) -> str:
+    if not _WORD.fullmatch(value):
+        raise MalformedCommand(f"{what} must be one word of printable ASCII, got {value!r}")
+    return value
+
+
+def _token(value: str, what: str) -> int:
+    if not _TOKEN.fullmatch(value) or int(value) > MAX_TOKEN:
+        raise MalformedCommand(f"{what} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def _split(args: str, count: int, usage: str) -> list[str]:
+    """Split ``args`` into exactly ``count`` words (the last one may hold spaces)."""
+    parts = args.split(" ", count - 1) if args else []
+    if len(parts) != count or any(not part for part in parts):
+        raise MalformedCommand(f"expected {usage}")
+    return parts
+
+
+class Command:
+    """Base of all commands; subclasses are attrs classes."""
+
+    NAME: ClassVar[str]
+
+    @classmethod
+    def parse(cls, args: str) -> "Command":
+        raise NotImplementedError
+
+    def to_args(self) -> str:
+        raise NotImplementedError
+
+    def to_line(self) -> str:
+        args = self.to_args()
+        return f"{self.NAME} {args}" if args else self.NAME
+
+    def encode(self) -> bytes:
+        """The command as bytes on the wire, with its ``\\n``."""
+        return self.to_line().encode("utf-8") + b"\n"
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class ServerCommand(Command):
+    """``SERVER <server_name>``: the master names itself first on connect."""
+
+    NAME: ClassVar[str] = "SERVER"
+    server_name: str
+
+    @classmethod
+    def parse(cls, args: str) -> "ServerCommand":
+        (name,) = _split(args, 1, "SERVER <server_name>")
+        return cls(_word(name, "server_name"))
+
+    def to_args(self) -> str:
+        return self.server_name
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class PingCommand(Command):
+    """``PING <unix_ms>``: keepalive; its timestamp gives round trip and clock offset."""
+
+    NAME: ClassVar[str] = "PING"
+    unix_ms: int
+
+    @classmethod
+    def parse(cls, args: str) -> "PingCommand":
+        (value,) = _split(args, 1, "PING <unix_ms>")
+        return cls(_token(value, "unix_ms"))
+
+    def to_args(self) -> str:
+        return str(self.unix_ms)
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class NameCommand(Command):
+    """``NAME <client_name>``: the client names itself (used in logs and metrics)."""
+
+    NAME: ClassVar[str] = "NAME"
+    client_name: str
+
+    @classmethod
+    def parse(cls, args: str) -> "NameCommand":
+        (name,) = _split(args, 1, "NAME <client_name>")
+        return cls(_word(name, "client_name"))
+
+    def to_args(self) -> str:
+        return self.client_name
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class ReplicateCommand(Command):
+    """``REPLICATE`` or ``REPLICATE <stream> <token>``.
+
+    Plain ``REPLICATE`` asks for a ``POSITION`` of every stream and live rows
+    from then on. With a stream and a token the master replays that stream's
+    rows after the token over the same connection, then continues live.
+    """
+
+    NAME: ClassVar[str] = "REPLICATE"
+    stream: Optional[str] = None
+    token: Optional[int] = None
+
+    @classmethod
+    def parse(cls, args: str) -> "ReplicateCommand":
+        if not args:
+            return cls()
+        stream, token = _split(args, 2, "REPLICATE or REPLICATE <stream> <token>")
+        if " " in token:
+            raise MalformedCommand("expected REPLICATE or REPLICATE <stream> <token>")
+        return cls(_word(stream, "stream"), _token(token, "token"))
+
+    def to_args(self) -> str:
+        if self.stream is None:
+            return ""
+        return f"{self.stream} {self.token}"
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class PositionCommand(Command):
+    """``POSITION <stream> <instance> <prev_token> <new_token>``.
+
+    There are no rows for the client in ``(prev_token, new_token]`` beyond those
+    already sent: a client whose applied token is below ``prev_token`` has
+    missed rows and must catch up; otherwise it moves straight to ``new_token``.
+    """
+
+    NAME: ClassVar[str] = "POSITION"
+    stream: str
+    instance: str
+    prev_token: int
+    new_token: int
+
+    @classmethod
+    def parse(cls, args: str) -> "PositionCommand":
+        usage = "POSITION <stream> <instance> <prev_token> <new_token>"
+        stream, instance, prev, new = _split(args, 4, usage)
+        if " " in new:
+            raise MalformedCommand(f"expected {usage}")
+        prev_token = _token(prev, "prev_token")
+        new_token = _token(new, "new_token")
+        if new_token < prev_token:
+            raise MalformedCommand(f"new_token {new_token} is below prev_token {prev_token}")
+        return cls(_word(stream, "stream"), _word(instance, "instance"), prev_token, new_token)
+
+    def to_args(self) -> str:
+        return f"{self.stream} {self.instance} {self.prev_token} {self.new_token}"
+
+
+BATCH = "batch"
+
+
+def encode_rdata(stream: str, instance: str, token: Optional[int], row_json: bytes) -> bytes:
+    """One ``RDATA`` line as bytes, from a row already serialized to JSON.
+
+    The master's hot path uses this directly so that each row is serialized
+    once, whatever the number of connections.
+    """
+    position = BATCH if token is None else str(token)
+    return b"RDATA %s %s %s %s\n" % (
+        stream.encode("utf-8"),
+        instance.encode("utf-8"),
+        position.encode("ascii"),
+        row_json,
+    )
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class RdataCommand(Command):
+    """``RDATA <stream> <instance> <token or batch> <row_json>``.
+
+    ``row_json`` is a JSON array on one line (it may contain spaces, never a
+    newline). Rows that share one token are sent as ``batch`` lines followed by
+    one line carrying the real token; a client applies nothing of a batch until
+    that last line. ``token`` is ``None`` for a ``batch`` line.
+    """
+
+    NAME: ClassVar[str] = "RDATA"
+    stream: str
+    instance: str
+    token: Optional[int]
+    row: list
+
+    @classmethod
+    def parse(cls, args: str) -> "RdataCommand":
+        usage = "RDATA <stream> <instance> <token or batch> <row_json>"
+        stream, instance, position, row_json = _split(args, 4, usage)
+        token = None if position == BATCH else _token(position, "token")
+        try:
+            row = orjson.loads(row_json)
+        except orjson.JSONDecodeError as e:
+            raise MalformedCommand(f"bad row JSON: {e}") from None
+        if not isinstance(row, list):
+            raise MalformedCommand("row JSON must be an array")
+        return cls(_word(stream, "stream"), _word(instance, "instance"), token, row)
+
+    def to_args(self) -> str:
+        position = BATCH if self.token is None else str(self.token)
+        return f"{self.stream} {self.instance} {position} {orjson.dumps(self.row).decode()}"
+
+    def encode(self) -> bytes:
+        return encode_rdata(self.stream, self.instance, self.token, orjson.dumps(self.row))
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class ErrorCommand(Command):
+    """``ERROR <message>``: something the peer sent was wrong, or the peer is dropped."""
+
+    NAME: ClassVar[str] = "ERROR"
+    message: str
+
+    @classmethod
+    def parse(cls, args: str) -> "ErrorCommand":
+        if not args.strip():
+            raise MalformedCommand("expected ERROR <message>")
+        return cls(args)
+
+    def to_args(self) -> str:
+        # A message never spans lines: the line is the unit of the protocol.
+        return " ".join(self.message.split())
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class UserSyncCommand(Command):
+    """``USER_SYNC <instance> <user_id> <start or end> <last_sync_ms>``."""
+
+    NAME: ClassVar[str] = "USER_SYNC"
+    instance: str
+    user_id: str
+    is_syncing: bool
+    last_sync_ms: int
+
+    @classmethod
+    def parse(cls, args: str) -> "UserSyncCommand":
+        usage = "USER_SYNC <instance> <user_id> <start or end> <last_sync_ms>"
+        instance, user_id, state, last = _split(args, 4, usage)
+        if state not in ("start", "end"):
+            raise MalformedCommand(f"state must be 'start' or 'end', got {state!r}")
+        return cls(
+            _word(instance, "instance"),
+            _word(user_id, "user_id"),
+            state == "start",
+            _token(last, "last_sync_ms"),
+        )
+
+    def to_args(self) -> str:
+        state = "start" if self.is_syncing else "end"
+        return f"{self.instance} {self.user_id} {state} {self.last_sync_ms}"
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class ClearUserSyncCommand(Command):
+    """``CLEAR_USER_SYNC <instance>``: the worker's users are no longer syncing."""
+
+    NAME: ClassVar[str] = "CLEAR_USER_SYNC"
+    instance: str
+
+    @classmethod
+    def parse(cls, args: str) -> "ClearUserSyncCommand":
+        (instance,) = _split(args, 1, "CLEAR_USER_SYNC <instance>")
+        return cls(_word(instance, "instance"))
+
+    def to_args(self) -> str:
+        return self.instance
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class FederationAckCommand(Command):
+    """``FEDERATION_ACK <instance> <token>``: the worker has handled up to token."""
+
+    NAME: ClassVar[str] = "FEDERATION_ACK"
+    instance: str
+    token: int
+
+    @classmethod
+    def parse(cls, args: str) -> "FederationAckCommand":
+        instance, token = _split(args, 2, "FEDERATION_ACK <instance> <token>")
+        return cls(_word(instance, "instance"), _token(token, "token"))
+
+    def to_args(self) -> str:
+        return f"{self.instance} {self.token}"
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class RemovePusherCommand(Command):
+    """``REMOVE_PUSHER <app_id> <push_key> <user_id>``.
+
+    ``push_key`` may contain spaces: ``app_id`` is the first word and
+    ``user_id`` the last.
+    """
+
+    NAME: ClassVar[str] = "REMOVE_PUSHER"
+    app_id: str
+    push_key: str
+    user_id: str
+
+    @classmethod
+    def parse(cls, args: str) -> "RemovePusherCommand":
+        usage = "REMOVE_PUSHER <app_id> <push_key> <user_id>"
+        app_id, _, rest = args.partition(" ")
+        push_key, _, user_id = rest.rpartition(" ")
+        if not app_id or not push_key.strip() or not user_id:
+            raise MalformedCommand(f"expected {usage}")
+        return cls(_word(app_id, "app_id"), push_key, _word(user_id, "user_id"))
+
+    def to_args(self) -> str:
+        return f"{self.app_id} {self.push_key} {self.user_id}"
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class RemoteServerUpCommand(Command):
+    """``REMOTE_SERVER_UP <server>``: relayed by the master to every other connection."""
+
+    NAME: ClassVar[str] = "REMOTE_SERVER_UP"
+    server: str
+
+    @classmethod
+    def parse(cls, args: str) -> "RemoteServerUpCommand":
+        (server,) = _split(args, 1, "REMOTE_SERVER_UP <server>")
+        return cls(_word(server, "server"))
+
+    def to_args(self) -> str:
+        return self.server
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class AuthCommand(Command):
+    """``AUTH <secret>``: the first command when the master requires a shared secret."""
+
+    NAME: ClassVar[str] = "AUTH"
+    secret: str
+
+    @classmethod
+    def parse(cls, args: str) -> "AuthCommand":
+        if not args:
+            raise MalformedCommand("expected AUTH <secret>")
+        return cls(args)
+
+    def to_args(self) -> str:
+        return self.secret
+
+
+KNOWN_OPTIONS = frozenset({"ts"})
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class OptionsCommand(Command):
+    """``OPTIONS <option>...``: extensions a client asks for (tickline's own).
+
+    ``ts``: every ``RDATA`` row JSON carries the row's timestamp as one more,
+    last element of the array. Without it rows are exactly the stream's
+    columns, as the seed protocol has them.
+    """
+
+    NAME: ClassVar[str] = "OPTIONS"
+    options: frozenset[str]
+
+    @classmethod
+    def parse(cls, args: str) -> "OptionsCommand":
+        words = args.split()
+        if not words:
+            raise MalformedCommand("expected OPTIONS <option>...")
+        unknown = sorted(set(words) - KNOWN_OPTIONS)
+        if unknown:
+            raise MalformedCommand(
+                f"unknown option {unknown[0]!r} (known: {', '.join(sorted(KNOWN_OPTIONS))})"
+            )
+        return cls(frozenset(words))
+
+    def to_args(self) -> str:
+        return " ".join(sorted(self.options))
+
+
+AnyCommand = Union[
+    ServerCommand,
+    PingCommand,
+    NameCommand,
+    ReplicateCommand,
+    PositionCommand,
+    RdataCommand,
+    ErrorCommand,
+    UserSyncCommand,
+    ClearUserSyncCommand,
+    FederationAckCommand,
+    RemovePusherCommand,
+    RemoteServerUpCommand,
+    AuthCommand,
+    OptionsCommand,
+]
+
+_ALL: Iterable[type[Command]] = (
+    ServerCommand,
+    PingCommand,
+    NameCommand,
+    ReplicateCommand,
+    PositionCommand,
+    RdataCommand,
+    ErrorCommand,
+    UserSyncCommand,
+    ClearUserSyncCommand,
+    FederationAckCommand,
+    RemovePusherCommand,
+    RemoteServerUpCommand,
+    AuthCommand,
+    OptionsCommand,
+)
+COMMAND_CLASSES: dict[str, type[Command]] = {cls.NAME: cls for cls in _ALL}
+
+# Which side may send which command.
+SERVER_COMMANDS: frozenset[str] = frozenset(
+    {"SERVER", "PING", "POSITION", "RDATA", "ERROR", "REMOTE_SERVER_UP"}
+)
+CLIENT_COMMANDS: frozenset[str] = frozenset(
+    {
+        "PING",
+        "NAME",
+        "REPLICATE",
+        "ERROR",
+        "USER_SYNC",
+        "CLEAR_USER_SYNC",
+        "FEDERATION_ACK",
+        "REMOVE_PUSHER",
+        "REMOTE_SERVER_UP",
+        "AUTH",
+        "OPTIONS",
+    }
+)
+
+
+def parse_line(line: str) -> Command:
+    """Parse one line (without its line ending) into a command.
+
+    Raises :class:`UnknownCommand` or :class:`MalformedCommand`; the message
+    names what was wrong.
+    """
+    name, _, args = line.partition(" ")
+    cls = COMMAND_CLASSES.get(name)
+    if cls is None:
+        shown = name if len(name) <= 40 else name[:40] + "..."
+        raise UnknownCommand(f"unknown command {shown!r}")
+    try:
+        return cls.parse(args)
+    except MalformedCommand as e:
+        raise MalformedCommand(f"malformed {name}: {e}") from None

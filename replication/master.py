@@ -1,0 +1,244 @@
+"""The master: owns the streams, follows their heads, fans rows out to clients.
+
+The master follows each stream's committed head (polling the store every
+``poll_interval``, which also sees rows written by other processes, and at
+once when told of a local write). New rows are read once, encoded once into
+``RDATA`` lines, and the same bytes are written to every live subscription.
+Replays (``REPLICATE <stream> <token>``) read from storage through a cursor
+per connection, paced by that connection (see ``replication.server``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import attr
+from twisted.internet import defer, task
+from twisted.internet.interfaces import IListeningPort
+from twisted.internet.protocol import Factory
+
+from replication.client_commands import ClientCommandHandlers
+from replication.commands import PingCommand
+from replication.dbthreads import DatabaseThreads
+from replication.protocol import ProtocolConfig
+from replication.rows import RowEncoder, encode_rows, row_encoder
+from replication.server import ServerProtocol, Subscription
+from storage.schema import StreamSchema
+from storage.store import TOKEN
+
+logger = logging.getLogger(__name__)
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class MasterConfig:
+    """Master settings; these defaults are the configuration's defaults."""
+
+    server_name: str = "tickline"
+    instance_name: str = "master"
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 9322
+    secret: Optional[str] = None
+    poll_interval: float = 0.05  # seconds between looks at the store's heads
+    fanout_rows: int = 10000  # rows per storage read for live fan-out
+    db_threads: int = 4
+
+
+class Master:
+    def __init__(
+        self,
+        config: MasterConfig,
+        protocol_config: ProtocolConfig,
+        store: Any,
+        streams: dict[str, StreamSchema],
+        reactor: Any,
+    ) -> None:
+        self.config = config
+        self.protocol_config = protocol_config
+        self.store = store
+        self.reactor = reactor
+        self.db = DatabaseThreads(reactor, config.db_threads, name="tickline-master-db")
+        self._declared = streams
+        self._schemas: dict[str, StreamSchema] = {}
+        self._encoders: dict[str, RowEncoder] = {}
+        self._live: dict[str, int] = {}
+        self._live_subs: dict[str, dict[ServerProtocol, Subscription]] = {}
+        self.connections: set[ServerProtocol] = set()
+        self.client_commands = ClientCommandHandlers(self)
+        self.counters: dict[str, int] = {"catchup_rows": 0, "live_rows": 0}
+        self._poller: Optional[task.LoopingCall] = None
+        self._following = False
+        self._follow_again = False
+        self.port: Optional[IListeningPort] = None
+
+    # -- start and stop ------------------------------------------------------------
+
+    async def start(self) -> IListeningPort:
+        """Register the streams, read their heads, start following and listening."""
+        self.db.start()
+        await self.db.run(self._register_all)
+        for stream, head in (await self.db.run(self.store.heads)).items():
+            if stream in self._schemas:
+                self._live[stream] = head
+        self._poller = task.LoopingCall(self._follow_heads)
+        self._poller.clock = self.reactor
+        self._poller.start(self.config.poll_interval, now=False).addErrback(
+            lambda f: logger.error("following stream heads stopped: %s", f.getTraceback())
+        )
+        factory = Factory.forProtocol(lambda: ServerProtocol(self, self.protocol_config, self.reactor))
+        self.port = self.reactor.listenTCP(
+            self.config.listen_port, factory, interface=self.config.listen_host
+        )
+        address = self.port.getHost()
+        logger.info(
+            "master %s listening on %s:%s with streams %s",
+            self.config.server_name,
+            address.host,
+            address.port,
+            ", ".join(f"{s}@{t}" for s, t in sorted(self._live.items())),
+        )
+        return self.port
+
+    async def stop(self) -> None:
+        if self._poller is not None and self._poller.running:
+            self._poller.stop()
+        if self.port is not None:
+            await self.port.stopListening()
+        for conn in list(self.connections):
+            conn.close()
+        self.db.stop()
+
+    def _register_all(self) -> None:
+        for schema in self._declared.values():
+            self.store.register_stream(schema)
+        self._learn(self.store.catalog())
+
+    def _learn(self, catalog: dict[str, StreamSchema]) -> None:
+        for name, schema in catalog.items():
+            if name not in self._schemas:
+                self._schemas[name] = schema
+                self._encoders[name] = row_encoder(schema)
+                self._live_subs[name] = {}
+
+    # -- streams -------------------------------------------------------------------
+
+    def stream_names(self) -> list[str]:
+        return sorted(self._live)
+
+    def has_stream(self, stream: str) -> bool:
+        return stream in self._live
+
+    def live_token(self, stream: str) -> int:
+        """The token up to which rows have been fanned out to live subscriptions."""
+        return self._live[stream]
+
+    def read_encoded(
+        self, stream: str, after: int, upto: int, limit: int, with_ts: bool
+    ) -> "defer.Deferred[tuple[bytes, int, int]]":
+        """RDATA bytes for rows in ``(after, upto]`` (about ``limit`` rows), off the reactor."""
+        d = self.db.run(self._read_encoded, stream, after, upto, limit, (with_ts,))
+        d.addCallback(lambda result: (result[0].get(with_ts, b""), result[1], result[2]))
+        return d
+
+    def _read_encoded(
+        self, stream: str, after: int, upto: int, limit: int, variants: tuple[bool, ...]
+    ) -> tuple[dict[bool, bytes], int, int]:
+        """Runs on a database thread: read rows once, encode each variant once."""
+        rows = self.store.read_rows(stream, after, upto, limit)
+        if not rows:
+            return {}, after, 0
+        encode = self._encoders[stream]
+        encoded = {v: encode_rows(stream, rows, encode, v)[0] for v in variants}
+        return encoded, rows[-1][TOKEN], len(rows)
+
+    def notify(self) -> None:
+        """Rows were committed by this process: fan them out now."""
+        if self._poller is not None and self._poller.running:
+            self.reactor.callLater(0, self._follow_heads)
+
+    def _follow_heads(self) -> Optional["defer.Deferred[None]"]:
+        if self._following:
+            self._follow_again = True
+            return None
+        self._following = True
+        return defer.ensureDeferred(self._follow_loop())
+
+    async def _follow_loop(self) -> None:
+        try:
+            while True:
+                self._follow_again = False
+                try:
+                    await self._advance()
+                except Exception:
+                    logger.exception("following stream heads failed; retrying")
+                if not self._follow_again:
+                    return
+        finally:
+            self._following = False
+
+    async def _advance(self) -> None:
+        heads = await self.db.run(self.store.heads)
+        if any(stream not in self._schemas for stream in heads):
+            self._learn(await self.db.run(self.store.catalog))
+        for stream, head in heads.items():
+            if stream not in self._live:
+                if stream in self._schemas:
+                    logger.info("stream %s appeared (head %s)", stream, head)
+                    self._live[stream] = head
+                continue
+            while self._live[stream] < head:
+                subs = self._live_subs[stream]
+                if not subs:
+                    self._live[stream] = head
+                    break
+                variants = tuple(sorted({conn.with_ts for conn in subs}))
+                encoded, last_token, count = await self.db.run(
+                    self._read_encoded, stream, self._live[stream], head, self.config.fanout_rows, variants
+                )
+                if count == 0:
+                    self._live[stream] = head
+                    break
+                self._fan_out(stream, encoded, last_token, count)
+
+    def _fan_out(self, stream: str, encoded: dict[bool, bytes], last_token: int, count: int) -> None:
+        self.counters["live_rows"] += count
+        for conn, sub in list(self._live_subs[stream].items()):
+            data = encoded.get(conn.with_ts)
+            if data is None:
+                # A subscription with the other variant joined during the read.
+                sub.live = False
+                self.unsubscribe_live(conn, sub)
+                continue
+            conn.send_live(sub, data, last_token)
+        self._live[stream] = last_token
+        for conn, sub in list(self._live_subs[stream].items()):
+            if sub.sent_token != last_token:
+                # It went live during the read at an older token: catch up.
+                sub.live = False
+                self.unsubscribe_live(conn, sub)
+                conn.pump(sub)
+
+    # -- connections ---------------------------------------------------------------
+
+    def connection_made(self, conn: ServerProtocol) -> None:
+        self.connections.add(conn)
+
+    def connection_lost(self, conn: ServerProtocol) -> None:
+        self.connections.discard(conn)
+        for sub in conn.subscriptions.values():
+            self.unsubscribe_live(conn, sub)
+        self.client_commands.connection_lost(conn)
+
+    def subscribe_live(self, conn: ServerProtocol, sub: Subscription) -> None:
+        self._live_subs[sub.stream][conn] = sub
+
+    def unsubscribe_live(self, conn: ServerProtocol, sub: Subscription) -> None:
+        subs = self._live_subs.get(sub.stream)
+        if subs is not None and subs.get(conn) is sub:
+            del subs[conn]
+
+    def metrics_catchup_rows(self, count: int) -> None:
+        self.counters["catchup_rows"] += count
+
+    def received_ping(self, conn: ServerProtocol, command: PingCommand) -> None:
+        conn.clock_offset_ms = command.unix_ms - int(self.reactor.seconds() * 1000)

@@ -1,0 +1,220 @@
+"""The line protocol both sides share: framing, parsing, keepalive, bad input.
+
+Framing is ``\\n``-terminated UTF-8 lines (``\\r\\n`` accepted, blank lines
+ignored) up to a maximum length. Each line is parsed into a command (see
+``replication.commands``) and dispatched to ``on_<NAME>``. Bad input is
+answered with ``ERROR <what was wrong>``; an over-long line closes the
+connection, since its framing can no longer be trusted.
+
+Keepalive: both sides send ``PING`` on connect and every ``ping_interval``
+seconds; a peer silent for ``ping_timeout`` seconds is dropped, but only after
+its first ``PING``, so a person typing into netcat is never cut off.
+
+Half-close: when the peer shuts down its sending side (``nc -q1``), the
+protocol finishes what it owes and then closes (``IHalfCloseableProtocol``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, ClassVar, Optional
+
+import attr
+from twisted.internet import task
+from twisted.internet.interfaces import IHalfCloseableProtocol, IReactorTime
+from twisted.internet.protocol import Protocol
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+from replication.commands import (
+    Command,
+    ErrorCommand,
+    MalformedCommand,
+    PingCommand,
+    UnknownCommand,
+    parse_line,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class ProtocolConfig:
+    """Protocol settings; these defaults are the configuration's defaults."""
+
+    ping_interval: float = 5.0  # seconds between our PINGs
+    ping_timeout: float = 15.0  # drop a peer silent this long (after its first PING)
+    max_line_bytes: int = 65536  # longest accepted line, without its line ending
+    max_pause: float = 30.0  # drop a client that has not read for this long
+    close_grace: float = 5.0  # after an ERROR and close, abort if still not flushed
+    catchup_rows: int = 5000  # rows per storage read when replaying
+
+
+@implementer(IHalfCloseableProtocol)
+class LineCommandProtocol(Protocol):
+    """Base of the server and client protocols."""
+
+    # Commands the peer may send us, by name.
+    INBOUND: ClassVar[frozenset[str]]
+    # Who we are in log lines.
+    SIDE: ClassVar[str] = "peer"
+
+    def __init__(self, config: ProtocolConfig, clock: IReactorTime) -> None:
+        self.config = config
+        self.clock = clock
+        self.conn_name = "?"
+        self._buffer = b""
+        self._closing = False
+        self._peer_pinged = False
+        self._last_received = 0.0
+        self._last_sent = 0.0
+        self._keepalive: Optional[task.LoopingCall] = None
+        self._abort_call = None
+        self.read_closed = False
+
+    # -- connection lifecycle --------------------------------------------------
+
+    def connectionMade(self) -> None:
+        peer = self.transport.getPeer()
+        self.conn_name = f"{getattr(peer, 'host', '?')}:{getattr(peer, 'port', '?')}"
+        now = self.clock.seconds()
+        self._last_received = now
+        self._keepalive = task.LoopingCall(self._keepalive_tick)
+        self._keepalive.clock = self.clock
+        tick = min(self.config.ping_interval, self.config.ping_timeout) / 5
+        self._keepalive.start(max(tick, 0.01), now=False)
+
+    def connectionLost(self, reason: Failure = None) -> None:
+        self._closing = True
+        if self._keepalive is not None and self._keepalive.running:
+            self._keepalive.stop()
+        if self._abort_call is not None and self._abort_call.active():
+            self._abort_call.cancel()
+
+    def readConnectionLost(self) -> None:
+        """The peer will send no more; finish what we owe, then close."""
+        self.read_closed = True
+        if self._buffer.strip():
+            # A last line without its newline still counts, as for a person's nc.
+            line, self._buffer = self._buffer, b""
+            self._handle_line(line)
+        self.finish_after_half_close()
+
+    def writeConnectionLost(self) -> None:
+        self.close()
+
+    def finish_after_half_close(self) -> None:
+        """Subclasses with work in flight delay this; by default close now."""
+        self.close()
+
+    # -- sending -------------------------------------------------------------
+
+    def send(self, command: Command) -> None:
+        self.write(command.encode())
+
+    def write(self, data: bytes) -> None:
+        if self._closing and self.transport is None:
+            return
+        self._last_sent = self.clock.seconds()
+        self.transport.write(data)
+
+    def send_ping(self) -> None:
+        self.send(PingCommand(int(self.clock.seconds() * 1000)))
+
+    def close(self) -> None:
+        """Close after what is queued has been written."""
+        if self.transport is None:
+            return
+        self._closing = True
+        self.transport.loseConnection()
+        if self._abort_call is None:
+            self._abort_call = self.clock.callLater(self.config.close_grace, self._abort)
+
+    def close_with_error(self, message: str) -> None:
+        """Tell the peer what was wrong, then close."""
+        if not self._closing:
+            logger.warning("[%s] closing: %s", self.conn_name, message)
+            self.send(ErrorCommand(message))
+        self.close()
+
+    def _abort(self) -> None:
+        # A peer that does not read never lets loseConnection finish.
+        if self.transport is not None:
+            self.transport.abortConnection()
+
+    # -- receiving -----------------------------------------------------------
+
+    def dataReceived(self, data: bytes) -> None:
+        if self._closing:
+            return
+        self._last_received = self.clock.seconds()
+        buffer = self._buffer + data if self._buffer else data
+        lines = buffer.split(b"\n")
+        self._buffer = lines.pop()
+        limit = self.config.max_line_bytes
+        for line in lines:
+            if self._closing:
+                return
+            if len(line) > limit + 1 or (len(line) == limit + 1 and not line.endswith(b"\r")):
+                self._line_too_long(len(line))
+                return
+            self._handle_line(line)
+        if len(self._buffer) > limit + 1:
+            self._line_too_long(len(self._buffer))
+
+    def _line_too_long(self, length: int) -> None:
+        self._buffer = b""
+        self.close_with_error(
+            f"line too long: {length} bytes without a newline, the limit is {self.config.max_line_bytes}"
+        )
+
+    def _handle_line(self, raw: bytes) -> None:
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            self.send_error(f"invalid UTF-8 at byte {e.start} of the line")
+            return
+        line = text.strip()
+        if not line:
+            return
+        try:
+            command = parse_line(line)
+        except (UnknownCommand, MalformedCommand) as e:
+            self.send_error(str(e))
+            return
+        if command.NAME not in self.INBOUND:
+            self.send_error(f"{command.NAME} may not be sent by the {self.peer_side}")
+            return
+        handler: Callable[[Command], None] = getattr(self, f"on_{command.NAME}")
+        handler(command)
+
+    @property
+    def peer_side(self) -> str:
+        return "client" if self.SIDE == "server" else "server"
+
+    def send_error(self, message: str) -> None:
+        """Answer bad input; the connection stays open."""
+        logger.info("[%s] bad input: %s", self.conn_name, message)
+        self.send(ErrorCommand(message))
+
+    # -- keepalive -------------------------------------------------------------
+
+    def _keepalive_tick(self) -> None:
+        if self._closing:
+            return
+        now = self.clock.seconds()
+        if self._peer_pinged and now - self._last_received >= self.config.ping_timeout:
+            self.close_with_error(f"ping timeout: nothing received for {self.config.ping_timeout:g} s")
+            return
+        if now - self._last_sent >= self.config.ping_interval:
+            self.send_ping()
+
+    def on_PING(self, command: PingCommand) -> None:
+        self._peer_pinged = True
+        self.received_ping(command)
+
+    def received_ping(self, command: PingCommand) -> None:
+        """Hook for round-trip and clock-offset bookkeeping."""
+
+    def on_ERROR(self, command: ErrorCommand) -> None:
+        logger.warning("[%s] %s sent ERROR %s", self.conn_name, self.peer_side, command.message)

@@ -1,0 +1,171 @@
+"""The ``tickline`` command line: master, write, tail, check-config, bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+import attr
+
+from scripts.config import Config, ConfigError, load_config, parse_address, setup_logging
+from storage.schema import RowError, SchemaError
+from storage.store import StorageError
+from storage.urls import BadDatabaseUrl, parse_database_url
+
+
+class UsageError(Exception):
+    """A command-line mistake: printed as ``tickline: error: ...``, exit code 2."""
+
+
+def _add_config(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-c", "--config", metavar="FILE", help="configuration file (YAML)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tickline", description="Line-based TCP replication.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+
+    master = commands.add_parser("master", help="run the master: serve streams to workers")
+    _add_config(master)
+    master.add_argument("--listen", metavar="HOST:PORT", help="address to listen on")
+    master.add_argument("--database", metavar="URL", help="database URL (sqlite:///path.db)")
+    master.add_argument("--server-name", metavar="NAME", help="name sent in SERVER")
+
+    write = commands.add_parser("write", help="append rows to a stream, print their tokens")
+    _add_config(write)
+    write.add_argument("--database", metavar="URL", help="database URL")
+    write.add_argument("--instance", metavar="NAME", default="writer", help="writer instance name (default: writer)")
+    write.add_argument("--batch", action="store_true", help="all rows share one token")
+    write.add_argument("stream", metavar="STREAM")
+    write.add_argument(
+        "rows", metavar="ROW_JSON", nargs="+",
+        help="a JSON array (columns in order) or object (by column name); '-' reads one row per line from stdin",
+    )
+
+    tail = commands.add_parser("tail", help="follow streams like a worker, print rows as JSON")
+    _add_config(tail)
+    tail.add_argument("--master", metavar="HOST:PORT", help="master address (default: the config's listen)")
+    tail.add_argument("--from", dest="from_token", metavar="TOKEN", type=int, help="replay rows after TOKEN first")
+    tail.add_argument("--count", metavar="N", type=int, help="exit after N rows")
+    tail.add_argument("--ts", action="store_true", help="add each row's timestamp as \"ts\"")
+    tail.add_argument("--name", default="tail", help="client name sent in NAME (default: tail)")
+    tail.add_argument("streams", metavar="STREAM", nargs="+")
+
+    check = commands.add_parser("check-config", help="validate a configuration file")
+    check.add_argument("-c", "--config", metavar="FILE", required=True)
+
+    bench = commands.add_parser("bench", help="run benchmarks, print ratios against baselines")
+    bench.add_argument("scenarios", nargs="*", metavar="SCENARIO", help="default: all")
+    bench.add_argument("--rows", type=int, default=None, help="rows per scenario")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "check-config":
+            load_config(args.config)
+            print(f"{args.config}: OK")
+            return 0
+        if args.command == "bench":
+            from scripts import benchmark
+
+            return benchmark.main(args.scenarios, args.rows)
+        config = load_config(args.config)
+        setup_logging(config.log_level)
+        if args.command == "master":
+            return run_master(args, config)
+        if args.command == "write":
+            return run_write(args, config)
+        if args.command == "tail":
+            from scripts.tail import run_tail
+
+            return run_tail(args, config)
+    except (ConfigError, UsageError, BadDatabaseUrl, SchemaError, RowError, StorageError) as e:
+        print(f"tickline {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    raise AssertionError(args.command)
+
+
+def _database(args: argparse.Namespace, config: Config) -> str:
+    url = args.database or config.database
+    parse_database_url(url)
+    return url
+
+
+def run_master(args: argparse.Namespace, config: Config) -> int:
+    from twisted.internet import defer, reactor
+
+    from replication.master import Master
+    from storage.store import open_store
+
+    master_config = config.master
+    if args.listen:
+        host, port = parse_address(args.listen, "--listen")
+        master_config = attr.evolve(master_config, listen_host=host, listen_port=port)
+    if args.server_name:
+        if any(c.isspace() for c in args.server_name):
+            raise UsageError("--server-name must be one word")
+        master_config = attr.evolve(master_config, server_name=args.server_name)
+    store = open_store(_database(args, config))
+    master = Master(master_config, config.protocol, store, config.streams, reactor)
+    exit_code = [0]
+
+    def started_failed(failure) -> None:
+        print(f"tickline master: error: {failure.getErrorMessage()}", file=sys.stderr)
+        exit_code[0] = 1
+        reactor.stop()
+
+    def start() -> None:
+        defer.ensureDeferred(master.start()).addErrback(started_failed)
+
+    reactor.callWhenRunning(start)
+    reactor.addSystemEventTrigger("before", "shutdown", lambda: defer.ensureDeferred(master.stop()))
+    reactor.run()
+    return exit_code[0]
+
+
+def _read_rows(texts: Sequence[str]) -> list:
+    import orjson
+
+    rows = []
+    sources: list[tuple[str, str]] = []
+    for i, text in enumerate(texts, 1):
+        if text == "-":
+            sources.extend((f"stdin line {n}", line) for n, line in enumerate(sys.stdin, 1) if line.strip())
+        else:
+            sources.append((f"row {i}", text))
+    for where, text in sources:
+        try:
+            rows.append(orjson.loads(text))
+        except orjson.JSONDecodeError as e:
+            raise UsageError(f"{where} is not valid JSON ({e}): {text.strip()[:80]!r}") from None
+    return rows
+
+
+def run_write(args: argparse.Namespace, config: Config) -> int:
+    from storage.store import open_store
+
+    rows = _read_rows(args.rows)
+    store = open_store(_database(args, config))
+    for schema in config.streams.values():
+        store.register_stream(schema)
+    streams = store.catalog()
+    if args.stream not in streams:
+        raise UsageError(f"unknown stream {args.stream!r} (streams: {', '.join(sorted(streams))})")
+    # One transaction per chunk keeps huge stdin loads from holding the lock for long.
+    chunk = len(rows) if args.batch else 10_000
+    out = []
+    for start in range(0, len(rows), chunk):
+        tokens = store.append(args.stream, rows[start:start + chunk], args.instance, batch=args.batch)
+        out.append("\n".join(map(str, tokens)))
+    if out:
+        sys.stdout.write("\n".join(out) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

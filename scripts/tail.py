@@ -1,0 +1,127 @@
+"""``tickline tail``: connect like a worker and print one JSON object per row."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Optional
+
+import orjson
+from twisted.internet.protocol import ClientFactory
+from twisted.python.failure import Failure
+
+from replication.client import ClientProtocol, ReplicationHandler
+from replication.commands import PositionCommand
+from replication.rows import split_ts
+from scripts.config import Config, parse_address
+
+# How long after the first POSITION every requested stream must have one.
+POSITIONS_GRACE = 1.0
+
+
+class TailHandler(ReplicationHandler):
+    def __init__(self, reactor: Any, streams: list[str], from_token: Optional[int], count: Optional[int], with_ts: bool) -> None:
+        self.reactor = reactor
+        self.streams = streams
+        self.from_token = from_token
+        self.remaining = count
+        self.with_ts = with_ts
+        self.exit_code = 0
+        self.done = False
+        self._out = sys.stdout.buffer
+        self._flush_call = None
+        self._check_call = None
+
+    def connected(self, client: ClientProtocol) -> None:
+        if self.remaining == 0:
+            self.finish(0)
+            return
+        if self.from_token is None:
+            client.replicate()  # live from now; POSITION for every stream
+        else:
+            for stream in self.streams:
+                client.replicate(stream, self.from_token)
+
+    def on_position(self, client: ClientProtocol, command: PositionCommand) -> None:
+        if self.from_token is None and self._check_call is None:
+            self._check_call = self.reactor.callLater(POSITIONS_GRACE, self._check_streams, client)
+
+    def _check_streams(self, client: ClientProtocol) -> None:
+        missing = [s for s in self.streams if s not in client.positioned]
+        if missing:
+            self.fail(f"unknown stream {missing[0]!r}")
+
+    def on_rows(self, client: ClientProtocol, stream: str, instance: str, token: int, rows: list[list[Any]]) -> None:
+        if self.done or stream not in self.streams:
+            return
+        for row in rows:
+            values, ts = split_ts(row, self.with_ts)
+            record = {"stream": stream, "instance": instance, "token": token, "row": values}
+            if self.with_ts:
+                record["ts"] = ts
+            self._out.write(orjson.dumps(record) + b"\n")
+            if self.remaining is not None:
+                self.remaining -= 1
+                if self.remaining <= 0:
+                    self.finish(0)
+                    return
+        if self._flush_call is None:
+            self._flush_call = self.reactor.callLater(0, self._flush)
+
+    def _flush(self) -> None:
+        self._flush_call = None
+        self._out.flush()
+
+    def on_error(self, client: ClientProtocol, message: str) -> None:
+        self.fail(f"master said: {message}")
+
+    def disconnected(self, client: ClientProtocol, reason: Failure) -> None:
+        if not self.done:
+            self.fail(f"connection to the master closed: {reason.getErrorMessage()}")
+
+    def fail(self, message: str) -> None:
+        if not self.done:
+            print(f"tickline tail: error: {message}", file=sys.stderr)
+            self.finish(1)
+
+    def finish(self, code: int) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.exit_code = code
+        self._out.flush()
+        if self.reactor.running:
+            self.reactor.stop()
+
+
+class TailFactory(ClientFactory):
+    def __init__(self, handler: TailHandler, name: str, config: Config, reactor: Any, with_ts: bool) -> None:
+        self.handler = handler
+        self.name = name
+        self.config = config
+        self.reactor = reactor
+        self.with_ts = with_ts
+
+    def buildProtocol(self, addr: Any) -> ClientProtocol:
+        return ClientProtocol(self.handler, self.name, self.config.protocol, self.reactor, with_ts=self.with_ts)
+
+    def clientConnectionFailed(self, connector: Any, reason: Failure) -> None:
+        self.handler.fail(f"cannot connect to the master at {connector.host}:{connector.port}: {reason.getErrorMessage()}")
+
+
+def run_tail(args: argparse.Namespace, config: Config) -> int:
+    from twisted.internet import reactor
+
+    if args.master:
+        host, port = parse_address(args.master, "--master")
+    else:
+        host, port = config.master.listen_host, config.master.listen_port
+        if host in ("0.0.0.0", "::"):
+            host = "127.0.0.1"
+    if args.from_token is not None and args.from_token < 0:
+        print("tickline tail: error: --from must be a non-negative token", file=sys.stderr)
+        return 2
+    handler = TailHandler(reactor, list(args.streams), args.from_token, args.count, args.ts)
+    reactor.connectTCP(host, port, TailFactory(handler, args.name, config, reactor, args.ts))
+    reactor.run()
+    return handler.exit_code

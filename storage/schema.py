@@ -1,0 +1,163 @@
+"""Stream schemas: a stream's name and typed columns, row validation and DDL.
+
+Every stream is stored in a table ``stream_<name>`` with a ``seq`` (insertion
+order, which orders the rows of one token), ``token``, ``instance_name``,
+``ts`` and then the declared columns in order.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping, Sequence, Union
+
+import attr
+import orjson
+
+STREAM_NAME = re.compile(r"[a-z][a-z0-9_]{0,62}")
+COLUMN_NAME = re.compile(r"[a-z][a-z0-9_]{0,62}")
+RESERVED_COLUMNS = frozenset({"seq", "token", "instance_name", "ts"})
+
+# Declared type -> (SQLite type, PostgreSQL type)
+COLUMN_TYPES: dict[str, tuple[str, str]] = {
+    "text": ("TEXT", "TEXT"),
+    "bigint": ("BIGINT", "BIGINT"),
+    "double": ("DOUBLE PRECISION", "DOUBLE PRECISION"),
+    "boolean": ("BOOLEAN", "BOOLEAN"),
+    "json": ("TEXT", "JSONB"),
+}
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+class SchemaError(ValueError):
+    """A stream or column declaration that is not valid."""
+
+
+class RowError(ValueError):
+    """A row that does not fit its stream's columns."""
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class Column:
+    name: str
+    type: str
+    nullable: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.name, str) or not COLUMN_NAME.fullmatch(self.name):
+            raise SchemaError(
+                f"bad column name {self.name!r}: lower-case letters, digits and _ , starting with a letter"
+            )
+        if self.name in RESERVED_COLUMNS:
+            raise SchemaError(f"column name {self.name!r} is reserved")
+        if self.type not in COLUMN_TYPES:
+            raise SchemaError(
+                f"column {self.name!r} has unknown type {self.type!r} (known: {', '.join(COLUMN_TYPES)})"
+            )
+        if not isinstance(self.nullable, bool):
+            raise SchemaError(f"column {self.name!r}: nullable must be true or false")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "type": self.type, "nullable": self.nullable}
+
+    def check(self, value: Any, stream: str) -> Any:
+        """The value as stored, or RowError naming the column."""
+        if value is None:
+            if self.nullable:
+                return None
+            raise RowError(f"stream {stream!r}: column {self.name!r} may not be null")
+        kind = self.type
+        if kind == "text":
+            if isinstance(value, str):
+                return value
+        elif kind == "bigint":
+            if isinstance(value, int) and not isinstance(value, bool):
+                if _INT64[0] <= value <= _INT64[1]:
+                    return value
+                raise RowError(f"stream {stream!r}: column {self.name!r}: {value} does not fit in 64 bits")
+        elif kind == "double":
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+        elif kind == "boolean":
+            if isinstance(value, bool):
+                return value
+        elif kind == "json":
+            return orjson.dumps(value).decode("utf-8")
+        raise RowError(
+            f"stream {stream!r}: column {self.name!r} expects {kind}, got {type(value).__name__} {value!r}"
+        )
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class StreamSchema:
+    name: str
+    columns: tuple[Column, ...]
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.name, str) or not STREAM_NAME.fullmatch(self.name):
+            raise SchemaError(
+                f"bad stream name {self.name!r}: lower-case letters, digits and _ , starting with a letter"
+            )
+        if not self.columns:
+            raise SchemaError(f"stream {self.name!r} has no columns")
+        names = [c.name for c in self.columns]
+        for name in names:
+            if names.count(name) > 1:
+                raise SchemaError(f"stream {self.name!r} declares column {name!r} twice")
+
+    @property
+    def table(self) -> str:
+        return f"stream_{self.name}"
+
+    @property
+    def column_names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.columns)
+
+    @property
+    def json_columns(self) -> tuple[int, ...]:
+        """Positions of the JSON columns (stored as text, sent as JSON)."""
+        return tuple(i for i, c in enumerate(self.columns) if c.type == "json")
+
+    @property
+    def boolean_columns(self) -> tuple[int, ...]:
+        return tuple(i for i, c in enumerate(self.columns) if c.type == "boolean")
+
+    def columns_json(self) -> str:
+        return orjson.dumps([c.to_json() for c in self.columns]).decode("utf-8")
+
+    @classmethod
+    def from_columns_json(cls, name: str, text: str) -> "StreamSchema":
+        return cls(name, tuple(Column(**c) for c in orjson.loads(text)))
+
+    def check_row(self, row: Union[Sequence[Any], Mapping[str, Any]]) -> tuple[Any, ...]:
+        """Validate one row (a list in column order, or an object by column name)."""
+        if isinstance(row, Mapping):
+            unknown = sorted(set(row) - set(self.column_names))
+            if unknown:
+                raise RowError(f"stream {self.name!r} has no column {unknown[0]!r}")
+            values: Sequence[Any] = [row.get(c.name) for c in self.columns]
+        elif isinstance(row, (list, tuple)):
+            if len(row) != len(self.columns):
+                raise RowError(
+                    f"stream {self.name!r} expects {len(self.columns)} values "
+                    f"({', '.join(self.column_names)}), got {len(row)}"
+                )
+            values = row
+        else:
+            raise RowError(
+                f"stream {self.name!r}: a row must be a JSON array or object, got {type(row).__name__}"
+            )
+        return tuple(c.check(v, self.name) for c, v in zip(self.columns, values))
+
+    def create_table_sql(self, dialect: str) -> list[str]:
+        index = 0 if dialect == "sqlite" else 1
+        seq = "seq INTEGER PRIMARY KEY" if dialect == "sqlite" else "seq BIGSERIAL PRIMARY KEY"
+        cols = ",\n    ".join(
+            f"{c.name} {COLUMN_TYPES[c.type][index]}{'' if c.nullable else ' NOT NULL'}"
+            for c in self.columns
+        )
+        return [
+            f"CREATE TABLE {self.table} (\n    {seq},\n    token BIGINT NOT NULL,\n"
+            f"    instance_name TEXT NOT NULL,\n    ts BIGINT NOT NULL,\n    {cols}\n)",
+            f"CREATE INDEX {self.table}_token ON {self.table} (token)",
+            f"CREATE INDEX {self.table}_ts ON {self.table} (ts)",
+        ]

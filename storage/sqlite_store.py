@@ -1,0 +1,244 @@
+"""Streams on SQLite, the embedded default.
+
+One connection per thread (``sqlite3`` connections must stay on their thread);
+WAL mode so that readers never block the writer nor each other. Writes take
+the database's write lock first (``BEGIN IMMEDIATE``), so token allocation,
+the timestamp oracle and the rows commit together and tokens commit in order.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+import time
+from typing import Any, Callable, Iterable, Mapping, Sequence, Union
+
+from storage import tso
+from storage.migrate import apply_migrations
+from storage.schema import RowError, StreamSchema
+from storage.store import DatabaseUnavailable, SchemaMismatch, StoredRow, UnknownStream
+
+Row = Union[Sequence[Any], Mapping[str, Any]]
+
+
+class SqliteStreamStore:
+    dialect = "sqlite"
+
+    def __init__(
+        self,
+        path: str,
+        clock: Callable[[], float] = time.time,
+        busy_timeout_ms: int = 30_000,
+    ) -> None:
+        self.path = path
+        self._clock = clock
+        self._busy_timeout_ms = busy_timeout_ms
+        self._local = threading.local()
+        self._schemas: dict[str, StreamSchema] = {}
+        self._lock = threading.Lock()
+
+    # -- connections ------------------------------------------------------
+
+    def _conn(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            directory = os.path.dirname(self.path) or "."
+            if not os.path.isdir(directory):
+                raise DatabaseUnavailable(
+                    f"cannot open SQLite database {self.path}: directory {directory} does not exist"
+                )
+            try:
+                conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+                conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
+                conn.execute("PRAGMA journal_mode = WAL")
+                conn.execute("PRAGMA synchronous = NORMAL")
+            except sqlite3.Error as e:
+                raise DatabaseUnavailable(f"cannot open SQLite database {self.path}: {e}") from None
+            self._local.conn = conn
+        return conn
+
+    def close(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+
+    def _write(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+        conn = self._conn()
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as e:
+            raise DatabaseUnavailable(f"cannot write SQLite database {self.path}: {e}") from None
+        try:
+            result = fn(conn)
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+        return result
+
+    def _read(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+        conn = self._conn()
+        conn.execute("BEGIN")
+        try:
+            return fn(conn)
+        finally:
+            conn.execute("COMMIT")
+
+    # -- schema ---------------------------------------------------------------
+
+    def migrate(self) -> list[int]:
+        """Create or upgrade the core tables; returns the versions applied."""
+
+        def run(conn: sqlite3.Connection) -> list[int]:
+            return apply_migrations(lambda sql, params: conn.execute(sql, params).fetchall(), "?")
+
+        return self._write(run)
+
+    def register_stream(self, schema: StreamSchema) -> None:
+        """Create the stream's table if missing; refuse a changed declaration."""
+
+        def run(conn: sqlite3.Connection) -> None:
+            found = conn.execute(
+                "SELECT columns FROM tickline_streams WHERE name = ?", (schema.name,)
+            ).fetchone()
+            if found is not None:
+                stored = StreamSchema.from_columns_json(schema.name, found[0])
+                if stored != schema:
+                    raise SchemaMismatch(
+                        f"stream {schema.name!r} is declared with columns {schema.columns_json()} "
+                        f"but the database has {stored.columns_json()}"
+                    )
+                return
+            for statement in schema.create_table_sql("sqlite"):
+                conn.execute(statement)
+            conn.execute(
+                "INSERT INTO tickline_streams (name, columns) VALUES (?, ?)",
+                (schema.name, schema.columns_json()),
+            )
+            conn.execute("INSERT INTO tickline_stream_heads (stream, token) VALUES (?, 0)", (schema.name,))
+
+        self._write(run)
+        with self._lock:
+            self._schemas[schema.name] = schema
+
+    def catalog(self) -> dict[str, StreamSchema]:
+        """Every stream registered in this database."""
+        rows = self._read(lambda conn: conn.execute("SELECT name, columns FROM tickline_streams").fetchall())
+        found = {name: StreamSchema.from_columns_json(name, columns) for name, columns in rows}
+        with self._lock:
+            self._schemas.update(found)
+        return found
+
+    def schema(self, stream: str) -> StreamSchema:
+        schema = self._schemas.get(stream)
+        if schema is None:
+            schema = self.catalog().get(stream)
+        if schema is None:
+            raise UnknownStream(stream)
+        return schema
+
+    # -- writing ----------------------------------------------------------------
+
+    def append(
+        self, stream: str, rows: Iterable[Row], instance_name: str, batch: bool = False
+    ) -> list[int]:
+        """Append rows in one transaction; returns the token of each row.
+
+        Each row gets its own token, or with ``batch`` all rows share one.
+        """
+        schema = self.schema(stream)
+        values = [schema.check_row(row) for row in rows]
+        if not values:
+            return []
+        if not instance_name or any(ch.isspace() for ch in instance_name):
+            raise RowError(f"bad instance name {instance_name!r}: one word without spaces")
+        count = len(values)
+        token_count = 1 if batch else count
+        placeholders = ", ".join("?" * (3 + len(schema.columns)))
+        insert = (
+            f"INSERT INTO {schema.table} (token, instance_name, ts, {', '.join(schema.column_names)}) "
+            f"VALUES ({placeholders})"
+        )
+
+        def run(conn: sqlite3.Connection) -> list[int]:
+            (head,) = conn.execute(
+                "UPDATE tickline_stream_heads SET token = token + ? WHERE stream = ? RETURNING token",
+                (token_count, stream),
+            ).fetchone()
+            first_token = head - token_count + 1
+            first_ts = self._allocate_timestamps(conn, count)
+            if batch:
+                tokens = [first_token] * count
+            else:
+                tokens = list(range(first_token, first_token + count))
+            conn.executemany(
+                insert,
+                [
+                    (token, instance_name, first_ts + i, *row)
+                    for i, (token, row) in enumerate(zip(tokens, values))
+                ],
+            )
+            return tokens
+
+        return self._write(run)
+
+    def _allocate_timestamps(self, conn: sqlite3.Connection, count: int) -> int:
+        (last,) = conn.execute("SELECT last_ts FROM tickline_tso WHERE id = 1").fetchone()
+        first = tso.allocate(last, int(self._clock() * 1000), count)
+        conn.execute("UPDATE tickline_tso SET last_ts = ? WHERE id = 1", (first + count - 1,))
+        return first
+
+    def allocate_timestamps(self, count: int = 1) -> list[int]:
+        """Timestamps from the oracle without writing rows (strictly increasing)."""
+        first = self._write(lambda conn: self._allocate_timestamps(conn, count))
+        return list(range(first, first + count))
+
+    # -- reading ----------------------------------------------------------------
+
+    def heads(self) -> dict[str, int]:
+        """The highest committed token of every stream."""
+        rows = self._read(lambda conn: conn.execute("SELECT stream, token FROM tickline_stream_heads").fetchall())
+        return dict(rows)
+
+    def data_version(self) -> int:
+        """Changes whenever another connection commits (cheap change detection)."""
+        return self._conn().execute("PRAGMA data_version").fetchone()[0]
+
+    def read_rows(self, stream: str, after: int, upto: int, limit: int) -> list[StoredRow]:
+        """Rows with ``after < token <= upto`` in order, about ``limit`` of them.
+
+        Never splits a token: if the limit falls inside a token's rows, the rest
+        of that token's rows are read too.
+        """
+        schema = self.schema(stream)
+        columns = f"seq, token, instance_name, ts, {', '.join(schema.column_names)}"
+        first = (
+            f"SELECT {columns} FROM {schema.table} WHERE token > ? AND token <= ? "
+            "ORDER BY token, seq LIMIT ?"
+        )
+        rest = f"SELECT {columns} FROM {schema.table} WHERE token = ? AND seq > ? ORDER BY seq"
+
+        def run(conn: sqlite3.Connection) -> list[StoredRow]:
+            rows = conn.execute(first, (after, upto, limit)).fetchall()
+            if len(rows) == limit and rows:
+                last = rows[-1]
+                rows.extend(conn.execute(rest, (last[1], last[0])).fetchall())
+            return rows
+
+        return self._read(run)
+
+    def token_at(self, stream: str, ts: int) -> int:
+        """The highest token whose rows all have timestamps below ``ts``."""
+        schema = self.schema(stream)
+        row = self._read(
+            lambda conn: conn.execute(
+                f"SELECT MIN(token) FROM {schema.table} WHERE ts >= ?", (ts,)
+            ).fetchone()
+        )
+        if row[0] is None:
+            return self.heads().get(stream, 0)
+        return row[0] - 1
+
+

@@ -1,0 +1,50 @@
+"""The stream store's errors, row shape and factory (one per database URL)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional
+
+from storage.urls import DatabaseUrl, parse_database_url
+
+# A stored row as read back: (seq, token, instance_name, ts, *column values).
+# JSON columns are JSON text; booleans may come back as 0/1 from SQLite.
+StoredRow = tuple[Any, ...]
+SEQ, TOKEN, INSTANCE, TS, FIRST_VALUE = 0, 1, 2, 3, 4
+
+
+class StorageError(Exception):
+    """Base of the storage layer's errors; the message names what was wrong."""
+
+
+class DatabaseUnavailable(StorageError):
+    """The database cannot be opened or reached."""
+
+
+class SchemaMismatch(StorageError):
+    """A stream's declaration differs from what the database holds."""
+
+
+class UnknownStream(StorageError, KeyError):
+    """No stream of that name is registered."""
+
+    def __str__(self) -> str:
+        return f"unknown stream {self.args[0]!r}"
+
+
+def open_store(
+    url: str | DatabaseUrl,
+    clock: Callable[[], float] = time.time,
+    base_dir: Optional[str] = None,
+):
+    """Open (and migrate) the stream store behind a database URL."""
+    parsed = url if isinstance(url, DatabaseUrl) else parse_database_url(url, base_dir)
+    if parsed.is_sqlite:
+        from storage.sqlite_store import SqliteStreamStore
+
+        store = SqliteStreamStore(parsed.path, clock=clock)
+        store.migrate()
+        return store
+    raise DatabaseUnavailable(
+        f"database {parsed.text}: the PostgreSQL backend is not available yet; use sqlite:///path.db"
+    )
