@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Set up, then run a master on the embedded SQLite database with a demo writer
+# and a tail, so rows can be seen flowing. Ctrl-C stops everything.
+#   DEMO_SECONDS=N   stop by itself after N seconds (default: run until stopped)
+#   TICKLINE_CONFIG  configuration file (default: sample_config.yaml)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/setup.sh
+
+config="${TICKLINE_CONFIG:-sample_config.yaml}"
+tickline=.venv/bin/tickline
+pids=()
+cleanup() {
+    trap - EXIT INT TERM
+    for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+    wait 2>/dev/null || true
+}
+trap cleanup EXIT
+trap 'exit 0' INT TERM
+
+"$tickline" check-config -c "$config" >/dev/null
+"$tickline" master -c "$config" &
+pids+=($!)
+.venv/bin/python -m scripts.demo_writer -c "$config" &
+pids+=($!)
+# Wait for the master, then follow the events stream from the beginning.
+for _ in $(seq 100); do
+    "$tickline" tail -c "$config" --count 0 events 2>/dev/null && break
+    sleep 0.1
+done
+"$tickline" tail -c "$config" --from 0 events &
+pids+=($!)
+if [ -n "${DEMO_SECONDS:-}" ]; then
+    sleep "$DEMO_SECONDS"
+else
+    wait
+fi
