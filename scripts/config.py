@@ -59,9 +59,9 @@ def parse_address(value: Any, key: str) -> tuple[str, int]:
 
 def _check_type(value: Any, kind: Any, key: str) -> Any:
     if kind in ("float", float):
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
             return float(value)
-        raise ConfigError(f"{key}: expected a non-negative number, got {value!r}")
+        raise ConfigError(f"{key}: expected a positive number, got {value!r}")
     if kind in ("int", int):
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value

@@ -1,0 +1,92 @@
+"""Configuration: defaults, the sample config, and one clear message per bad key."""
+
+from __future__ import annotations
+
+import attr
+import pytest
+
+from replication.master import MasterConfig
+from replication.protocol import ProtocolConfig
+from scripts.cli import main
+from scripts.config import ConfigError, config_from_mapping, load_config
+
+SAMPLE = "sample_config.yaml"
+
+
+def test_no_file_means_every_default() -> None:
+    config = load_config(None)
+    assert config.master == MasterConfig()
+    assert config.protocol == ProtocolConfig()
+    assert config.master.listen_host == "127.0.0.1"
+    assert set(config.streams) == {"events", "caches"}
+
+
+def test_sample_config_loads_and_states_the_defaults() -> None:
+    config = load_config(SAMPLE)
+    assert config.master == MasterConfig()
+    assert config.protocol == ProtocolConfig()
+    assert "metrics" in config.streams
+    text = open(SAMPLE).read()
+    for field in attr.fields(ProtocolConfig):
+        assert f"  {field.name}:" in text, f"sample_config.yaml does not document protocol.{field.name}"
+
+
+def test_values_are_taken() -> None:
+    config = config_from_mapping(
+        {"listen": "0.0.0.0:1234", "server_name": "s1", "protocol": {"ping_interval": 1, "max_line_bytes": 100}}
+    )
+    assert (config.master.listen_host, config.master.listen_port) == ("0.0.0.0", 1234)
+    assert config.master.server_name == "s1"
+    assert config.protocol.ping_interval == 1.0 and config.protocol.max_line_bytes == 100
+
+
+@pytest.mark.parametrize(
+    "raw, key",
+    [
+        ({"colour": "blue"}, "colour: unknown key"),
+        ({"protocol": {"ping_intervall": 5}}, "protocol.ping_intervall: unknown key"),
+        ({"master": {"poll_interval": "fast"}}, "master.poll_interval: expected a positive number"),
+        ({"protocol": {"max_line_bytes": True}}, "protocol.max_line_bytes: expected a positive whole number"),
+        ({"protocol": {"max_line_bytes": 1.5}}, "protocol.max_line_bytes"),
+        ({"protocol": "yes"}, "protocol: expected a mapping"),
+        ({"server_name": "two words"}, "server_name: expected one word"),
+        ({"listen": "localhost"}, "listen: expected HOST:PORT"),
+        ({"listen": "localhost:http"}, "listen: port must be a number"),
+        ({"listen": "localhost:70000"}, "listen: port 70000 is out of range"),
+        ({"listen": ":80"}, "listen: missing host"),
+        ({"database": "mysql://x/y"}, "database: unsupported database URL"),
+        ({"database": 5}, "database: database URL must be a non-empty string"),
+        ({"logging": {"level": "LOUD"}}, "logging.level: expected one of"),
+        ({"streams": {"events": {"columns": [{"name": "a", "type": "text"}]}}}, "streams: stream 'events' is built in"),
+        ({"streams": {"m": {"columns": [{"name": "a", "type": "varchar"}]}}}, "unknown type 'varchar'"),
+        ({"streams": {"m": {"columns": []}}}, "'columns' must be a non-empty list"),
+        ({"streams": {"m": {"columns": [{"name": "a"}]}}}, "needs 'name' and 'type'"),
+        ({"streams": {"Bad": {"columns": [{"name": "a", "type": "text"}]}}}, "bad stream name"),
+    ],
+)
+def test_bad_config_names_the_key(raw, key) -> None:
+    with pytest.raises(ConfigError) as e:
+        config_from_mapping(raw)
+    assert key in str(e.value)
+
+
+def test_bad_yaml_and_missing_file(tmp_path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("listen: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(str(bad))
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(str(tmp_path / "missing.yaml"))
+    top_list = tmp_path / "list.yaml"
+    top_list.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="config must be a mapping"):
+        load_config(str(top_list))
+
+
+def test_check_config_command(tmp_path, capsys) -> None:
+    assert main(["check-config", "-c", SAMPLE]) == 0
+    assert "OK" in capsys.readouterr().out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("protocol:\n  ping_timeout: -1\n")
+    assert main(["check-config", "-c", str(bad)]) == 2
+    assert "protocol.ping_timeout" in capsys.readouterr().err

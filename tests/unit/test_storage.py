@@ -1,0 +1,213 @@
+"""The SQLite stream store: migrations, streams, tokens, batches, reads, bad input."""
+
+from __future__ import annotations
+
+import multiprocessing
+import sqlite3
+
+import orjson
+import pytest
+
+from replication.streams import CACHES, EVENTS
+from storage.migrate import migrations
+from storage.schema import Column, RowError, SchemaError, StreamSchema
+from storage.sqlite_store import SqliteStreamStore
+from storage.store import (
+    INSTANCE,
+    TOKEN,
+    TS,
+    DatabaseUnavailable,
+    SchemaMismatch,
+    UnknownStream,
+    open_store,
+)
+from storage.urls import BadDatabaseUrl, parse_database_url
+
+EVENT = ["$e", "!r", "m.room.message", None, None]
+
+
+@pytest.fixture
+def store(tmp_path) -> SqliteStreamStore:
+    s = open_store(f"sqlite:///{tmp_path}/t.db")
+    s.register_stream(EVENTS)
+    s.register_stream(CACHES)
+    return s
+
+
+def test_migrations_are_versioned_and_applied_once(tmp_path) -> None:
+    s = SqliteStreamStore(str(tmp_path / "m.db"))
+    versions = [v for v, _, _ in migrations()]
+    assert versions == sorted(versions) and versions[0] == 1
+    assert s.migrate() == versions
+    assert s.migrate() == []
+    rows = sqlite3.connect(tmp_path / "m.db").execute("SELECT version FROM tickline_schema_version").fetchall()
+    assert [r[0] for r in rows] == versions
+
+
+def test_wal_mode(store) -> None:
+    assert sqlite3.connect(store.path).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_tokens_strictly_increase_one_per_row(store) -> None:
+    assert store.append("events", [EVENT, EVENT], "w") == [1, 2]
+    assert store.append("events", [EVENT], "w") == [3]
+    assert store.heads()["events"] == 3
+    assert store.heads()["caches"] == 0
+
+
+def test_batch_rows_share_one_token(store) -> None:
+    store.append("events", [EVENT], "w")
+    assert store.append("events", [EVENT, EVENT, EVENT], "w", batch=True) == [2, 2, 2]
+    assert store.append("events", [EVENT], "w") == [3]
+    rows = store.read_rows("events", 0, 100, 100)
+    assert [r[TOKEN] for r in rows] == [1, 2, 2, 2, 3]
+    ts = [r[TS] for r in rows]
+    assert ts == sorted(ts) and len(set(ts)) == 5
+
+
+def test_rows_keep_instance_and_values(store) -> None:
+    store.append("events", [{"event_id": "$a", "room_id": "!r", "type": "t", "state_key": ""}], "writer-1")
+    (row,) = store.read_rows("events", 0, 10, 10)
+    assert row[INSTANCE] == "writer-1"
+    assert list(row[4:]) == ["$a", "!r", "t", "", None]
+
+
+def test_read_rows_never_splits_a_token(store) -> None:
+    store.append("events", [EVENT] * 2, "w")
+    store.append("events", [EVENT] * 5, "w", batch=True)  # token 3
+    store.append("events", [EVENT] * 2, "w")
+    rows = store.read_rows("events", 0, 100, 3)
+    assert [r[TOKEN] for r in rows] == [1, 2, 3, 3, 3, 3, 3]
+    rest = store.read_rows("events", 3, 100, 3)
+    assert [r[TOKEN] for r in rest] == [4, 5]
+    assert [r[TOKEN] for r in store.read_rows("events", 1, 3, 100)] == [2, 3, 3, 3, 3, 3]
+
+
+def test_json_columns_round_trip(store) -> None:
+    store.append("caches", [["c", ["k1", {"a": 1}], 7], ["all", None, 8]], "w")
+    rows = store.read_rows("caches", 0, 10, 10)
+    assert orjson.loads(rows[0][5]) == ["k1", {"a": 1}]
+    assert rows[1][5] is None
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        (["$e", "!r"], "expects 5 values"),
+        (["$e", "!r", None, None, None], "'type' may not be null"),
+        (["$e", 5, "t", None, None], "'room_id' expects text"),
+        ({"event_id": "$e", "room_id": "!r", "type": "t", "nope": 1}, "no column 'nope'"),
+        ("just a string", "must be a JSON array or object"),
+    ],
+)
+def test_bad_rows_are_refused_naming_the_problem_and_write_nothing(store, row, message) -> None:
+    with pytest.raises(RowError, match=message):
+        store.append("events", [EVENT, row], "w")
+    assert store.heads()["events"] == 0
+    assert store.read_rows("events", 0, 100, 100) == []
+
+
+def test_typed_columns_check_values(tmp_path) -> None:
+    s = open_store(f"sqlite:///{tmp_path}/t.db")
+    schema = StreamSchema(
+        "metrics",
+        (Column("n", "bigint"), Column("x", "double"), Column("ok", "boolean"), Column("j", "json", True)),
+    )
+    s.register_stream(schema)
+    s.append("metrics", [[2**63 - 1, 1, True, {"a": [1]}]], "w")
+    (row,) = s.read_rows("metrics", 0, 10, 10)
+    assert row[4:6] == (2**63 - 1, 1.0) and row[6] in (1, True)
+    with pytest.raises(RowError, match="does not fit in 64 bits"):
+        s.append("metrics", [[2**63, 1, True, None]], "w")
+    with pytest.raises(RowError, match="'ok' expects boolean"):
+        s.append("metrics", [[1, 1, "yes", None]], "w")
+    with pytest.raises(RowError, match="'n' expects bigint"):
+        s.append("metrics", [[True, 1, True, None]], "w")
+
+
+def test_unknown_stream(store) -> None:
+    with pytest.raises(UnknownStream, match="unknown stream 'nope'"):
+        store.append("nope", [EVENT], "w")
+    with pytest.raises(UnknownStream):
+        store.read_rows("nope", 0, 1, 1)
+
+
+def test_declared_stream_is_in_the_catalog_for_other_processes(tmp_path) -> None:
+    url = f"sqlite:///{tmp_path}/t.db"
+    schema = StreamSchema("metrics", (Column("host", "text"), Column("value", "double")))
+    open_store(url).register_stream(schema)
+    other = open_store(url)  # knows nothing of the declaration
+    assert other.catalog()["metrics"] == schema
+    assert other.append("metrics", [["h", 1.5]], "w") == [1]
+
+
+def test_changed_declaration_is_refused(tmp_path) -> None:
+    url = f"sqlite:///{tmp_path}/t.db"
+    open_store(url).register_stream(StreamSchema("metrics", (Column("host", "text"),)))
+    with pytest.raises(SchemaMismatch, match="stream 'metrics' is declared with columns"):
+        open_store(url).register_stream(StreamSchema("metrics", (Column("host", "bigint"),)))
+
+
+@pytest.mark.parametrize(
+    "name, columns, message",
+    [
+        ("Bad-Name", (Column("a", "text"),), "bad stream name"),
+        ("ok", (), "has no columns"),
+        ("ok", (Column("a", "text"), Column("a", "text")), "declares column 'a' twice"),
+    ],
+)
+def test_bad_stream_declarations(name, columns, message) -> None:
+    with pytest.raises(SchemaError, match=message):
+        StreamSchema(name, columns)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"name": "token", "type": "text"}, "reserved"),
+        ({"name": "a", "type": "varchar"}, "unknown type 'varchar'"),
+        ({"name": "A b", "type": "text"}, "bad column name"),
+    ],
+)
+def test_bad_column_declarations(kwargs, message) -> None:
+    with pytest.raises(SchemaError, match=message):
+        Column(**kwargs)
+
+
+def test_database_urls(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert parse_database_url("sqlite:///rel/x.db").path == str(tmp_path / "rel" / "x.db")
+    assert parse_database_url("sqlite:////abs/x.db").path == "/abs/x.db"
+    assert parse_database_url("postgresql://u@h:5432/db").scheme == "postgresql"
+    for bad in ("", "mysql://x", "sqlite://x.db", "sqlite:///", "nonsense"):
+        with pytest.raises(BadDatabaseUrl):
+            parse_database_url(bad)
+
+
+def test_unreachable_database_names_the_path(tmp_path) -> None:
+    with pytest.raises(DatabaseUnavailable, match="does not exist"):
+        open_store(f"sqlite:///{tmp_path}/missing-dir/t.db")
+
+
+def _append_many(url: str, instance: str, count: int, queue) -> None:
+    s = open_store(url)
+    queue.put([s.append("events", [EVENT], instance)[0] for _ in range(count)])
+
+
+def test_concurrent_writer_processes_get_distinct_increasing_tokens(tmp_path) -> None:
+    url = f"sqlite:///{tmp_path}/t.db"
+    open_store(url).register_stream(EVENTS)
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_append_many, args=(url, f"w{i}", 100, queue)) for i in range(3)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    tokens = sorted(t for r in results for t in r)
+    assert tokens == list(range(1, 301))
+    rows = open_store(url).read_rows("events", 0, 1000, 1000)
+    assert [r[TOKEN] for r in rows] == tokens
+    ts = [r[TS] for r in rows]
+    assert ts == sorted(ts)  # token order and timestamp order agree

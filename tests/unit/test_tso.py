@@ -1,0 +1,100 @@
+"""The timestamp oracle: layout, monotonic under clock steps, across processes and restarts."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import pytest
+
+from replication.streams import EVENTS
+from storage import tso
+from storage.sqlite_store import SqliteStreamStore
+
+
+class SteppingClock:
+    def __init__(self, start: float) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_layout_46_physical_and_18_logical_bits() -> None:
+    ts = tso.compose(1_700_000_000_000, 5)
+    assert tso.physical_ms(ts) == 1_700_000_000_000
+    assert tso.logical(ts) == 5
+    assert ts < 2**64
+    assert tso.LOGICAL_BITS == 18 and tso.PHYSICAL_BITS == 46
+    with pytest.raises(ValueError):
+        tso.compose(1, 1 << 18)
+
+
+def test_allocate_follows_the_clock_when_it_moves_forward() -> None:
+    last = tso.compose(1000, 7)
+    assert tso.allocate(last, 2000) == tso.compose(2000, 0)
+
+
+def test_allocate_counts_on_when_the_clock_stands_still_or_steps_back() -> None:
+    last = tso.compose(5000, 3)
+    assert tso.allocate(last, 5000) == tso.compose(5000, 4)
+    assert tso.allocate(last, 4000) == tso.compose(5000, 4)
+
+
+def test_logical_overflow_carries_into_physical_and_stays_increasing() -> None:
+    last = tso.compose(5000, tso.LOGICAL_MASK)
+    first = tso.allocate(last, 5000, 3)
+    assert first == last + 1
+    assert tso.physical_ms(first) == 5001
+
+
+def test_store_timestamps_keep_increasing_when_the_clock_steps_back_10s(tmp_path) -> None:
+    clock = SteppingClock(1_800_000_000.0)
+    store = SqliteStreamStore(str(tmp_path / "t.db"), clock=clock)
+    store.migrate()
+    store.register_stream(EVENTS)
+    seen = []
+    for step in (0.0, 0.001, -10.0, 0.0, 5.0, -10.0):
+        clock.now += step
+        seen += store.allocate_timestamps(3)
+        store.append("events", [["$e", "!r", "t", None, None]], "w")
+        seen.append(store.read_rows("events", 0, 10**9, 10**6)[-1][3])
+    assert seen == sorted(seen) and len(set(seen)) == len(seen)
+    # Physical part never went back with the clock.
+    assert tso.physical_ms(seen[-1]) >= 1_800_000_000_000
+
+
+def test_store_timestamps_survive_a_restart_with_an_earlier_clock(tmp_path) -> None:
+    path = str(tmp_path / "t.db")
+    first = SqliteStreamStore(path, clock=SteppingClock(1_800_000_100.0))
+    first.migrate()
+    before = first.allocate_timestamps(5)
+    first.close()
+    again = SqliteStreamStore(path, clock=SteppingClock(1_800_000_000.0))  # 100 s earlier
+    again.migrate()
+    after = again.allocate_timestamps(5)
+    assert min(after) > max(before)
+
+
+def _allocate_many(path: str, count: int, queue) -> None:
+    store = SqliteStreamStore(path)
+    queue.put([ts for _ in range(count) for ts in store.allocate_timestamps(2)])
+
+
+def test_timestamps_unique_and_ordered_across_processes(tmp_path) -> None:
+    path = str(tmp_path / "t.db")
+    SqliteStreamStore(path).migrate()
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_allocate_many, args=(path, 200, queue)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    everything = [ts for result in results for ts in result]
+    assert len(set(everything)) == len(everything) == 3 * 200 * 2
+    for result in results:
+        assert result == sorted(result)
+    assert os.path.exists(path)

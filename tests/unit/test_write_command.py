@@ -1,0 +1,74 @@
+"""``tickline write``: tokens printed, batches, rows from stdin, and each bad input."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from scripts.cli import main
+from storage.store import TOKEN, open_store
+
+EVENT = '["$e", "!r", "m.room.message", null, null]'
+
+
+@pytest.fixture
+def db(tmp_path) -> str:
+    return f"sqlite:///{tmp_path}/t.db"
+
+
+def write(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(["write", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_prints_one_token_per_row(db, capsys) -> None:
+    assert write(capsys, "--database", db, "events", EVENT, EVENT) == (0, "1\n2\n", "")
+    assert write(capsys, "--database", db, "--batch", "events", EVENT, EVENT, EVENT) == (0, "3\n3\n3\n", "")
+
+
+def test_rows_from_stdin(db, capsys, monkeypatch) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"{EVENT}\n\n{EVENT}\n"))
+    assert write(capsys, "--database", db, "events", "-") == (0, "1\n2\n", "")
+
+
+def test_instance_is_recorded(db, capsys) -> None:
+    write(capsys, "--database", db, "--instance", "w7", "events", EVENT)
+    (row,) = open_store(db).read_rows("events", 0, 10, 10)
+    assert row[2] == "w7" and row[TOKEN] == 1
+
+
+def test_config_declared_stream(db, capsys, tmp_path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        f"database: {db}\nstreams:\n  metrics:\n    columns:\n      - {{name: host, type: text}}\n"
+        "      - {name: value, type: double}\n"
+    )
+    assert write(capsys, "-c", str(config), "metrics", '["h1", 0.5]') == (0, "1\n", "")
+    # Another writer without the config finds the stream in the database's catalog.
+    assert write(capsys, "--database", db, "metrics", '{"host": "h2", "value": 2}') == (0, "2\n", "")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["events", "[not json"], "row 1 is not valid JSON"),
+        (["events", EVENT, '["$e", "!r"]'], "expects 5 values"),
+        (["nosuch", EVENT], "unknown stream 'nosuch'"),
+        (["events", '["$e", "!r", 5, null, null]'], "'type' expects text"),
+        (["--instance", "two words", "events", EVENT], "bad instance name"),
+    ],
+)
+def test_bad_input_is_refused_and_writes_nothing(db, capsys, args, message) -> None:
+    code, out, err = write(capsys, "--database", db, *args)
+    assert code == 2 and out == ""
+    assert message in err
+    assert open_store(db).heads().get("events", 0) == 0
+
+
+def test_bad_database_urls(tmp_path, capsys) -> None:
+    code, _, err = write(capsys, "--database", "mysql://x/y", "events", EVENT)
+    assert code == 2 and "unsupported database URL" in err
+    code, _, err = write(capsys, "--database", f"sqlite:///{tmp_path}/nodir/t.db", "events", EVENT)
+    assert code == 2 and "does not exist" in err
