@@ -205,9 +205,8 @@ class Master:
         for conn, sub in list(self._live_subs[stream].items()):
             data = encoded.get(conn.with_ts)
             if data is None:
-                # A subscription with the other variant joined during the read.
-                sub.live = False
-                self.unsubscribe_live(conn, sub)
+                # A subscription with the other variant joined during the read:
+                # it is behind last_token, so the loop below makes it catch up.
                 continue
             conn.send_live(sub, data, last_token)
         self._live[stream] = last_token

@@ -69,6 +69,7 @@ class LineCommandProtocol(Protocol):
         self._last_received = 0.0
         self._last_sent = 0.0
         self._keepalive: Optional[task.LoopingCall] = None
+        self._tick = 1.0
         self._abort_call = None
         self.read_closed = False
 
@@ -82,7 +83,8 @@ class LineCommandProtocol(Protocol):
         self._keepalive = task.LoopingCall(self._keepalive_tick)
         self._keepalive.clock = self.clock
         tick = min(self.config.ping_interval, self.config.ping_timeout) / 5
-        self._keepalive.start(max(tick, 0.01), now=False)
+        self._tick = max(tick, 0.01)
+        self._keepalive.start(self._tick, now=False)
 
     def connectionLost(self, reason: Failure = None) -> None:
         self._closing = True
@@ -206,7 +208,9 @@ class LineCommandProtocol(Protocol):
         if self._peer_pinged and now - self._last_received >= self.config.ping_timeout:
             self.close_with_error(f"ping timeout: nothing received for {self.config.ping_timeout:g} s")
             return
-        if now - self._last_sent >= self.config.ping_interval:
+        # Ping now if waiting for the next tick would leave more than
+        # ping_interval without a command.
+        if now + self._tick - self._last_sent > self.config.ping_interval + 1e-6:
             self.send_ping()
 
     def on_PING(self, command: PingCommand) -> None:

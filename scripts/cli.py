@@ -53,6 +53,17 @@ def build_parser() -> argparse.ArgumentParser:
     tail.add_argument("--name", default="tail", help="client name sent in NAME (default: tail)")
     tail.add_argument("streams", metavar="STREAM", nargs="+")
 
+    worker = commands.add_parser("worker", help="run a worker: apply streams into its own database")
+    _add_config(worker)
+    worker.add_argument("--name", metavar="NAME", help="worker instance name (default: the config's worker.name)")
+    worker.add_argument("--master", metavar="HOST:PORT", help="master address")
+    worker.add_argument("--database", metavar="URL", help="the worker's own database URL")
+    worker.add_argument("--server-name", metavar="NAME", help="expected SERVER name of the master")
+    worker.add_argument(
+        "--replicate", metavar="STREAM", action="append", default=[],
+        help="copy STREAM into table replicated_STREAM (repeatable)",
+    )
+
     check = commands.add_parser("check-config", help="validate a configuration file")
     check.add_argument("-c", "--config", metavar="FILE", required=True)
 
@@ -80,6 +91,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return run_master(args, config)
         if args.command == "write":
             return run_write(args, config)
+        if args.command == "worker":
+            from scripts.run_worker import run_worker
+
+            return run_worker(args, config)
         if args.command == "tail":
             from scripts.tail import run_tail
 

@@ -19,6 +19,8 @@ import yaml
 from replication.master import MasterConfig
 from replication.protocol import ProtocolConfig
 from replication.streams import all_streams, schema_from_config
+from workers.consumer import ApplySettings
+from workers.worker import WorkerConfig
 from storage.schema import SchemaError, StreamSchema
 from storage.urls import BadDatabaseUrl, parse_database_url
 
@@ -31,6 +33,14 @@ class ConfigError(ValueError):
 
 
 @attr.s(slots=True, frozen=True, auto_attribs=True)
+class CacheSettings:
+    """The worker's cache registry; these defaults are the configuration's defaults."""
+
+    max_size: Optional[int] = None  # entries per cache; None: unbounded
+    special: dict[str, tuple[str, ...]] = attr.Factory(dict)  # name -> the caches it stands for
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
 class Config:
     master: MasterConfig = MasterConfig()
     protocol: ProtocolConfig = ProtocolConfig()
@@ -38,6 +48,8 @@ class Config:
     log_level: str = "INFO"
     streams: dict[str, StreamSchema] = attr.Factory(all_streams)
     source: Optional[str] = None
+    worker: WorkerConfig = WorkerConfig()
+    caches: CacheSettings = CacheSettings()
 
 
 def parse_address(value: Any, key: str) -> tuple[str, int]:
@@ -70,6 +82,12 @@ def _check_type(value: Any, kind: Any, key: str) -> Any:
         if isinstance(value, str) and value and not any(c.isspace() for c in value):
             return value
         raise ConfigError(f"{key}: expected one word of text, got {value!r}")
+    if kind in ("bool", bool):
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if kind in ("Optional[int]", Optional[int]):
+        return None if value is None else _check_type(value, int, key)
     if kind in ("Optional[str]", Optional[str]):
         return None if value is None else _check_type(value, str, key)
     raise AssertionError(f"no type check for {kind!r}")
@@ -86,7 +104,10 @@ def _checked(cls: type, section: Mapping[str, Any], prefix: str, allowed: tuple[
     return values
 
 
-TOP_KEYS = ("server_name", "instance_name", "database", "listen", "secret", "master", "protocol", "streams", "logging")
+TOP_KEYS = (
+    "server_name", "instance_name", "database", "listen", "secret",
+    "master", "protocol", "streams", "logging", "worker", "caches",
+)
 
 
 def load_config(path: Optional[str] = None) -> Config:
@@ -152,7 +173,70 @@ def config_from_mapping(raw: Any, source: Optional[str] = None) -> Config:
     except SchemaError as e:
         raise ConfigError(f"streams: {e}") from None
 
-    return Config(master, protocol, database, level, streams, source)
+    worker = _worker_config(_section(raw, "worker"), streams, master)
+    caches = _cache_settings(_section(raw, "caches"))
+    return Config(master, protocol, database, level, streams, source, worker, caches)
+
+
+def _string_list(value: Any, key: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(f"{key}: expected a list of names, got {value!r}")
+    return tuple(value)
+
+
+def _worker_config(
+    section: Mapping[str, Any], streams: Mapping[str, StreamSchema], master: MasterConfig
+) -> WorkerConfig:
+    special = ("master", "replicate", "handlers", "database")
+    apply_keys = tuple(f.name for f in attr.fields(ApplySettings))
+    plain_keys = tuple(
+        f.name for f in attr.fields(WorkerConfig)
+        if f.name not in special + ("master_host", "master_port", "apply")
+    )
+    plain = {k: v for k, v in section.items() if k not in special and k not in apply_keys}
+    values = _checked(WorkerConfig, plain, "worker.", plain_keys)
+    apply_values = _checked(ApplySettings, {k: v for k, v in section.items() if k in apply_keys}, "worker.", apply_keys)
+    values["apply"] = ApplySettings(**apply_values)
+    if "master" in section:
+        values["master_host"], values["master_port"] = parse_address(section["master"], "worker.master")
+    else:
+        # Without worker.master, a worker follows the master of the same file.
+        host = master.listen_host
+        values["master_host"] = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        values["master_port"] = master.listen_port
+    if "database" in section:
+        try:
+            parse_database_url(section["database"])
+        except BadDatabaseUrl as e:
+            raise ConfigError(f"worker.database: {e}") from None
+        values["database"] = section["database"]
+    if "replicate" in section:
+        values["replicate"] = _string_list(section["replicate"], "worker.replicate")
+        for stream in values["replicate"]:
+            if stream not in streams:
+                raise ConfigError(f"worker.replicate: unknown stream {stream!r}")
+    handlers = section.get("handlers") or {}
+    if not isinstance(handlers, Mapping):
+        raise ConfigError("worker.handlers: expected a mapping of stream to a list of handler paths")
+    pairs = []
+    for stream, paths in handlers.items():
+        if stream not in streams:
+            raise ConfigError(f"worker.handlers.{stream}: unknown stream {stream!r}")
+        pairs += [(stream, path) for path in _string_list(paths, f"worker.handlers.{stream}")]
+    values["handlers"] = tuple(pairs)
+    return WorkerConfig(**values)
+
+
+def _cache_settings(section: Mapping[str, Any]) -> CacheSettings:
+    for key in section:
+        if key not in ("max_size", "special"):
+            raise ConfigError(f"caches.{key}: unknown key (known: max_size, special)")
+    max_size = _check_type(section.get("max_size"), Optional[int], "caches.max_size")
+    special = section.get("special") or {}
+    if not isinstance(special, Mapping):
+        raise ConfigError("caches.special: expected a mapping of name to a list of cache names")
+    expanded = {str(k): _string_list(v, f"caches.special.{k}") for k, v in special.items()}
+    return CacheSettings(max_size, expanded)
 
 
 def setup_logging(level: str) -> None:

@@ -148,13 +148,34 @@ class StreamSchema:
             )
         return tuple(c.check(v, self.name) for c, v in zip(self.columns, values))
 
-    def create_table_sql(self, dialect: str) -> list[str]:
+    @property
+    def replicated_table(self) -> str:
+        return f"replicated_{self.name}"
+
+    def _column_ddl(self, dialect: str) -> str:
         index = 0 if dialect == "sqlite" else 1
-        seq = "seq INTEGER PRIMARY KEY" if dialect == "sqlite" else "seq BIGSERIAL PRIMARY KEY"
-        cols = ",\n    ".join(
+        return ",\n    ".join(
             f"{c.name} {COLUMN_TYPES[c.type][index]}{'' if c.nullable else ' NOT NULL'}"
             for c in self.columns
         )
+
+    def create_replicated_table_sql(self, dialect: str) -> list[str]:
+        """A worker's copy of the stream: the columns plus token, instance_name, ts."""
+        table = self.replicated_table
+        return [
+            f"CREATE TABLE IF NOT EXISTS {table} (\n    token BIGINT NOT NULL,\n"
+            f"    instance_name TEXT NOT NULL,\n    ts BIGINT NOT NULL,\n    {self._column_ddl(dialect)}\n)",
+            f"CREATE INDEX IF NOT EXISTS {table}_token ON {table} (token)",
+        ]
+
+    def insert_replicated_sql(self, placeholder: str) -> str:
+        names = ", ".join(("token", "instance_name", "ts") + self.column_names)
+        marks = ", ".join([placeholder] * (3 + len(self.columns)))
+        return f"INSERT INTO {self.replicated_table} ({names}) VALUES ({marks})"
+
+    def create_table_sql(self, dialect: str) -> list[str]:
+        seq = "seq INTEGER PRIMARY KEY" if dialect == "sqlite" else "seq BIGSERIAL PRIMARY KEY"
+        cols = self._column_ddl(dialect)
         return [
             f"CREATE TABLE {self.table} (\n    {seq},\n    token BIGINT NOT NULL,\n"
             f"    instance_name TEXT NOT NULL,\n    ts BIGINT NOT NULL,\n    {cols}\n)",

@@ -1,100 +1,38 @@
 """Streams on SQLite, the embedded default.
 
-One connection per thread (``sqlite3`` connections must stay on their thread);
-WAL mode so that readers never block the writer nor each other. Writes take
-the database's write lock first (``BEGIN IMMEDIATE``), so token allocation,
-the timestamp oracle and the rows commit together and tokens commit in order.
+Writes take the database's write lock first (``BEGIN IMMEDIATE``), so token
+allocation, the timestamp oracle and the rows commit together, and tokens
+commit in order.
 """
 
 from __future__ import annotations
 
-import os
 import sqlite3
 import threading
 import time
 from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 
 from storage import tso
-from storage.migrate import apply_migrations
 from storage.schema import RowError, StreamSchema
-from storage.store import DatabaseUnavailable, SchemaMismatch, StoredRow, UnknownStream
+from storage.sqlite_db import SqliteDatabase
+from storage.store import SchemaMismatch, StoredRow, UnknownStream
 
 Row = Union[Sequence[Any], Mapping[str, Any]]
 
 
-class SqliteStreamStore:
-    dialect = "sqlite"
-
+class SqliteStreamStore(SqliteDatabase):
     def __init__(
         self,
         path: str,
         clock: Callable[[], float] = time.time,
         busy_timeout_ms: int = 30_000,
     ) -> None:
-        self.path = path
+        super().__init__(path, busy_timeout_ms)
         self._clock = clock
-        self._busy_timeout_ms = busy_timeout_ms
-        self._local = threading.local()
         self._schemas: dict[str, StreamSchema] = {}
         self._lock = threading.Lock()
 
-    # -- connections ------------------------------------------------------
-
-    def _conn(self) -> sqlite3.Connection:
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            directory = os.path.dirname(self.path) or "."
-            if not os.path.isdir(directory):
-                raise DatabaseUnavailable(
-                    f"cannot open SQLite database {self.path}: directory {directory} does not exist"
-                )
-            try:
-                conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-                conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
-                conn.execute("PRAGMA journal_mode = WAL")
-                conn.execute("PRAGMA synchronous = NORMAL")
-            except sqlite3.Error as e:
-                raise DatabaseUnavailable(f"cannot open SQLite database {self.path}: {e}") from None
-            self._local.conn = conn
-        return conn
-
-    def close(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
-            conn.close()
-            self._local.conn = None
-
-    def _write(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
-        conn = self._conn()
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-        except sqlite3.Error as e:
-            raise DatabaseUnavailable(f"cannot write SQLite database {self.path}: {e}") from None
-        try:
-            result = fn(conn)
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")
-        return result
-
-    def _read(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
-        conn = self._conn()
-        conn.execute("BEGIN")
-        try:
-            return fn(conn)
-        finally:
-            conn.execute("COMMIT")
-
     # -- schema ---------------------------------------------------------------
-
-    def migrate(self) -> list[int]:
-        """Create or upgrade the core tables; returns the versions applied."""
-
-        def run(conn: sqlite3.Connection) -> list[int]:
-            return apply_migrations(lambda sql, params: conn.execute(sql, params).fetchall(), "?")
-
-        return self._write(run)
 
     def register_stream(self, schema: StreamSchema) -> None:
         """Create the stream's table if missing; refuse a changed declaration."""
@@ -119,13 +57,13 @@ class SqliteStreamStore:
             )
             conn.execute("INSERT INTO tickline_stream_heads (stream, token) VALUES (?, 0)", (schema.name,))
 
-        self._write(run)
+        self.write(run)
         with self._lock:
             self._schemas[schema.name] = schema
 
     def catalog(self) -> dict[str, StreamSchema]:
         """Every stream registered in this database."""
-        rows = self._read(lambda conn: conn.execute("SELECT name, columns FROM tickline_streams").fetchall())
+        rows = self.read(lambda conn: conn.execute("SELECT name, columns FROM tickline_streams").fetchall())
         found = {name: StreamSchema.from_columns_json(name, columns) for name, columns in rows}
         with self._lock:
             self._schemas.update(found)
@@ -182,7 +120,7 @@ class SqliteStreamStore:
             )
             return tokens
 
-        return self._write(run)
+        return self.write(run)
 
     def _allocate_timestamps(self, conn: sqlite3.Connection, count: int) -> int:
         (last,) = conn.execute("SELECT last_ts FROM tickline_tso WHERE id = 1").fetchone()
@@ -192,19 +130,19 @@ class SqliteStreamStore:
 
     def allocate_timestamps(self, count: int = 1) -> list[int]:
         """Timestamps from the oracle without writing rows (strictly increasing)."""
-        first = self._write(lambda conn: self._allocate_timestamps(conn, count))
+        first = self.write(lambda conn: self._allocate_timestamps(conn, count))
         return list(range(first, first + count))
 
     # -- reading ----------------------------------------------------------------
 
     def heads(self) -> dict[str, int]:
         """The highest committed token of every stream."""
-        rows = self._read(lambda conn: conn.execute("SELECT stream, token FROM tickline_stream_heads").fetchall())
+        rows = self.read(lambda conn: conn.execute("SELECT stream, token FROM tickline_stream_heads").fetchall())
         return dict(rows)
 
     def data_version(self) -> int:
         """Changes whenever another connection commits (cheap change detection)."""
-        return self._conn().execute("PRAGMA data_version").fetchone()[0]
+        return self.connection().execute("PRAGMA data_version").fetchone()[0]
 
     def read_rows(self, stream: str, after: int, upto: int, limit: int) -> list[StoredRow]:
         """Rows with ``after < token <= upto`` in order, about ``limit`` of them.
@@ -227,12 +165,12 @@ class SqliteStreamStore:
                 rows.extend(conn.execute(rest, (last[1], last[0])).fetchall())
             return rows
 
-        return self._read(run)
+        return self.read(run)
 
     def token_at(self, stream: str, ts: int) -> int:
         """The highest token whose rows all have timestamps below ``ts``."""
         schema = self.schema(stream)
-        row = self._read(
+        row = self.read(
             lambda conn: conn.execute(
                 f"SELECT MIN(token) FROM {schema.table} WHERE ts >= ?", (ts,)
             ).fetchone()

@@ -1,0 +1,593 @@
+"""``tickline bench``: throughput of tickline beside a bare Twisted baseline.
+
+Scenarios (``tickline bench [SCENARIO...] [--rows N]``, default: all):
+
+``wire``
+    Replay: a temporary SQLite database holds N rows of the ``events`` stream;
+    a real master (``tickline master`` in its own process) serves it on
+    127.0.0.1; a client process using ``replication.client.ClientProtocol``
+    with a handler that counts rows sends ``REPLICATE events 0`` and is timed
+    from connect to the last row received.
+``wire-live``
+    Live: the same client sends ``REPLICATE`` (live from the head), then N rows
+    are committed in one transaction; timed from the commit to the last row
+    received.
+
+Baseline, measured in the same run: a server process that writes the same N
+``RDATA`` lines (pre-built, byte for byte what the master sends) as fast as
+the transport takes them (a push producer writing chunks of 5,000 lines), and
+a client process whose ``LineOnlyReceiver`` counts lines. Every side runs in
+its own process, so master and client each get a core as in production.
+
+Each measurement is repeated (``--repeat``, default 3) and the median is
+reported, per scenario, as one line::
+
+    wire: tickline 412,000 rows/s, baseline 1,630,000 rows/s, ratio 0.25
+
+Absolute numbers vary between machines and runs; the ratio is what to compare.
+Run as ``tickline bench`` or ``python scripts/benchmark.py`` (which also takes
+``--repeat`` and ``--profile DIR``: sample master and client with py-spy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from typing import Any, Optional, Sequence
+
+if __package__ in (None, ""):
+    # Run as a file (python scripts/benchmark.py): make the project importable.
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import orjson
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCENARIOS = ("wire", "wire-live")
+DEFAULT_ROWS = 200_000
+DEFAULT_REPEAT = 3
+STREAM = "events"
+INSTANCE = "master"
+APPEND_CHUNK = 10_000
+BASELINE_CHUNK_LINES = 5_000
+CLIENT_NAME = "bench"
+
+# -- the rows ------------------------------------------------------------------
+
+def _ident(n: int, length: int) -> str:
+    """A deterministic, random-looking identifier (like Matrix event ids)."""
+    digest = hashlib.blake2b(n.to_bytes(8, "little"), digest_size=48).digest()
+    return base64.urlsafe_b64encode(digest)[:length].decode("ascii")
+
+
+def make_rows(first: int, count: int) -> list[tuple[Any, ...]]:
+    """Rows ``first .. first+count-1`` of the ``events`` stream, deterministic.
+
+    About 80% messages, 15% memberships (with a state key), 5% redactions;
+    an RDATA line is about 120 bytes.
+    """
+    rows = []
+    for n in range(first, first + count):
+        event_id = "$" + _ident(n, 43)
+        room_id = f"!{_ident(n % 997 + 10_000_000, 18)}:example.org"
+        kind = n % 20
+        if kind < 16:
+            rows.append((event_id, room_id, "m.room.message", None, None))
+        elif kind < 19:
+            rows.append((event_id, room_id, "m.room.member", f"@user{n % 5000}:example.org", None))
+        else:
+            rows.append((event_id, room_id, "m.room.redaction", None, "$" + _ident(n - 7, 43)))
+    return rows
+
+
+def rdata_lines(first: int, count: int) -> list[bytes]:
+    """The RDATA lines the master sends for rows ``first..`` (token = row number + 1)."""
+    return [
+        b"RDATA %s %s %d %s\n" % (STREAM.encode(), INSTANCE.encode(), first + i + 1, orjson.dumps(list(row)))
+        for i, row in enumerate(make_rows(first, count))
+    ]
+
+
+def fill_database(url: str, rows: int) -> int:
+    """Append ``rows`` rows (one token each) in chunks; returns the head token."""
+    from replication.streams import EVENTS
+    from storage.store import open_store
+
+    store = open_store(url)
+    store.register_stream(EVENTS)
+    head = 0
+    for start in range(0, rows, APPEND_CHUNK):
+        tokens = store.append(STREAM, make_rows(start, min(APPEND_CHUNK, rows - start)), INSTANCE)
+        head = tokens[-1]
+    store.close()
+    return head
+
+
+# -- processes -----------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.pop("PYTHONPROFILEIMPORTTIME", None)
+    return env
+
+
+def _self_command(*args: str) -> list[str]:
+    return [sys.executable, os.path.abspath(__file__), *args]
+
+
+class BenchError(Exception):
+    pass
+
+
+class Server:
+    """A server subprocess (master or baseline) that says when it listens."""
+
+    def __init__(self, command: list[str], log_path: str, ready_text: str, what: str, timeout: float = 30.0) -> None:
+        self.what = what
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            command, cwd=ROOT, env=_env(), stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            with open(log_path, "rb") as f:
+                if ready_text.encode() in f.read():
+                    return
+            if self.proc.poll() is not None:
+                raise BenchError(f"{what} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise BenchError(f"{what} did not start within {timeout:g} s:\n{self.log_tail()}")
+            time.sleep(0.02)
+
+    def log_tail(self, lines: int = 20) -> str:
+        with open(self.log_path, "rb") as f:
+            return b"\n".join(f.read().splitlines()[-lines:]).decode("utf-8", "replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+class Profiler:
+    """py-spy sampling a process until stopped (``--profile``)."""
+
+    def __init__(self, pyspy: str, pid: int, out: str) -> None:
+        self.out = out
+        self.proc = subprocess.Popen(
+            [pyspy, "record", "--pid", str(pid), "--format", "raw", "--rate", "200", "--threads",
+             "--nonblocking", "--output", out],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        time.sleep(0.5)  # let it attach
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def run_client(args: list[str], timeout: float, on_ready=None, profile: Optional[tuple[str, str]] = None) -> dict[str, Any]:
+    """Run a client subprocess; it prints ``READY`` (live mode) and then one JSON result."""
+    proc = subprocess.Popen(
+        _self_command(*args), cwd=ROOT, env=_env(), stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    profiler = None
+    extra: dict[str, Any] = {}
+    try:
+        assert proc.stdout is not None
+        while True:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            text = line.decode().strip()
+            if text == "WAITING" and profile is not None:
+                profiler = Profiler(profile[0], proc.pid, profile[1])
+                proc.send_signal(signal.SIGUSR1)
+            elif text == "READY" and on_ready is not None:
+                extra.update(on_ready())
+            elif text.startswith("{"):
+                result = json.loads(text)
+                result.update(extra)
+                proc.wait(timeout)
+                return result
+        proc.wait(timeout)
+        err = proc.stderr.read().decode("utf-8", "replace") if proc.stderr else ""
+        raise BenchError(f"client {args[0]} exited with {proc.returncode} and no result:\n{err[-2000:]}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if profiler is not None:
+            profiler.stop()
+
+
+# -- the client and baseline roles (run in their own processes) ---------------------
+
+
+def _wait_for_profiler() -> None:
+    """With ``--profile``: say WAITING, block until the parent's SIGUSR1 (py-spy attached)."""
+    got = []
+    signal.signal(signal.SIGUSR1, lambda *_: got.append(1))
+    print("WAITING", flush=True)
+    while not got:
+        signal.pause()
+
+
+def role_tickline_client(port: int, rows: int, mode: str, timeout: float, profiled: bool) -> int:
+    if profiled:
+        _wait_for_profiler()
+    from twisted.internet import reactor
+    from twisted.internet.protocol import ClientFactory
+
+    from replication.client import ClientProtocol, ReplicationHandler
+    from replication.protocol import ProtocolConfig
+
+    result: dict[str, Any] = {"rows": 0, "t_start": 0.0, "t_first": None, "t_last": None}
+
+    class Counting(ReplicationHandler):
+        def connected(self, client: ClientProtocol) -> None:
+            if mode == "replay":
+                client.replicate(STREAM, 0)
+            else:
+                client.replicate()
+
+        def on_position(self, client: ClientProtocol, command: Any) -> None:
+            if mode == "live" and command.stream == STREAM:
+                print("READY", flush=True)
+
+        def on_rows(self, client: ClientProtocol, stream: str, instance: str, token: int, batch: list) -> None:
+            if stream != STREAM:
+                return
+            if result["t_first"] is None:
+                result["t_first"] = time.monotonic()
+            result["rows"] += len(batch)
+            if result["rows"] >= rows:
+                result["t_last"] = time.monotonic()
+                client.transport.abortConnection()
+                reactor.stop()
+
+        def on_error(self, client: ClientProtocol, message: str) -> None:
+            result["error"] = message
+            reactor.stop()
+
+    handler = Counting()
+
+    class Factory(ClientFactory):
+        def buildProtocol(self, addr: Any) -> ClientProtocol:
+            return ClientProtocol(handler, CLIENT_NAME, ProtocolConfig(), reactor)
+
+        def clientConnectionFailed(self, connector: Any, reason: Any) -> None:
+            result["error"] = reason.getErrorMessage()
+            reactor.stop()
+
+    def timed_out() -> None:
+        result["error"] = f"timed out after {timeout:g} s with {result['rows']} rows"
+        reactor.stop()
+
+    timer = reactor.callLater(timeout, timed_out)
+    result["t_start"] = time.monotonic()
+    reactor.connectTCP("127.0.0.1", port, Factory())
+    reactor.run()
+    if timer.active():
+        timer.cancel()
+    print(json.dumps(result), flush=True)
+    return 0 if "error" not in result else 1
+
+
+def role_baseline_client(port: int, rows: int, timeout: float, profiled: bool) -> int:
+    if profiled:
+        _wait_for_profiler()
+    from twisted.internet import reactor
+    from twisted.internet.protocol import ClientFactory
+    from twisted.protocols.basic import LineOnlyReceiver
+
+    result: dict[str, Any] = {"rows": 0, "t_start": 0.0, "t_first": None, "t_last": None}
+
+    class Counting(LineOnlyReceiver):
+        delimiter = b"\n"
+        MAX_LENGTH = 65536
+
+        def lineReceived(self, line: bytes) -> None:
+            count = result["rows"] = result["rows"] + 1
+            if count == 1:
+                result["t_first"] = time.monotonic()
+            if count == rows:
+                result["t_last"] = time.monotonic()
+                self.transport.abortConnection()
+                reactor.stop()
+
+    class Factory(ClientFactory):
+        protocol = Counting
+
+        def clientConnectionFailed(self, connector: Any, reason: Any) -> None:
+            result["error"] = reason.getErrorMessage()
+            reactor.stop()
+
+    def timed_out() -> None:
+        result["error"] = f"timed out after {timeout:g} s with {result['rows']} lines"
+        reactor.stop()
+
+    timer = reactor.callLater(timeout, timed_out)
+    result["t_start"] = time.monotonic()
+    reactor.connectTCP("127.0.0.1", port, Factory())
+    reactor.run()
+    if timer.active():
+        timer.cancel()
+    print(json.dumps(result), flush=True)
+    return 0 if "error" not in result else 1
+
+
+def role_baseline_server(port: int, rows: int) -> int:
+    """Write the N pre-built lines to every connection, as fast as the transport takes them."""
+    from twisted.internet import reactor
+    from twisted.internet.interfaces import IPushProducer
+    from twisted.internet.protocol import Factory, Protocol
+    from zope.interface import implementer
+
+    lines = rdata_lines(0, rows)
+    chunks = [b"".join(lines[i:i + BASELINE_CHUNK_LINES]) for i in range(0, rows, BASELINE_CHUNK_LINES)]
+    del lines
+
+    @implementer(IPushProducer)
+    class Blast(Protocol):
+        def connectionMade(self) -> None:
+            self.next = 0
+            self.paused = False
+            self.transport.registerProducer(self, True)
+            self.resumeProducing()
+
+        def resumeProducing(self) -> None:
+            self.paused = False
+            while not self.paused and self.next < len(chunks):
+                self.next += 1
+                self.transport.write(chunks[self.next - 1])  # may call pauseProducing
+
+        def pauseProducing(self) -> None:
+            self.paused = True
+
+        def stopProducing(self) -> None:
+            self.paused = True
+            self.next = len(chunks)
+
+    reactor.listenTCP(port, Factory.forProtocol(Blast), interface="127.0.0.1")
+    print(f"baseline listening on 127.0.0.1:{port} with {rows} lines", flush=True)
+    reactor.run()
+    return 0
+
+
+# -- the scenarios -----------------------------------------------------------------
+
+
+def _rate(rows: int, seconds: float) -> float:
+    return rows / seconds if seconds > 0 else float("inf")
+
+
+def _fmt(rate: float) -> str:
+    return f"{rate:,.0f}"
+
+
+def _client_timeout(rows: int) -> float:
+    return 60.0 + rows / 10_000
+
+
+def run_wire(
+    scenarios: Sequence[str], rows: int, repeat: int, workdir: str, profile_dir: Optional[str], verbose: bool
+) -> dict[str, dict[str, Any]]:
+    from storage.store import open_store
+
+    pyspy = None
+    if profile_dir:
+        pyspy = os.environ.get("PYSPY") or shutil.which("py-spy")
+        if not pyspy:
+            raise BenchError("--profile needs py-spy (on PATH or in $PYSPY)")
+        os.makedirs(profile_dir, exist_ok=True)
+
+    def log(text: str) -> None:
+        if verbose:
+            print(f"  {text}", file=sys.stderr, flush=True)
+
+    db_path = os.path.join(workdir, "bench.db")
+    url = f"sqlite:///{db_path}"
+    started = time.monotonic()
+    head = fill_database(url, rows)
+    log(f"filled {rows:,} rows in {time.monotonic() - started:.1f} s")
+    timeout = _client_timeout(rows)
+    results: dict[str, dict[str, Any]] = {}
+
+    # Baseline first: its server holds the pre-built lines.
+    port = _free_port()
+    baseline = Server(
+        _self_command("_baseline-server", "--port", str(port), "--rows", str(rows)),
+        os.path.join(workdir, "baseline.log"), "baseline listening", "baseline server",
+        timeout=30.0 + rows / 20_000,
+    )
+    try:
+        base_rates = []
+        for i in range(repeat):
+            r = run_client(["_baseline-client", "--port", str(port), "--rows", str(rows), "--timeout", str(timeout)], timeout + 10)
+            if "error" in r:
+                raise BenchError(f"baseline client: {r['error']}")
+            base_rates.append(_rate(r["rows"], r["t_last"] - r["t_start"]))
+            log(f"baseline run {i + 1}: {_fmt(base_rates[-1])} lines/s")
+    finally:
+        baseline.stop()
+    base = statistics.median(base_rates)
+
+    port = _free_port()
+    master_cmd = [sys.executable, "-m", "scripts.cli", "master", "--database", url, "--listen", f"127.0.0.1:{port}"]
+    master = Server(master_cmd, os.path.join(workdir, "master.log"), "listening on", "master")
+    master_profiler = None
+    try:
+        if "wire" in scenarios:
+            rates = []
+            for i in range(repeat):
+                profile = None
+                if pyspy and i == repeat - 1:
+                    master_profiler = Profiler(pyspy, master.proc.pid, os.path.join(profile_dir, "master-wire.txt"))
+                    profile = (pyspy, os.path.join(profile_dir, "client-wire.txt"))
+                args = ["_tickline-client", "--port", str(port), "--rows", str(head), "--mode", "replay",
+                        "--timeout", str(timeout)] + (["--profiled"] if profile else [])
+                r = run_client(args, timeout + 10, profile=profile)
+                if master_profiler is not None:
+                    master_profiler.stop()
+                    master_profiler = None
+                if "error" in r:
+                    raise BenchError(f"tickline client: {r['error']}\n{master.log_tail()}")
+                rates.append(_rate(r["rows"], r["t_last"] - r["t_start"]))
+                log(f"tickline replay run {i + 1}: {_fmt(rates[-1])} rows/s")
+            results["wire"] = {"tickline": statistics.median(rates), "baseline": base,
+                               "runs": rates, "baseline_runs": base_rates}
+
+        if "wire-live" in scenarios:
+            store = open_store(url)
+            rates = []
+            first = rows
+            for i in range(repeat):
+                new_rows = make_rows(first, rows)
+                first += rows
+
+                def commit() -> dict[str, float]:
+                    store.append(STREAM, new_rows, INSTANCE)  # one transaction
+                    return {"t_commit": time.monotonic()}
+
+                args = ["_tickline-client", "--port", str(port), "--rows", str(rows), "--mode", "live",
+                        "--timeout", str(timeout)]
+                r = run_client(args, timeout + 10, on_ready=commit)
+                if "error" in r:
+                    raise BenchError(f"tickline live client: {r['error']}\n{master.log_tail()}")
+                rates.append(_rate(r["rows"], r["t_last"] - r["t_commit"]))
+                log(f"tickline live run {i + 1}: {_fmt(rates[-1])} rows/s")
+            store.close()
+            results["wire-live"] = {"tickline": statistics.median(rates), "baseline": base,
+                                    "runs": rates, "baseline_runs": base_rates}
+    finally:
+        if master_profiler is not None:
+            master_profiler.stop()
+        master.stop()
+    if profile_dir:
+        for name in ("master-wire", "client-wire"):
+            path = os.path.join(profile_dir, name + ".txt")
+            if os.path.exists(path):
+                print(f"\nprofile {name} ({path}):")
+                print(summarize_profile(path))
+    return results
+
+
+def summarize_profile(path: str, top: int = 15) -> str:
+    """Top functions by self and by total samples, from py-spy's raw (collapsed) output."""
+    own: Counter[str] = Counter()
+    total: Counter[str] = Counter()
+    samples = 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            stack, _, count_text = line.rstrip("\n").rpartition(" ")
+            if not stack:
+                continue
+            count = int(count_text)
+            frames = [frame.split(" (")[0] + " (" + frame.split(" (")[-1].split(":")[0].rsplit("/", 1)[-1] + ")"
+                      if " (" in frame else frame for frame in stack.split(";")]
+            samples += count
+            own[frames[-1]] += count
+            for frame in set(frames):
+                total[frame] += count
+    out = [f"  {samples} samples; self:"]
+    out += [f"    {100 * n / samples:5.1f}%  {name}" for name, n in own.most_common(top)]
+    out.append("  total (function and what it calls):")
+    out += [f"    {100 * n / samples:5.1f}%  {name}" for name, n in total.most_common(top)]
+    return "\n".join(out)
+
+
+# -- entry points --------------------------------------------------------------------
+
+
+def main(scenarios: Optional[list[str]] = None, rows: Optional[int] = None,
+         repeat: int = DEFAULT_REPEAT, profile_dir: Optional[str] = None, verbose: bool = False) -> int:
+    """Run the scenarios (default: all); print one result line each. Returns an exit code."""
+    chosen = list(scenarios or SCENARIOS)
+    unknown = [s for s in chosen if s not in SCENARIOS]
+    if unknown:
+        print(f"tickline bench: error: unknown scenario {unknown[0]!r} (known: {', '.join(SCENARIOS)})",
+              file=sys.stderr)
+        return 2
+    rows = DEFAULT_ROWS if rows is None else rows
+    if rows < 1 or repeat < 1:
+        print("tickline bench: error: --rows and --repeat must be positive", file=sys.stderr)
+        return 2
+    print(f"tickline bench: {rows:,} rows, median of {repeat} runs, {os.cpu_count()} cores", flush=True)
+    workdir = tempfile.mkdtemp(prefix="tickline-bench-")
+    try:
+        results = run_wire(chosen, rows, repeat, workdir, profile_dir, verbose)
+    except BenchError as e:
+        print(f"tickline bench: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    for name in chosen:
+        r = results[name]
+        print(f"{name}: tickline {_fmt(r['tickline'])} rows/s, baseline {_fmt(r['baseline'])} rows/s, "
+              f"ratio {r['tickline'] / r['baseline']:.2f}", flush=True)
+    return 0
+
+
+def _cli(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0].startswith("_"):
+        role = argv.pop(0)
+        p = argparse.ArgumentParser(prog=f"benchmark.py {role}")
+        p.add_argument("--port", type=int, required=True)
+        p.add_argument("--rows", type=int, required=True)
+        p.add_argument("--mode", default="replay", choices=("replay", "live"))
+        p.add_argument("--timeout", type=float, default=120.0)
+        p.add_argument("--profiled", action="store_true")
+        a = p.parse_args(argv)
+        if role == "_tickline-client":
+            return role_tickline_client(a.port, a.rows, a.mode, a.timeout, a.profiled)
+        if role == "_baseline-client":
+            return role_baseline_client(a.port, a.rows, a.timeout, a.profiled)
+        if role == "_baseline-server":
+            return role_baseline_server(a.port, a.rows)
+        p.error(f"unknown role {role}")
+    p = argparse.ArgumentParser(prog="benchmark.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("scenarios", nargs="*", metavar="SCENARIO", help=f"default: all ({', '.join(SCENARIOS)})")
+    p.add_argument("--rows", type=int, default=None, help=f"rows per scenario (default {DEFAULT_ROWS:,})")
+    p.add_argument("--repeat", type=int, default=DEFAULT_REPEAT, help="runs per measurement; the median is reported")
+    p.add_argument("--profile", metavar="DIR", help="sample master and client with py-spy (last run), print where time goes")
+    p.add_argument("-v", "--verbose", action="store_true", help="print each run")
+    a = p.parse_args(argv)
+    return main(a.scenarios, a.rows, a.repeat, a.profile, a.verbose)
+
+
+if __name__ == "__main__":
+    sys.exit(_cli())

@@ -1,0 +1,67 @@
+"""``tickline worker``: build a worker from the config and flags, run it until stopped."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import attr
+
+from scripts.config import Config, ConfigError, parse_address
+from storage.urls import parse_database_url
+from storage.worker_store import open_worker_store
+from workers.caches import CacheRegistry
+from workers.handlers import HandlerError, HandlerRegistry, load_handler
+from workers.worker import UnknownStreamError, Worker, WorkerConfig
+
+
+def worker_config(args: argparse.Namespace, config: Config) -> WorkerConfig:
+    """The config's worker section with the command line's overrides."""
+    wc = config.worker
+    changes: dict = {}
+    if args.name:
+        if any(c.isspace() for c in args.name):
+            raise ConfigError("--name must be one word")
+        changes["name"] = args.name
+    if args.master:
+        changes["master_host"], changes["master_port"] = parse_address(args.master, "--master")
+    if args.database:
+        parse_database_url(args.database)
+        changes["database"] = args.database
+    if args.server_name:
+        changes["server_name"] = args.server_name
+    if args.replicate:
+        for stream in args.replicate:
+            if stream not in config.streams:
+                raise ConfigError(
+                    f"--replicate: unknown stream {stream!r} (known: {', '.join(sorted(config.streams))})"
+                )
+        changes["replicate"] = tuple(dict.fromkeys(wc.replicate + tuple(args.replicate)))
+    return attr.evolve(wc, **changes)
+
+
+def run_worker(args: argparse.Namespace, config: Config) -> int:
+    from twisted.internet import defer, reactor
+
+    wc = worker_config(args, config)
+    handlers = HandlerRegistry()
+    try:
+        for stream, path in wc.handlers:
+            handlers.register(stream, load_handler(path))
+    except HandlerError as e:
+        raise ConfigError(f"worker.handlers: {e}") from None
+    caches = CacheRegistry(config.caches.special, config.caches.max_size)
+    store = open_worker_store(wc.database)
+    worker = Worker(wc, config.protocol, store, config.streams, reactor, handlers, caches)
+    try:
+        worker.prepare()
+    except UnknownStreamError as e:
+        raise ConfigError(str(e)) from None
+    reactor.callWhenRunning(worker.start)
+    reactor.addSystemEventTrigger("before", "shutdown", lambda: defer.ensureDeferred(worker.stop()))
+    reactor.run()
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("use: tickline worker")

@@ -1,0 +1,81 @@
+"""A SQLite database file: one connection per thread, WAL, migrations.
+
+``sqlite3`` connections must stay on their thread, so each thread gets its
+own. WAL mode lets readers run beside the writer (and Spark's reads beside
+both).
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+from typing import Any, Callable
+
+from storage.migrate import apply_migrations
+from storage.store import DatabaseUnavailable
+
+
+class SqliteDatabase:
+    dialect = "sqlite"
+
+    def __init__(self, path: str, busy_timeout_ms: int = 30_000) -> None:
+        self.path = path
+        self._busy_timeout_ms = busy_timeout_ms
+        self._local = threading.local()
+
+    # -- connections ------------------------------------------------------
+
+    def connection(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            directory = os.path.dirname(self.path) or "."
+            if not os.path.isdir(directory):
+                raise DatabaseUnavailable(
+                    f"cannot open SQLite database {self.path}: directory {directory} does not exist"
+                )
+            try:
+                conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+                conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
+                conn.execute("PRAGMA journal_mode = WAL")
+                conn.execute("PRAGMA synchronous = NORMAL")
+            except sqlite3.Error as e:
+                raise DatabaseUnavailable(f"cannot open SQLite database {self.path}: {e}") from None
+            self._local.conn = conn
+        return conn
+
+    def close(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+
+    def write(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+        conn = self.connection()
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as e:
+            raise DatabaseUnavailable(f"cannot write SQLite database {self.path}: {e}") from None
+        try:
+            result = fn(conn)
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+        return result
+
+    def read(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+        conn = self.connection()
+        conn.execute("BEGIN")
+        try:
+            return fn(conn)
+        finally:
+            conn.execute("COMMIT")
+
+    def migrate(self) -> list[int]:
+        """Create or upgrade the core tables; returns the versions applied."""
+
+        def run(conn: sqlite3.Connection) -> list[int]:
+            return apply_migrations(lambda sql, params: conn.execute(sql, params).fetchall(), "?")
+
+        return self.write(run)

@@ -1,0 +1,68 @@
+"""A worker's database: applied tokens, written with the effects of the rows.
+
+``apply`` runs the caller's effects and moves the stream's applied token in
+one transaction: after a crash (even ``kill -9``) either both happened or
+neither did, so a resumed worker neither loses nor repeats a row.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from typing import Any, Callable
+
+from storage.schema import StreamSchema
+from storage.sqlite_db import SqliteDatabase
+from storage.urls import DatabaseUrl, parse_database_url
+from storage.store import DatabaseUnavailable
+
+Effects = Callable[[Any], None]
+
+
+class SqliteWorkerStore(SqliteDatabase):
+    placeholder = "?"
+
+    def applied_tokens(self) -> dict[str, int]:
+        rows = self.read(lambda conn: conn.execute("SELECT stream, token FROM tickline_applied").fetchall())
+        return dict(rows)
+
+    def create_replicated_table(self, schema: StreamSchema) -> None:
+        def run(conn: sqlite3.Connection) -> None:
+            for statement in schema.create_replicated_table_sql(self.dialect):
+                conn.execute(statement)
+
+        self.write(run)
+
+    def apply(self, stream: str, token: int, effects: Effects) -> None:
+        """Run ``effects(connection)`` and set the applied token, atomically.
+
+        Refuses to move the token backwards (a stale or repeated apply is a bug
+        upstream, and must not rewrite history).
+        """
+
+        def run(conn: sqlite3.Connection) -> None:
+            found = conn.execute("SELECT token FROM tickline_applied WHERE stream = ?", (stream,)).fetchone()
+            if found is not None and found[0] >= token:
+                raise StaleApply(f"stream {stream!r}: token {token} is not above the applied token {found[0]}")
+            effects(conn)
+            conn.execute(
+                "INSERT INTO tickline_applied (stream, token) VALUES (?, ?) "
+                "ON CONFLICT (stream) DO UPDATE SET token = excluded.token",
+                (stream, token),
+            )
+
+        self.write(run)
+
+
+class StaleApply(Exception):
+    """An apply at or below the stream's applied token."""
+
+
+def open_worker_store(url: str | DatabaseUrl, base_dir: str | None = None) -> SqliteWorkerStore:
+    parsed = url if isinstance(url, DatabaseUrl) else parse_database_url(url, base_dir)
+    if parsed.is_sqlite:
+        store = SqliteWorkerStore(parsed.path)
+        store.migrate()
+        return store
+    raise DatabaseUnavailable(
+        f"database {parsed.text}: the PostgreSQL backend is not available yet; use sqlite:///path.db"
+    )

@@ -1,0 +1,215 @@
+"""One stream of one worker: receive rows in token order, apply them exactly once.
+
+``applied`` is the token committed in the worker's database together with the
+effects of every row up to it. ``known`` is the highest token received on
+this connection (queued or applied). Rows at or below ``known`` are stale and
+dropped; a ``POSITION`` whose ``prev_token`` is above ``known`` means rows
+were missed, and the worker asks for them again (``REPLICATE <stream>
+<known>``) before moving on.
+
+Applying takes whole tokens from the front of the queue (many at once, up to
+``apply_rows`` rows) and runs the handlers and the token update in one
+transaction on the database thread. A failure rolls back, is logged with the
+failing token's rows, and is retried with exponential backoff, one token at a
+time, until it succeeds: rows are never skipped.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Any, Callable, Optional
+
+import attr
+from twisted.internet import defer
+from twisted.internet.interfaces import IReactorTime
+from twisted.python.failure import Failure
+
+from storage.schema import StreamSchema
+from storage.tso import physical_ms
+from workers.handlers import ApplyContext, Handler, ReplicatedRow
+
+logger = logging.getLogger(__name__)
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class ApplySettings:
+    apply_rows: int = 5000  # most rows per apply transaction
+    retry_initial: float = 0.5  # first delay after a failed apply, doubling
+    retry_max: float = 30.0
+
+
+@attr.s(slots=True, auto_attribs=True)
+class _Item:
+    token: int
+    rows: list[ReplicatedRow]  # empty: a POSITION moved the token without rows
+
+
+class StreamConsumer:
+    def __init__(
+        self,
+        stream: str,
+        schema: StreamSchema,
+        applied: int,
+        handlers: list[Handler],
+        apply_in_db: Callable[[str, int, Callable[[Any], None]], "defer.Deferred[None]"],
+        placeholder: str,
+        worker_name: str,
+        clock: IReactorTime,
+        settings: ApplySettings = ApplySettings(),
+        on_progress: Optional[Callable[["StreamConsumer"], None]] = None,
+    ) -> None:
+        self.stream = stream
+        self.schema = schema
+        self.applied = applied
+        self.known = applied
+        self.handlers = handlers
+        self._apply_in_db = apply_in_db
+        self._placeholder = placeholder
+        self._worker_name = worker_name
+        self._clock = clock
+        self.settings = settings
+        self._on_progress = on_progress
+        self._queue: "collections.deque[_Item]" = collections.deque()
+        self.queued_rows = 0
+        self._applying = False
+        self._generation = 0
+        self._failures = 0
+        self._retry_call: Any = None
+        self.applied_ts: Optional[int] = None
+        self.rows_applied = 0
+        self.rows_dropped = 0
+
+    # -- input from the connection ---------------------------------------------------
+
+    def reset(self) -> None:
+        """The connection is gone: forget what was received but not applied."""
+        self._generation += 1
+        self._queue.clear()
+        self.queued_rows = 0
+        self.known = self.applied
+
+    def resume_token(self) -> int:
+        """The token to ask the master to replay after."""
+        return self.known
+
+    def rows_received(self, instance: str, token: int, rows: list[list[Any]]) -> None:
+        """Rows of one token, each ``[*values, ts]`` (the ``ts`` option is on)."""
+        if token <= self.known:
+            self.rows_dropped += len(rows)
+            logger.debug("%s: dropped stale rows at token %s (known %s)", self.stream, token, self.known)
+            return
+        replicated = [
+            ReplicatedRow(self.stream, token, instance, row[-1] if row else None, tuple(row[:-1]))
+            for row in rows
+        ]
+        self._queue.append(_Item(token, replicated))
+        self.queued_rows += len(replicated)
+        self.known = token
+        self.kick()
+
+    def position(self, prev_token: int, new_token: int) -> Optional[int]:
+        """Handle ``POSITION``; returns the token to replay after if rows were missed."""
+        if prev_token > self.known:
+            logger.info(
+                "%s: rows missed in (%s, %s]; catching up", self.stream, self.known, prev_token
+            )
+            return self.known
+        if new_token > self.known:
+            self._queue.append(_Item(new_token, []))
+            self.known = new_token
+            self.kick()
+        return None
+
+    # -- applying ----------------------------------------------------------------------
+
+    @property
+    def applying(self) -> bool:
+        return self._applying
+
+    @property
+    def busy(self) -> bool:
+        return self._applying or bool(self._queue)
+
+    def kick(self) -> None:
+        if self._applying or not self._queue:
+            return
+        if self._retry_call is not None and self._retry_call.active():
+            return
+        while self._queue and self._queue[0].token <= self.applied:
+            self.queued_rows -= len(self._queue.popleft().rows)
+        if not self._queue:
+            return
+        group = [self._queue[0]]
+        if self._failures == 0:
+            count = len(group[0].rows)
+            for item in list(self._queue)[1:]:
+                if count + len(item.rows) > self.settings.apply_rows:
+                    break
+                group.append(item)
+                count += len(item.rows)
+        token = group[-1].token
+        rows = [row for item in group for row in item.rows]
+        generation = self._generation
+        self._applying = True
+        d = self._apply_in_db(self.stream, token, lambda conn: self._run_handlers(conn, rows))
+        d.addCallbacks(self._applied, self._failed, callbackArgs=(group, token, rows, generation), errbackArgs=(group, rows))
+
+    def _run_handlers(self, connection: Any, rows: list[ReplicatedRow]) -> None:
+        """On the database thread, inside the apply transaction."""
+        if not rows:
+            return
+        ctx = ApplyContext(connection, self._placeholder, self.stream, self.schema, self._worker_name)
+        for handler in self.handlers:
+            handler(ctx, rows)
+
+    def _applied(self, _: None, group: list[_Item], token: int, rows: list[ReplicatedRow], generation: int) -> None:
+        self._applying = False
+        self.applied = token
+        self.known = max(self.known, token)
+        self.rows_applied += len(rows)
+        if rows and rows[-1].ts is not None:
+            self.applied_ts = rows[-1].ts
+        if self._failures:
+            logger.info("%s: applied token %s after %d failed attempts", self.stream, token, self._failures)
+        self._failures = 0
+        if generation == self._generation:
+            for _item in group:
+                self.queued_rows -= len(self._queue.popleft().rows)
+        if self._on_progress is not None:
+            self._on_progress(self)
+        self.kick()
+
+    def _failed(self, failure: Failure, group: list[_Item], rows: list[ReplicatedRow]) -> None:
+        self._applying = False
+        self._failures += 1
+        delay = min(self.settings.retry_max, self.settings.retry_initial * 2 ** (self._failures - 1))
+        if len(group) == 1:
+            logger.error(
+                "%s: applying token %s failed (attempt %d), retrying in %.1f s: %s; rows: %s",
+                self.stream, group[0].token, self._failures, delay,
+                failure.getErrorMessage() or failure.type.__name__, [list(r.values) for r in rows][:20],
+            )
+        else:
+            # Retried one token at a time, so the next failure names the row.
+            logger.warning(
+                "%s: applying tokens %s..%s failed, retrying token by token: %s",
+                self.stream, group[0].token, group[-1].token, failure.getErrorMessage(),
+            )
+            delay = 0
+        self._retry_call = self._clock.callLater(delay, self._retry)
+
+    def _retry(self) -> None:
+        self._retry_call = None
+        self.kick()
+
+    def stop(self) -> None:
+        if self._retry_call is not None and self._retry_call.active():
+            self._retry_call.cancel()
+        self._retry_call = None
+
+    def lag_ms(self, now_ms: int) -> Optional[int]:
+        """How far the applied data is behind ``now_ms`` (None before any row)."""
+        if self.applied_ts is None:
+            return None
+        return max(0, now_ms - physical_ms(self.applied_ts))

@@ -1,0 +1,342 @@
+"""A worker process: follow the master's streams and apply them exactly once.
+
+On every connection the worker waits for ``SERVER`` (and checks the name when
+one is expected), sends ``NAME``, ``PING`` and ``OPTIONS ts``, then resumes
+each stream with ``REPLICATE <stream> <applied token>``. It reconnects for
+ever with exponential backoff and jitter, and the delay resets once a
+connection has passed the handshake.
+
+While more than ``max_pending_rows`` received rows wait to be applied, the
+worker stops reading from the socket; the master then stops reading storage
+for it (its replay is paced by the reader), so neither side buffers without
+bound.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Optional
+
+import attr
+from twisted.internet import defer
+from twisted.internet.protocol import ReconnectingClientFactory
+from twisted.python.failure import Failure
+
+from replication.client import ClientProtocol, ReplicationHandler
+from replication.commands import (
+    ClearUserSyncCommand,
+    FederationAckCommand,
+    PositionCommand,
+    RemoteServerUpCommand,
+    RemovePusherCommand,
+    UserSyncCommand,
+)
+from replication.dbthreads import DatabaseThreads
+from replication.protocol import ProtocolConfig
+from storage.schema import StreamSchema
+from workers.caches import CacheRegistry
+from workers.consumer import ApplySettings, StreamConsumer
+from workers.handlers import HandlerRegistry
+from workers.replicator import cache_invalidator, table_replicator
+
+logger = logging.getLogger(__name__)
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class WorkerConfig:
+    """Worker settings; these defaults are the configuration's defaults."""
+
+    name: str = "worker"
+    master_host: str = "127.0.0.1"
+    master_port: int = 9322
+    database: str = "sqlite:///worker.db"
+    server_name: Optional[str] = None  # expected SERVER name; None accepts any
+    replicate: tuple[str, ...] = ()  # streams copied into replicated_<stream>
+    handlers: tuple[tuple[str, str], ...] = ()  # (stream, dotted path)
+    invalidate_caches: bool = True  # follow the caches stream into the registry
+    reconnect_initial: float = 0.1
+    reconnect_max: float = 5.0
+    replicate_retry: float = 5.0  # retry a REPLICATE the master refused
+    max_pending_rows: int = 50000
+    apply: ApplySettings = ApplySettings()
+
+
+class Worker(ReplicationHandler):
+    def __init__(
+        self,
+        config: WorkerConfig,
+        protocol_config: ProtocolConfig,
+        store: Any,
+        streams: dict[str, StreamSchema],
+        reactor: Any,
+        handlers: Optional[HandlerRegistry] = None,
+        caches: Optional[CacheRegistry] = None,
+    ) -> None:
+        self.config = config
+        self.protocol_config = protocol_config
+        self.store = store
+        self.reactor = reactor
+        self.handlers = handlers or HandlerRegistry()
+        self.caches = caches or CacheRegistry()
+        self.streams = streams
+        self.db = DatabaseThreads(reactor, max_threads=1, name=f"tickline-worker-{config.name}-db")
+        self.consumers: dict[str, StreamConsumer] = {}
+        self.client: Optional[ClientProtocol] = None
+        self.factory: Optional[WorkerFactory] = None
+        self.connected_once = defer.Deferred()
+        self.reconnects = 0
+        self.syncing_users: dict[str, int] = {}
+        self._federation_ack: Optional[int] = None
+        self._reading_paused = False
+        self._retry_calls: dict[str, Any] = {}
+        self._caught_up_waiters: list[defer.Deferred] = []
+        self.stopping = False
+
+    # -- set-up --------------------------------------------------------------------
+
+    def consumed_streams(self) -> list[str]:
+        wanted = set(self.config.replicate) | set(self.handlers.streams())
+        if self.config.invalidate_caches:
+            wanted.add("caches")
+        return sorted(wanted)
+
+    def prepare(self) -> None:
+        """Blocking set-up before the reactor runs: tables, handlers, applied tokens."""
+        for stream in self.consumed_streams():
+            if stream not in self.streams:
+                raise UnknownStreamError(
+                    f"unknown stream {stream!r}: declare it under 'streams' in the config "
+                    f"(known: {', '.join(sorted(self.streams))})"
+                )
+        for stream in self.config.replicate:
+            self.store.create_replicated_table(self.streams[stream])
+        applied = self.store.applied_tokens()
+        for stream in self.consumed_streams():
+            handlers = []
+            if stream in self.config.replicate:
+                handlers.append(table_replicator(self.streams[stream]))
+            if stream == "caches" and self.config.invalidate_caches:
+                handlers.append(cache_invalidator(self.caches))
+            handlers.extend(self.handlers.for_stream(stream))
+            self.consumers[stream] = StreamConsumer(
+                stream,
+                self.streams[stream],
+                applied.get(stream, 0),
+                handlers,
+                self._apply_in_db,
+                self.store.placeholder,
+                self.config.name,
+                self.reactor,
+                self.config.apply,
+                on_progress=self._progress,
+            )
+        logger.info(
+            "worker %s resumes %s",
+            self.config.name,
+            ", ".join(f"{s}@{c.applied}" for s, c in sorted(self.consumers.items())) or "no streams",
+        )
+
+    def start(self) -> None:
+        self.db.start()
+        self.factory = WorkerFactory(self)
+        self.reactor.connectTCP(self.config.master_host, self.config.master_port, self.factory)
+
+    async def stop(self) -> None:
+        """Clean stop: tell the master our users stopped syncing, finish the current apply."""
+        self.stopping = True
+        if self.factory is not None:
+            self.factory.stopTrying()
+        client = self.client
+        if client is not None and client.transport is not None:
+            client.send(ClearUserSyncCommand(self.config.name))
+            client.close()
+        for consumer in self.consumers.values():
+            consumer.stop()
+        for call in self._retry_calls.values():
+            if call.active():
+                call.cancel()
+        # An apply in flight commits or rolls back as a whole; wait for it.
+        while any(c.applying for c in self.consumers.values()):
+            await _sleep(self.reactor, 0.01)
+        self.db.stop()
+
+    def _apply_in_db(self, stream: str, token: int, effects: Callable[[Any], None]) -> "defer.Deferred[None]":
+        return self.db.run(self.store.apply, stream, token, effects)
+
+    # -- connection events --------------------------------------------------------------
+
+    def connected(self, client: ClientProtocol) -> None:
+        self.client = client
+        # REPLICATE waits for SERVER, so a wrong master is refused before any row.
+
+    def on_server(self, client: ClientProtocol, server_name: str) -> None:
+        expected = self.config.server_name
+        if expected is not None and server_name != expected:
+            logger.error(
+                "master at %s:%s is %r, expected %r: refusing it, will retry",
+                self.config.master_host, self.config.master_port, server_name, expected,
+            )
+            client.close_with_error(f"wrong server: expected {expected!r}, got {server_name!r}")
+            return
+        if self.factory is not None:
+            self.factory.resetDelay()
+        logger.info("connected to master %s", server_name)
+        for stream, consumer in sorted(self.consumers.items()):
+            client.replicate(stream, consumer.resume_token())
+        for user_id, last in self.syncing_users.items():
+            client.send(UserSyncCommand(self.config.name, user_id, True, last))
+        if self._federation_ack is not None:
+            client.send(FederationAckCommand(self.config.name, self._federation_ack))
+        if not self.connected_once.called:
+            self.connected_once.callback(None)
+
+    def on_position(self, client: ClientProtocol, command: PositionCommand) -> None:
+        consumer = self.consumers.get(command.stream)
+        if consumer is None:
+            return
+        missed_from = consumer.position(command.prev_token, command.new_token)
+        if missed_from is not None:
+            client.replicate(command.stream, missed_from)
+        self._check_caught_up()
+
+    def on_rows(self, client: ClientProtocol, stream: str, instance: str, token: int, rows: list[list[Any]]) -> None:
+        consumer = self.consumers.get(stream)
+        if consumer is None:
+            return
+        consumer.rows_received(instance, token, rows)
+        if not self._reading_paused and self._pending_rows() > self.config.max_pending_rows:
+            self._reading_paused = True
+            client.transport.pauseProducing()
+
+    def on_error(self, client: ClientProtocol, message: str) -> None:
+        logger.error("master refused: %s", message)
+        # A REPLICATE the master refused (e.g. a token above its head) is
+        # retried later, never rewound.
+        for stream in self.consumers:
+            if stream not in client.positioned and stream not in self._retry_calls:
+                self._retry_calls[stream] = self.reactor.callLater(
+                    self.config.replicate_retry, self._retry_replicate, client, stream
+                )
+
+    def _retry_replicate(self, client: ClientProtocol, stream: str) -> None:
+        self._retry_calls.pop(stream, None)
+        if client is self.client and client.transport is not None and stream not in client.positioned:
+            client.replicate(stream, self.consumers[stream].resume_token())
+
+    def on_remote_server_up(self, client: ClientProtocol, server: str) -> None:
+        logger.info("remote server up: %s", server)
+
+    def disconnected(self, client: ClientProtocol, reason: Failure) -> None:
+        if client is self.client:
+            self.client = None
+        for consumer in self.consumers.values():
+            consumer.reset()
+        for call in self._retry_calls.values():
+            if call.active():
+                call.cancel()
+        self._retry_calls.clear()
+        self._reading_paused = False
+        if not self.stopping:
+            self.reconnects += 1
+            logger.warning("connection to the master lost: %s", reason.getErrorMessage())
+
+    # -- progress --------------------------------------------------------------------
+
+    def _pending_rows(self) -> int:
+        return sum(c.queued_rows for c in self.consumers.values())
+
+    def _progress(self, consumer: StreamConsumer) -> None:
+        if self._reading_paused and self._pending_rows() <= self.config.max_pending_rows // 2:
+            self._reading_paused = False
+            if self.client is not None and self.client.transport is not None:
+                self.client.transport.resumeProducing()
+        self._check_caught_up()
+
+    def caught_up(self) -> bool:
+        """Every stream positioned on this connection and nothing left to apply."""
+        client = self.client
+        return (
+            client is not None
+            and all(s in client.positioned for s in self.consumers)
+            and not any(c.busy for c in self.consumers.values())
+        )
+
+    def when_caught_up(self) -> "defer.Deferred[None]":
+        d: defer.Deferred = defer.Deferred()
+        self._caught_up_waiters.append(d)
+        self._check_caught_up()
+        return d
+
+    def _check_caught_up(self) -> None:
+        if self._caught_up_waiters and self.caught_up():
+            waiters, self._caught_up_waiters = self._caught_up_waiters, []
+            for d in waiters:
+                d.callback(None)
+
+    def lag_ms(self) -> dict[str, Optional[int]]:
+        now = int(time.time() * 1000)
+        return {s: c.lag_ms(now) for s, c in self.consumers.items()}
+
+    # -- commands to the master -------------------------------------------------------
+
+    def _send(self, command: Any) -> bool:
+        if self.client is None or self.client.transport is None:
+            return False
+        self.client.send(command)
+        return True
+
+    def user_sync(self, user_id: str, syncing: bool, last_sync_ms: Optional[int] = None) -> None:
+        """Tell the master a user started or stopped syncing here (re-sent after reconnects)."""
+        last = int(time.time() * 1000) if last_sync_ms is None else last_sync_ms
+        if syncing:
+            self.syncing_users[user_id] = last
+        else:
+            self.syncing_users.pop(user_id, None)
+        self._send(UserSyncCommand(self.config.name, user_id, syncing, last))
+
+    def federation_ack(self, token: int) -> None:
+        self._federation_ack = token
+        self._send(FederationAckCommand(self.config.name, token))
+
+    def remove_pusher(self, app_id: str, push_key: str, user_id: str) -> bool:
+        return self._send(RemovePusherCommand(app_id, push_key, user_id))
+
+    def remote_server_up(self, server: str) -> bool:
+        return self._send(RemoteServerUpCommand(server))
+
+
+class UnknownStreamError(ValueError):
+    pass
+
+
+class WorkerFactory(ReconnectingClientFactory):
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.initialDelay = worker.config.reconnect_initial
+        self.delay = self.initialDelay
+        self.maxDelay = worker.config.reconnect_max
+        self.factor = 2.0
+        self.jitter = 0.25
+        self.clock = worker.reactor
+        self.noisy = False
+
+    def buildProtocol(self, addr: Any) -> ClientProtocol:
+        # The delay resets after the handshake (on_server), not on TCP connect.
+        return ClientProtocol(
+            self.worker, self.worker.config.name, self.worker.protocol_config, self.worker.reactor, with_ts=True
+        )
+
+    def clientConnectionFailed(self, connector: Any, reason: Failure) -> None:
+        if not self.worker.stopping:
+            logger.warning(
+                "cannot connect to the master at %s:%s: %s (retrying in about %.1f s)",
+                connector.host, connector.port, reason.getErrorMessage(), self.delay,
+            )
+        super().clientConnectionFailed(connector, reason)
+
+
+def _sleep(reactor: Any, seconds: float) -> "defer.Deferred[None]":
+    from twisted.internet import task
+
+    return task.deferLater(reactor, seconds, lambda: None)
