@@ -211,21 +211,34 @@ def wait_for_port(host: str, port: int, timeout: float = START_TIMEOUT, process:
 class MasterProcess:
     """A ``tickline master`` running as a subprocess."""
 
-    def __init__(self, workdir: Path, config: Optional[str], args: Sequence[str], database: Optional[str], server_name: Optional[str]) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        config: Optional[str],
+        args: Sequence[str],
+        database: Optional[str],
+        server_name: Optional[str],
+        options: bool = True,
+    ) -> None:
         self.host = HOST
         self.port = free_port()
         self.workdir = workdir
         self.database = database or sqlite_url(workdir / "tickline.db")
         self.config_path: Optional[Path] = None
         if config is not None:
+            # $PORT and $DATABASE in the config stand for this master's own.
+            config = config.replace("$PORT", str(self.port)).replace("$DATABASE", self.database)
             self.config_path = workdir / "tickline.yaml"
             self.config_path.write_text(config, encoding="utf-8")
         self.server_name = server_name
         self.log_path = workdir / "master.log"
         self._clients: list[LineClient] = []
-        command = [*tickline_command(), "master", "--listen", f"{self.host}:{self.port}", "--database", self.database]
+        self._store = None
+        command = [*tickline_command(), "master"]
         if self.config_path is not None:
-            command[len(tickline_command()) + 1:len(tickline_command()) + 1] = ["-c", str(self.config_path)]
+            command += ["-c", str(self.config_path)]
+        if options:  # else the config file must give listen and database
+            command += ["--listen", f"{self.host}:{self.port}", "--database", self.database]
         if server_name is not None:
             command += ["--server-name", server_name]
         command += list(args)
@@ -278,6 +291,14 @@ class MasterProcess:
         assert result.returncode == 0, result.stderr
         return [int(line) for line in result.stdout.split()]
 
+    def append(self, stream: str, rows: list, batch: bool = False, instance: str = "writer") -> list[int]:
+        """Append rows from this (the test) process through the storage API; returns tokens."""
+        if self._store is None:
+            from storage.store import open_store
+
+            self._store = open_store(self.database)
+        return self._store.append(stream, rows, instance, batch=batch)
+
     def memory_kib(self, field: str = "VmHWM") -> int:
         """A memory figure of the master from /proc (VmHWM: peak resident set)."""
         for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
@@ -291,6 +312,8 @@ class MasterProcess:
     def stop(self) -> None:
         for client in self._clients:
             client.close()
+        if self._store is not None and hasattr(self._store, "close"):
+            self._store.close()
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
@@ -303,19 +326,29 @@ class MasterProcess:
 
 @pytest.fixture
 def master(tmp_path: Path) -> Iterator[Callable[..., MasterProcess]]:
-    """Factory: ``master(config_yaml=None, *extra_args, database=None, server_name=None)``.
+    """Factory: ``master(config_yaml=None, *extra_args, database=None, server_name=None, options=True)``.
 
     Starts ``tickline master`` on a free port of 127.0.0.1 and a SQLite database
-    in ``tmp_path`` and waits until it accepts connections. The returned object
-    has ``host``, ``port``, ``address``, ``database`` (URL), ``config_path``,
-    ``connect()``, ``write()`` and ``log()``. Every master is stopped at teardown.
+    in ``tmp_path`` and waits (polling connect, bounded) until it accepts
+    connections. The config text may use ``$PORT`` and ``$DATABASE``; with
+    ``options=False`` no ``--listen``/``--database`` is passed, so the config
+    must give them. The returned object has ``host``, ``port``, ``address``,
+    ``database`` (URL), ``config_path``, ``connect()``, ``write()`` (the CLI),
+    ``append()`` (in-process storage API), ``log()`` and ``memory_kib()``.
+    Every master is stopped (SIGTERM, then SIGKILL) at teardown.
     """
     started: list[MasterProcess] = []
 
-    def start(config: Optional[str] = None, *args: str, database: Optional[str] = None, server_name: Optional[str] = None) -> MasterProcess:
+    def start(
+        config: Optional[str] = None,
+        *args: str,
+        database: Optional[str] = None,
+        server_name: Optional[str] = None,
+        options: bool = True,
+    ) -> MasterProcess:
         workdir = tmp_path / f"master{len(started)}"
         workdir.mkdir()
-        proc = MasterProcess(workdir, config, args, database, server_name)
+        proc = MasterProcess(workdir, config, args, database, server_name, options)
         started.append(proc)
         return proc
 

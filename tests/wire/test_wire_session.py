@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
-EVENT = '["$e{}","!room","m.type",null,null]'
+EVENT_ROW = ["$e", "!room", "m.type", None, None]
 
 
 def test_handshake_is_server_name_then_ping(master) -> None:
@@ -24,21 +22,43 @@ def test_server_name_option(master) -> None:
     assert m.connect().read_line() == "SERVER master-a"
 
 
-def test_config_file_sets_name_and_listen_address(master, tmp_path, tickline) -> None:
-    # --listen on the command line wins over the file; the name comes from the file
-    m = master("server_name: from-config\n")
-    assert m.connect().read_line() == "SERVER from-config"
+def test_config_file_gives_name_listen_address_and_database(master) -> None:
+    # no --listen/--database: `tickline master -c FILE` alone
+    m = master("server_name: from-config\nlisten: 127.0.0.1:$PORT\ndatabase: $DATABASE\n", options=False)
+    m.append("events", [EVENT_ROW])
+    client = m.connect()
+    assert client.read_line() == "SERVER from-config"
+    client.send("REPLICATE events 0")
+    assert client.next_command() == "POSITION events master 0 0"
+    assert client.next_command().startswith("RDATA events writer 1 ")
+
+
+def test_server_name_option_wins_over_the_config(master) -> None:
+    m = master("server_name: from-config\n", server_name="from-cli")
+    assert m.connect().read_line() == "SERVER from-cli"
 
 
 def test_replicate_sends_a_position_for_every_stream(master) -> None:
     m = master()
-    m.write("events", EVENT.format(1), EVENT.format(2), EVENT.format(3))
-    m.write("caches", '["c", null, 1]')
+    m.append("events", [EVENT_ROW] * 3)
+    m.append("caches", [["c", None, 1]])
     client = m.connect()
     client.handshake()
     client.send("REPLICATE")
-    positions = sorted(client.next_command() for _ in range(2))
-    assert positions == ["POSITION caches master 1 1", "POSITION events master 3 3"]
+    # POSITION <stream> <instance> <prev> <new> for each stream, at the head the
+    # master has followed; rows committed after that follow as RDATA.
+    reached = {}
+    for _ in range(2):
+        _, stream, instance, prev, new = client.next_command().split(" ")
+        assert instance == "master" and prev == new
+        reached[stream] = int(new)
+    assert set(reached) == {"caches", "events"}
+    heads = {"caches": 1, "events": 3}
+    while reached != heads:
+        _, stream, _, token, _ = client.next_command(timeout=2.0).split(" ", 4)
+        assert int(token) == reached[stream] + 1
+        reached[stream] = int(token)
+    assert reached == heads
 
 
 def test_crlf_and_blank_lines(master) -> None:
@@ -85,7 +105,7 @@ def test_a_client_that_keeps_sending_is_not_timed_out(master) -> None:
     client = m.connect()
     client.handshake()
     client.send("PING 1")
-    deadline = time.monotonic() + 1.5
+    deadline = time.monotonic() + 1.0
     while time.monotonic() < deadline:
         client.send("PING 2")
         line = client.try_line(0.15)
@@ -94,15 +114,19 @@ def test_a_client_that_keeps_sending_is_not_timed_out(master) -> None:
     assert client.next_command() == "POSITION caches master 0 0"
 
 
-@pytest.mark.parametrize("command", ["USER_SYNC w1 @a:x start 5", "USER_SYNC w1 @a:x end 6", "CLEAR_USER_SYNC w1",
-                                     "FEDERATION_ACK w1 3", "REMOVE_PUSHER m.http k @a:x", "NAME w1",
-                                     "PING 123", "ERROR my side is sad", "OPTIONS ts"])
-def test_client_commands_are_accepted_silently(master, command: str) -> None:
+CLIENT_COMMANDS = [
+    "USER_SYNC w1 @a:x start 5", "USER_SYNC w1 @a:x end 6", "CLEAR_USER_SYNC w1", "FEDERATION_ACK w1 3",
+    "REMOVE_PUSHER m.http k @a:x", "NAME w1", "PING 123", "ERROR my side is sad", "OPTIONS ts",
+]
+
+
+def test_client_commands_are_accepted_silently(master) -> None:
     m = master()
     client = m.connect()
     client.handshake()
-    client.send(command, "BOGUS")  # the sentinel's ERROR must be the first answer
-    assert client.next_command() == "ERROR unknown command 'BOGUS'"
+    for i, command in enumerate(CLIENT_COMMANDS):
+        client.send(command, f"BOGUS{i}")  # the sentinel's ERROR must be the next answer
+        assert client.next_command() == f"ERROR unknown command 'BOGUS{i}'", command
 
 
 def test_remote_server_up_is_relayed_to_the_other_connections(master) -> None:

@@ -1,0 +1,97 @@
+"""Processes for integration tests: masters, workers and writers as real programs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from tests.conftest import ROOT, free_port, sqlite_url, tickline_command
+
+__all__ = ["Proc", "free_port", "sqlite_url", "wait_for", "query_one", "peak_rss_kb"]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+class Proc:
+    """A ``tickline`` subcommand running in the background, its output in a log file."""
+
+    def __init__(self, log: Path, *args: str) -> None:
+        self.args = args
+        self.log = log
+        self._file = open(log, "ab")
+        self.popen = subprocess.Popen(
+            [*tickline_command(), *args], stdout=self._file, stderr=subprocess.STDOUT, cwd=ROOT, env=_env()
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def kill(self) -> None:
+        """SIGKILL: no clean-up of any kind."""
+        self.popen.kill()
+        self.popen.wait(timeout=10)
+        self._file.close()
+
+    def stop(self, timeout: float = 15) -> int:
+        """SIGTERM and wait for the exit code."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+        code = self.popen.wait(timeout=timeout)
+        self._file.close()
+        return code
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:
+    """Poll ``condition`` until true; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
+
+
+def query_one(db: Path, sql: str, default=None):
+    """One value from a SQLite file that another process writes (None-safe)."""
+    if not db.exists():
+        return default
+    try:
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+        try:
+            row = conn.execute(sql).fetchone()
+        finally:
+            conn.close()
+    except sqlite3.OperationalError:
+        return default  # table not created yet
+    return default if row is None or row[0] is None else row[0]
+
+
+def peak_rss_kb(pid: int) -> Optional[int]:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None

@@ -1,0 +1,305 @@
+"""The worker at the protocol level: lines in, exactly-once effects out.
+
+The worker is driven with real command lines through ``ClientProtocol`` on a
+``StringTransport``, with Twisted's ``Clock`` for timers, and applies into a
+real SQLite worker database. The only difference from production is that
+applies run synchronously instead of on the database thread, so every step is
+deterministic.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from typing import Any, Callable, Optional
+
+import attr
+import pytest
+from twisted.internet import defer
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+
+from replication.client import ClientProtocol
+from replication.protocol import ProtocolConfig
+from replication.streams import all_streams
+from storage.worker_store import open_worker_store
+from workers.caches import CacheRegistry
+from workers.consumer import ApplySettings
+from workers.handlers import HandlerRegistry
+from workers.worker import Worker, WorkerConfig
+
+TS = 470_000_000_000_000_000
+
+
+class SyncWorker(Worker):
+    """Applies in the calling thread; ``hold`` keeps applies pending to test flow control."""
+
+    hold: Optional[list] = None
+
+    def _apply_in_db(self, stream: str, token: int, effects: Callable[[Any], None]) -> defer.Deferred:
+        if self.hold is not None:
+            d: defer.Deferred = defer.Deferred()
+            self.hold.append((d, stream, token, effects))
+            return d
+        return defer.maybeDeferred(self.store.apply, stream, token, effects)
+
+
+def ev(n: int) -> str:
+    return f'["$e{n}", "!r", "m.t", null, null, {TS + n}]'
+
+
+class Harness:
+    def __init__(self, tmp_path, **config: Any) -> None:
+        self.path = tmp_path / "w.db"
+        self.clock = Clock()
+        self.handlers = config.pop("handlers", HandlerRegistry())
+        self.caches = config.pop("caches", CacheRegistry({"room_caches": ["members", "state"]}))
+        defaults = dict(name="w1", replicate=("events",), apply=ApplySettings(retry_initial=1.0))
+        self.config = WorkerConfig(**{**defaults, **config})
+        self.store = open_worker_store(f"sqlite:///{self.path}")
+        self.worker = SyncWorker(
+            self.config, ProtocolConfig(), self.store, all_streams(), self.clock, self.handlers, self.caches
+        )
+        self.worker.prepare()
+        self.connect()
+
+    def connect(self) -> None:
+        self.transport = StringTransport()
+        self.proto = ClientProtocol(self.worker, "w1", ProtocolConfig(), self.clock, with_ts=True)
+        self.proto.makeConnection(self.transport)
+
+    def disconnect(self) -> None:
+        from twisted.internet.error import ConnectionLost
+        from twisted.python.failure import Failure
+
+        self.proto.connectionLost(Failure(ConnectionLost()))
+
+    def send(self, *lines: str) -> None:
+        self.proto.dataReceived("".join(line + "\n" for line in lines).encode())
+
+    def sent(self) -> list[str]:
+        out = self.transport.value().decode().splitlines()
+        self.transport.clear()
+        return [line for line in out if not line.startswith("PING ")]
+
+    def rows(self) -> list[tuple]:
+        conn = sqlite3.connect(self.path)
+        return conn.execute("SELECT token, instance_name, ts, event_id FROM replicated_events ORDER BY token, event_id").fetchall()
+
+    def applied(self, stream: str = "events") -> int:
+        return self.store.applied_tokens().get(stream, 0)
+
+
+@pytest.fixture
+def h(tmp_path) -> Harness:
+    return Harness(tmp_path)
+
+
+def test_handshake_waits_for_server_then_resumes_every_stream(h) -> None:
+    assert h.sent() == ["NAME w1", "OPTIONS ts"]
+    h.send("SERVER tickline")
+    assert h.sent() == ["REPLICATE caches 0", "REPLICATE events 0"]
+
+
+def test_wrong_server_name_is_refused_before_any_replicate(tmp_path, caplog) -> None:
+    h = Harness(tmp_path, server_name="prod")
+    h.sent()
+    with caplog.at_level(logging.ERROR):
+        h.send("SERVER staging")
+    assert h.sent() == ["ERROR wrong server: expected 'prod', got 'staging'"]
+    assert h.transport.disconnecting
+    assert "expected 'prod'" in caplog.text
+
+
+def test_rows_are_applied_with_token_instance_and_ts(h) -> None:
+    h.send("SERVER s", "POSITION events m 0 0", f"RDATA events w1 1 {ev(1)}", f"RDATA events w2 2 {ev(2)}")
+    assert h.rows() == [(1, "w1", TS + 1, "$e1"), (2, "w2", TS + 2, "$e2")]
+    assert h.applied() == 2
+
+
+def test_rdata_before_its_position_is_dropped(h) -> None:
+    h.send("SERVER s", f"RDATA events m 1 {ev(1)}")
+    h.send("POSITION events m 0 0", f"RDATA events m 2 {ev(2)}")
+    assert h.rows() == [(2, "m", TS + 2, "$e2")]
+
+
+def test_batch_is_held_until_its_real_token_then_applied_together(h) -> None:
+    h.send("SERVER s", "POSITION events m 0 0", f"RDATA events m batch {ev(1)}", f"RDATA events m batch {ev(2)}")
+    assert h.rows() == [] and h.applied() == 0
+    h.send(f"RDATA events m 1 {ev(3)}")
+    assert [r[0] for r in h.rows()] == [1, 1, 1] and h.applied() == 1
+
+
+def test_batch_cut_by_a_disconnect_is_never_applied(h) -> None:
+    h.send("SERVER s", "POSITION events m 0 0", f"RDATA events m batch {ev(1)}")
+    h.disconnect()
+    h.connect()
+    h.sent()
+    h.send("SERVER s")
+    assert "REPLICATE events 0" in h.sent()
+    h.send("POSITION events m 0 0", f"RDATA events m 1 {ev(3)}")
+    assert [r[3] for r in h.rows()] == ["$e3"]
+
+
+def test_stale_rows_at_or_below_the_applied_token_are_dropped(h) -> None:
+    h.send("SERVER s", "POSITION events m 0 0", f"RDATA events m 1 {ev(1)}", f"RDATA events m 2 {ev(2)}")
+    h.send(f"RDATA events m 2 {ev(20)}", f"RDATA events m 1 {ev(10)}", f"RDATA events m 3 {ev(3)}")
+    assert [r[3] for r in h.rows()] == ["$e1", "$e2", "$e3"]
+
+
+def test_position_with_a_gap_asks_for_the_missed_rows(h) -> None:
+    h.send("SERVER s", "POSITION events m 0 0", f"RDATA events m 1 {ev(1)}")
+    h.sent()
+    h.send("POSITION events m 5 7")
+    assert h.sent() == ["REPLICATE events 1"]
+    assert h.applied() == 1  # did not move past the gap
+    h.send("POSITION events m 1 1", *(f"RDATA events m {n} {ev(n)}" for n in range(2, 8)))
+    assert h.applied() == 7 and len(h.rows()) == 7
+
+
+def test_position_at_or_below_the_applied_token_moves_without_fetching(h) -> None:
+    h.send("SERVER s", "POSITION events m 0 0", f"RDATA events m 1 {ev(1)}")
+    h.sent()
+    h.send("POSITION events m 1 10")
+    assert h.sent() == []
+    assert h.applied() == 10
+    h.send(f"RDATA events m 9 {ev(9)}", f"RDATA events m 11 {ev(11)}")
+    assert [r[0] for r in h.rows()] == [1, 11]
+
+
+def test_resume_after_a_crash_from_the_applied_token(tmp_path) -> None:
+    first = Harness(tmp_path)
+    first.send("SERVER s", "POSITION events m 0 0", f"RDATA events m 1 {ev(1)}", f"RDATA events m 2 {ev(2)}")
+    first.send(f"RDATA events m batch {ev(3)}")  # never completed: lost with the process
+    again = Harness(tmp_path)  # a new process on the same database
+    again.sent()
+    again.send("SERVER s")
+    assert "REPLICATE events 2" in again.sent()
+    again.send("POSITION events m 2 2", f"RDATA events m 3 {ev(3)}")
+    assert [r[0] for r in again.rows()] == [1, 2, 3]
+
+
+def test_failing_handler_stops_the_stream_and_is_retried_never_skipped(tmp_path, caplog) -> None:
+    handlers = HandlerRegistry()
+    broken = {"on": True}
+    seen: list[int] = []
+
+    @handlers.handler("events")
+    def picky(ctx, rows) -> None:
+        for row in rows:
+            if row.values[0] == "$e2" and broken["on"]:
+                raise RuntimeError("handler refuses $e2")
+            seen.append(row.token)
+
+    h = Harness(tmp_path, handlers=handlers)
+    with caplog.at_level(logging.WARNING):
+        h.send("SERVER s", "POSITION events m 0 0", *(f"RDATA events m {n} {ev(n)}" for n in (1, 2, 3)))
+        h.clock.advance(0)  # the grouped apply failed: retry token by token
+    assert h.applied() == 1
+    assert [r[0] for r in h.rows()] == [1]  # the failed transaction left nothing behind
+    assert "handler refuses $e2" in caplog.text and "$e2" in caplog.text
+    h.clock.advance(1.0)
+    h.clock.advance(2.0)
+    assert h.applied() == 1  # still failing, still not skipped
+    broken["on"] = False
+    h.clock.advance(4.0)
+    assert h.applied() == 3
+    assert [r[0] for r in h.rows()] == [1, 2, 3]
+
+
+def test_too_many_pending_rows_pause_reading(tmp_path) -> None:
+    h = Harness(tmp_path, max_pending_rows=4)
+    h.worker.hold = []
+    h.send("SERVER s", "POSITION events m 0 0", *(f"RDATA events m {n} {ev(n)}" for n in range(1, 7)))
+    assert h.transport.producerState == "paused"
+    while h.worker.hold:
+        d, stream, token, effects = h.worker.hold.pop(0)
+        h.store.apply(stream, token, effects)
+        d.callback(None)
+    assert h.transport.producerState == "producing"
+    assert h.applied() == 6
+
+
+def test_worker_commands_to_the_master(h) -> None:
+    h.send("SERVER s")
+    h.sent()
+    h.worker.user_sync("@u:x", True, 5)
+    h.worker.federation_ack(42)
+    h.worker.remove_pusher("app", "key with space", "@u:x")
+    h.worker.remote_server_up("other.example")
+    assert h.sent() == [
+        "USER_SYNC w1 @u:x start 5",
+        "FEDERATION_ACK w1 42",
+        "REMOVE_PUSHER app key with space @u:x",
+        "REMOTE_SERVER_UP other.example",
+    ]
+    # After a reconnect the syncing users and the last ack are sent again.
+    h.disconnect()
+    h.connect()
+    h.sent()
+    h.send("SERVER s")
+    assert h.sent()[-2:] == ["USER_SYNC w1 @u:x start 5", "FEDERATION_ACK w1 42"]
+
+
+# -- caches ---------------------------------------------------------------------
+
+
+def cache_row(token: int, name: str, keys: str) -> str:
+    return f'RDATA caches m {token} ["{name}", {keys}, 1, {TS + token}]'
+
+
+@pytest.fixture
+def cached(h):
+    calls: list[str] = []
+
+    @h.caches.cached("members")
+    def members(room: str) -> str:
+        calls.append(room)
+        return f"members of {room}"
+
+    state = h.caches.cache("state")
+    state.set(("!a",), "s")
+    members("!a"), members("!b")
+    h.send("SERVER s", "POSITION caches m 0 0")
+    return members, state, calls
+
+
+def test_one_key_is_invalidated(h, cached) -> None:
+    members, state, calls = cached
+    h.send(cache_row(1, "members", '["!a"]'))
+    assert ("!a",) not in members.cache and ("!b",) in members.cache
+    members("!a")
+    assert calls == ["!a", "!b", "!a"]
+    assert h.applied("caches") == 1
+
+
+def test_null_keys_invalidate_the_whole_cache(h, cached) -> None:
+    members, state, calls = cached
+    h.send(cache_row(1, "members", "null"))
+    assert len(members.cache) == 0 and len(state) == 1
+
+
+def test_special_name_invalidates_several_caches(h, cached) -> None:
+    members, state, calls = cached
+    h.send(cache_row(1, "room_caches", '["!a"]'))
+    assert ("!a",) not in members.cache and ("!a",) not in state
+    assert ("!b",) in members.cache
+    h.send(cache_row(2, "room_caches", "null"))
+    assert len(members.cache) == 0 and len(state) == 0
+
+
+def test_invalidation_batch_applies_at_its_token(h, cached) -> None:
+    members, state, calls = cached
+    h.send(f'RDATA caches m batch ["members", ["!a"], 1, {TS}]')
+    assert ("!a",) in members.cache
+    h.send(cache_row(1, "state", "null"))
+    assert ("!a",) not in members.cache and len(state) == 0
+
+
+def test_lru_size_limit() -> None:
+    registry = CacheRegistry(default_max_size=2)
+    cache = registry.cache("c")
+    cache.set("a", 1), cache.set("b", 2), cache.get("a"), cache.set("c", 3)
+    assert "a" in cache and "c" in cache and "b" not in cache
+    with pytest.raises(ValueError):
+        CacheRegistry({"x": ["a"]}).cache("x")
