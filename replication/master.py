@@ -24,6 +24,7 @@ from replication.dbthreads import DatabaseThreads
 from replication.protocol import ProtocolConfig
 from replication.rows import RowEncoder, encode_rows, row_encoder
 from replication.server import ServerProtocol, Subscription
+from replication.streams import cache_invalidation_row
 from storage.schema import StreamSchema
 from storage.store import TOKEN
 
@@ -216,6 +217,19 @@ class Master:
                 sub.live = False
                 self.unsubscribe_live(conn, sub)
                 conn.pump(sub)
+
+    def invalidate_cache(
+        self, cache_name: str, keys: Optional[list[Any]] = None
+    ) -> "defer.Deferred[int]":
+        """Record a cache invalidation on the ``caches`` stream; fires with its token."""
+        row = cache_invalidation_row(cache_name, keys, int(self.reactor.seconds() * 1000))
+        d = self.db.run(self.store.append, "caches", [row], self.config.instance_name)
+
+        def written(tokens: list[int]) -> int:
+            self.notify()
+            return tokens[0]
+
+        return d.addCallback(written)
 
     # -- connections ---------------------------------------------------------------
 

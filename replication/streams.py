@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from storage.schema import Column, SchemaError, StreamSchema
 
@@ -27,6 +27,15 @@ CACHES = StreamSchema(
 )
 
 BUILTIN_STREAMS: tuple[StreamSchema, ...] = (EVENTS, CACHES)
+
+
+def cache_invalidation_row(cache_name: str, keys: Optional[Sequence[Any]], now_ms: int) -> list[Any]:
+    """A ``caches`` row: invalidate one key (its parts as a list) or, with None, the whole cache."""
+    if not isinstance(cache_name, str) or not cache_name:
+        raise SchemaError(f"cache name must be a non-empty string, got {cache_name!r}")
+    if keys is not None and not isinstance(keys, (list, tuple)):
+        raise SchemaError(f"cache keys must be a list of the key's parts or None, got {keys!r}")
+    return [cache_name, None if keys is None else list(keys), now_ms]
 
 
 def schema_from_config(name: str, declaration: Mapping[str, Any]) -> StreamSchema:

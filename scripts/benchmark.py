@@ -181,7 +181,7 @@ class Profiler:
     def __init__(self, pyspy: str, pid: int, out: str) -> None:
         self.out = out
         self.proc = subprocess.Popen(
-            [pyspy, "record", "--pid", str(pid), "--format", "raw", "--rate", "200", "--threads",
+            [pyspy, "record", "--pid", str(pid), "--format", "raw", "--rate", "500", "--threads",
              "--nonblocking", "--output", out],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
@@ -246,13 +246,14 @@ def _wait_for_profiler() -> None:
 
 
 def role_tickline_client(port: int, rows: int, mode: str, timeout: float, profiled: bool) -> int:
-    if profiled:
-        _wait_for_profiler()
     from twisted.internet import reactor
     from twisted.internet.protocol import ClientFactory
 
     from replication.client import ClientProtocol, ReplicationHandler
     from replication.protocol import ProtocolConfig
+
+    if profiled:
+        _wait_for_profiler()
 
     result: dict[str, Any] = {"rows": 0, "t_start": 0.0, "t_first": None, "t_last": None}
 
@@ -307,11 +308,12 @@ def role_tickline_client(port: int, rows: int, mode: str, timeout: float, profil
 
 
 def role_baseline_client(port: int, rows: int, timeout: float, profiled: bool) -> int:
-    if profiled:
-        _wait_for_profiler()
     from twisted.internet import reactor
     from twisted.internet.protocol import ClientFactory
     from twisted.protocols.basic import LineOnlyReceiver
+
+    if profiled:
+        _wait_for_profiler()
 
     result: dict[str, Any] = {"rows": 0, "t_start": 0.0, "t_first": None, "t_last": None}
 
@@ -445,7 +447,6 @@ def run_wire(
         next_row = rows
 
         for i in range(repeat):
-            last = i == repeat - 1
             r = run_client(["_baseline-client", "--port", str(base_port), "--rows", str(rows),
                             "--timeout", str(timeout)], timeout + 10)
             if "error" in r:
@@ -454,15 +455,8 @@ def run_wire(
             log(f"run {i + 1}: baseline {_fmt(rates['baseline'][-1])} lines/s")
 
             if "wire" in scenarios:
-                profile = None
-                if pyspy and last:
-                    profilers.append(Profiler(pyspy, master.proc.pid, os.path.join(profile_dir, "master-wire.txt")))
-                    profile = (pyspy, os.path.join(profile_dir, "client-wire.txt"))
-                args = ["_tickline-client", "--port", str(port), "--rows", str(head), "--mode", "replay",
-                        "--timeout", str(timeout)] + (["--profiled"] if profile else [])
-                r = run_client(args, timeout + 10, profile=profile)
-                while profilers:
-                    profilers.pop().stop()
+                r = run_client(["_tickline-client", "--port", str(port), "--rows", str(head), "--mode", "replay",
+                                "--timeout", str(timeout)], timeout + 10)
                 if "error" in r:
                     raise BenchError(f"tickline client: {r['error']}\n{master.log_tail()}")
                 rates["wire"].append(_rate(r["rows"], r["t_last"] - r["t_start"]))
@@ -483,6 +477,18 @@ def run_wire(
                     raise BenchError(f"tickline live client: {r['error']}\n{master.log_tail()}")
                 rates["wire-live"].append(_rate(r["rows"], r["t_last"] - r["t_commit"]))
                 log(f"run {i + 1}: tickline live {_fmt(rates['wire-live'][-1])} rows/s")
+
+        if pyspy:
+            # One more replay run under py-spy; sampling takes a core, so it is not timed.
+            profilers.append(Profiler(pyspy, master.proc.pid, os.path.join(profile_dir, "master-wire.txt")))
+            profile = (pyspy, os.path.join(profile_dir, "client-wire.txt"))
+            r = run_client(["_tickline-client", "--port", str(port), "--rows", str(head), "--mode", "replay",
+                            "--timeout", str(timeout), "--profiled"], timeout + 10, profile=profile)
+            while profilers:
+                profilers.pop().stop()
+            if "error" in r:
+                raise BenchError(f"profiled tickline client: {r['error']}\n{master.log_tail()}")
+            log(f"profiled run: tickline replay {_fmt(_rate(r['rows'], r['t_last'] - r['t_start']))} rows/s")
     finally:
         while profilers:
             profilers.pop().stop()
@@ -523,9 +529,11 @@ def summarize_profile(path: str, top: int = 12) -> str:
             thread = head.partition(": ")[2] or head
             thread = thread.rstrip("0123456789-").rstrip("-") or thread  # pool threads as one
             frames = []
-            for frame in rest.split(";"):
+            for frame in filter(None, rest.split(";")):
                 name, _, where = frame.partition(" (")
                 frames.append(f"{name} ({where.rsplit(':', 1)[0]})" if where else name)
+            if not frames:
+                continue
             samples += count
             threads[thread] += count
             own[frames[-1]] += count
