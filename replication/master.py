@@ -70,6 +70,7 @@ class Master:
         self._poller: Optional[task.LoopingCall] = None
         self._following = False
         self._follow_again = False
+        self._follow_waiters: list[defer.Deferred[None]] = []
         self.port: Optional[IListeningPort] = None
 
     # -- start and stop ------------------------------------------------------------
@@ -164,14 +165,24 @@ class Master:
         self._following = True
         return defer.ensureDeferred(self._follow_loop())
 
+    def followed(self) -> "defer.Deferred[None]":
+        """Fires once the master has looked at the store's heads after this call."""
+        d: "defer.Deferred[None]" = defer.Deferred()
+        self._follow_waiters.append(d)
+        self._follow_heads()
+        return d
+
     async def _follow_loop(self) -> None:
         try:
             while True:
                 self._follow_again = False
+                waiters, self._follow_waiters = self._follow_waiters, []
                 try:
                     await self._advance()
                 except Exception:
                     logger.exception("following stream heads failed; retrying")
+                for d in waiters:
+                    d.callback(None)
                 if not self._follow_again:
                     return
         finally:

@@ -69,6 +69,7 @@ class ServerProtocol(LineCommandProtocol):
         self.paused = False
         self._pause_timer = None
         self.clock_offset_ms: Optional[int] = None
+        self._pending_replicates = 0  # REPLICATEs waiting for the master to follow the store
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -90,7 +91,7 @@ class ServerProtocol(LineCommandProtocol):
 
     def finish_after_half_close(self) -> None:
         # Finish replays owed to a half-closed peer (nc -q1), then close.
-        if not any(not sub.live for sub in self.subscriptions.values()):
+        if not self._pending_replicates and all(sub.live for sub in self.subscriptions.values()):
             self.close()
 
     @property
@@ -142,16 +143,33 @@ class ServerProtocol(LineCommandProtocol):
             return
         stream, token = command.stream, command.token
         assert token is not None
+        if not master.has_stream(stream) or token > master.live_token(stream):
+            # The stream or the rows may be committed but not yet followed by
+            # the master: look at the store once more before refusing.
+            self._pending_replicates += 1
+            master.followed().addBoth(self._replicate_after_follow, stream, token)
+            return
+        self._replicate_from(stream, token)
+
+    def _replicate_after_follow(self, _: object, stream: str, token: int) -> None:
+        self._pending_replicates -= 1
+        if self._closing:
+            return
+        master = self.master
         if not master.has_stream(stream):
             self.send_error(
                 f"unknown stream {stream!r} (streams: {', '.join(master.stream_names())})"
             )
-            return
-        head = master.live_token(stream)
-        if token > head:
+        elif token > master.live_token(stream):
+            head = master.live_token(stream)
             self.send_error(f"token {token} is above the head {head} of stream {stream!r}")
-            return
-        self.send(PositionCommand(stream, master.config.instance_name, token, token))
+        else:
+            self._replicate_from(stream, token)
+        if self.read_closed:
+            self.finish_after_half_close()
+
+    def _replicate_from(self, stream: str, token: int) -> None:
+        self.send(PositionCommand(stream, self.master.config.instance_name, token, token))
         self._start(stream, token)
 
     def on_USER_SYNC(self, command: UserSyncCommand) -> None:

@@ -117,6 +117,16 @@ def fill_database(url: str, rows: int) -> int:
 # -- processes -----------------------------------------------------------------
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of a process so far (Linux; 0 elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -299,8 +309,10 @@ def role_tickline_client(port: int, rows: int, mode: str, timeout: float, profil
 
     timer = reactor.callLater(timeout, timed_out)
     result["t_start"] = time.monotonic()
+    cpu = time.process_time()
     reactor.connectTCP("127.0.0.1", port, Factory())
     reactor.run()
+    result["cpu"] = time.process_time() - cpu
     if timer.active():
         timer.cancel()
     print(json.dumps(result), flush=True)
@@ -343,8 +355,10 @@ def role_baseline_client(port: int, rows: int, timeout: float, profiled: bool) -
 
     timer = reactor.callLater(timeout, timed_out)
     result["t_start"] = time.monotonic()
+    cpu = time.process_time()
     reactor.connectTCP("127.0.0.1", port, Factory())
     reactor.run()
+    result["cpu"] = time.process_time() - cpu
     if timer.active():
         timer.cancel()
     print(json.dumps(result), flush=True)

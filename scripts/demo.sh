@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up, then run a master on the embedded SQLite database with a demo writer
-# and a tail, so rows can be seen flowing. Ctrl-C stops everything.
+# Set up, then run a master on the embedded SQLite database with a demo writer,
+# a worker copying events into replicated_events (worker.db), and a tail, so
+# rows can be seen flowing. Ctrl-C stops everything.
 #   DEMO_SECONDS=N   stop by itself after N seconds (default: run until stopped)
 #   TICKLINE_CONFIG  configuration file (default: sample_config.yaml)
 set -euo pipefail
@@ -12,7 +13,11 @@ tickline=.venv/bin/tickline
 pids=()
 cleanup() {
     trap - EXIT INT TERM
-    for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+    # Readers first, the master last, so nobody reports a lost master.
+    for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
+        kill "${pids[i]}" 2>/dev/null || true
+        wait "${pids[i]}" 2>/dev/null || true
+    done
     wait 2>/dev/null || true
 }
 trap cleanup EXIT
@@ -28,6 +33,8 @@ for _ in $(seq 100); do
     "$tickline" tail -c "$config" --count 0 events 2>/dev/null && break
     sleep 0.1
 done
+"$tickline" worker -c "$config" --name demo-worker --replicate events &
+pids+=($!)
 "$tickline" tail -c "$config" --from 0 events &
 pids+=($!)
 if [ -n "${DEMO_SECONDS:-}" ]; then

@@ -7,6 +7,8 @@ import pytest
 
 from replication.master import MasterConfig
 from replication.protocol import ProtocolConfig
+from workers.consumer import ApplySettings
+from workers.worker import WorkerConfig
 from scripts.cli import main
 from scripts.config import ConfigError, config_from_mapping, load_config
 
@@ -27,8 +29,12 @@ def test_sample_config_loads_and_states_the_defaults() -> None:
     assert config.protocol == ProtocolConfig()
     assert "metrics" in config.streams
     text = open(SAMPLE).read()
-    for field in attr.fields(ProtocolConfig):
-        assert f"  {field.name}:" in text, f"sample_config.yaml does not document protocol.{field.name}"
+    for cls in (ProtocolConfig, MasterConfig, WorkerConfig, ApplySettings):
+        for field in attr.fields(cls):
+            if field.name in ("listen_host", "listen_port", "master_host", "master_port", "apply"):
+                continue
+            assert f"{field.name}:" in text, f"sample_config.yaml does not document {field.name}"
+    assert config.worker == WorkerConfig()
 
 
 def test_values_are_taken() -> None:
@@ -62,6 +68,18 @@ def test_values_are_taken() -> None:
         ({"streams": {"m": {"columns": []}}}, "'columns' must be a non-empty list"),
         ({"streams": {"m": {"columns": [{"name": "a"}]}}}, "needs 'name' and 'type'"),
         ({"streams": {"Bad": {"columns": [{"name": "a", "type": "text"}]}}}, "bad stream name"),
+        ({"worker": {"replicate": ["nosuch"]}}, "worker.replicate: unknown stream 'nosuch'"),
+        ({"worker": {"replicate": "events"}}, "worker.replicate: expected a list of names"),
+        ({"worker": {"master": "nowhere"}}, "worker.master: expected HOST:PORT"),
+        ({"worker": {"database": "oracle://x"}}, "worker.database: unsupported database URL"),
+        ({"worker": {"handlers": ["a.b"]}}, "worker.handlers: expected a mapping"),
+        ({"worker": {"handlers": {"nosuch": ["a.b"]}}}, "worker.handlers.nosuch: unknown stream"),
+        ({"worker": {"apply_rows": 0}}, "worker.apply_rows: expected a positive whole number"),
+        ({"worker": {"invalidate_caches": "yes"}}, "worker.invalidate_caches: expected true or false"),
+        ({"worker": {"nme": "w"}}, "worker.nme: unknown key"),
+        ({"caches": {"special": {"x": "a"}}}, "caches.special.x: expected a list of names"),
+        ({"caches": {"max_size": -5}}, "caches.max_size: expected a positive whole number"),
+        ({"caches": {"size": 5}}, "caches.size: unknown key"),
     ],
 )
 def test_bad_config_names_the_key(raw, key) -> None:

@@ -444,6 +444,46 @@ def test_bad_input_gets_error_and_the_connection_stays_open(env: Env, line: str,
     assert conn.commands() == ["POSITION caches master 0 0", "POSITION events master 0 0"]
 
 
+def test_committed_token_not_yet_followed_is_not_above_the_head(env: Env) -> None:
+    conn = env.connected()
+    env.write("events", [event(1), event(2)])  # committed; the poller has not run
+    assert env.master.live_token("events") == 0
+    conn.send("REPLICATE events 2", "REPLICATE events 1")
+    lines = conn.commands()
+    assert lines[0] == "POSITION events master 2 2"
+    assert lines[1] == "POSITION events master 1 1"
+    assert tokens(lines) == [2]
+    conn.send("REPLICATE events 3")
+    assert conn.commands() == ["ERROR token 3 is above the head 2 of stream 'events'"]
+
+
+def test_stream_created_by_another_writer_is_found_on_replicate(env: Env, tmp_path: Path) -> None:
+    from storage.schema import Column, StreamSchema
+
+    conn = env.connected()
+    env.store.register_stream(StreamSchema("fresh", (Column("body", "text"),)))
+    env.write("fresh", [["hello"]])
+    conn.send("REPLICATE fresh 0")
+    assert conn.commands() == ["POSITION fresh master 0 0", 'RDATA fresh writer 1 ["hello"]']
+
+
+def test_half_close_waits_for_a_replicate_that_waits_for_the_store(env: Env) -> None:
+    conn = env.connected()
+    env.write("events", [event(1)])
+    env.db.hold = True
+    conn.proto.dataReceived(b"REPLICATE events 0\nREPLICATE events 1\n")
+    conn.proto.readConnectionLost()
+    assert not conn.closing
+    env.db.release()
+    lines = conn.commands()
+    assert lines == [
+        "POSITION events master 0 0",
+        'RDATA events writer 1 ["$e1","!room","m.type",null,null]',
+        "POSITION events master 1 1",
+    ] or lines[0] == "POSITION events master 1 1", lines
+    assert conn.closing
+
+
 def test_invalid_utf8_gets_error_and_the_connection_stays_open(env: Env) -> None:
     conn = env.connected()
     conn.proto.dataReceived(b"NAME caf\xe9\n\xff\xfe\n")
