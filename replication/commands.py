@@ -60,22 +60,33 @@ class UnknownCommand(ValueError):
     """A line's first word is no command of this protocol."""
 
 
+# Words already checked (stream, instance and server names repeat on every line).
+_GOOD_WORDS: set[str] = set()
+_GOOD_WORDS_MAX = 4096
+
+
 def _word(value: str, what: str) -> str:
+    if value in _GOOD_WORDS:
+        return value
     if not _WORD.fullmatch(value):
         raise MalformedCommand(f"{what} must be one word of printable ASCII, got {value!r}")
+    if len(_GOOD_WORDS) < _GOOD_WORDS_MAX:
+        _GOOD_WORDS.add(value)
     return value
 
 
 def _token(value: str, what: str) -> int:
-    if not _TOKEN.fullmatch(value) or int(value) > MAX_TOKEN:
-        raise MalformedCommand(f"{what} must be a non-negative integer, got {value!r}")
-    return int(value)
+    if _TOKEN.fullmatch(value):
+        token = int(value)
+        if token <= MAX_TOKEN:
+            return token
+    raise MalformedCommand(f"{what} must be a non-negative integer, got {value!r}")
 
 
 def _split(args: str, count: int, usage: str) -> list[str]:
     """Split ``args`` into exactly ``count`` words (the last one may hold spaces)."""
     parts = args.split(" ", count - 1) if args else []
-    if len(parts) != count or any(not part for part in parts):
+    if len(parts) != count or "" in parts:
         raise MalformedCommand(f"expected {usage}")
     return parts
 

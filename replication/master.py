@@ -11,15 +11,16 @@ per connection, paced by that connection (see ``replication.server``).
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import attr
 from twisted.internet import defer, task
-from twisted.internet.interfaces import IListeningPort
+from twisted.internet.interfaces import IListeningPort, IReadDescriptor
 from twisted.internet.protocol import Factory
+from zope.interface import implementer
 
 from replication.client_commands import ClientCommandHandlers
-from replication.commands import PingCommand
+from replication.commands import PingCommand, PositionCommand
 from replication.dbthreads import DatabaseThreads
 from replication.protocol import ProtocolConfig
 from replication.rows import RowEncoder, encode_rows, row_encoder
@@ -40,7 +41,8 @@ class MasterConfig:
     listen_host: str = "127.0.0.1"
     listen_port: int = 9322
     secret: Optional[str] = None
-    poll_interval: float = 0.05  # seconds between looks at the store's heads
+    poll_interval: float = 0.05  # seconds between looks at the store's heads (SQLite)
+    writer_timeout: float = 5.0  # drop a writer silent this long from the safe position (PostgreSQL)
     fanout_rows: int = 10000  # rows per storage read for live fan-out
     db_threads: int = 4
 
@@ -71,6 +73,7 @@ class Master:
         self._following = False
         self._follow_again = False
         self._follow_waiters: list[defer.Deferred[None]] = []
+        self._notifications: Optional[NotificationReader] = None
         self.port: Optional[IListeningPort] = None
 
     # -- start and stop ------------------------------------------------------------
@@ -79,12 +82,21 @@ class Master:
         """Register the streams, read their heads, start following and listening."""
         self.db.start()
         await self.db.run(self._register_all)
-        for stream, head in (await self.db.run(self.store.heads)).items():
+        for stream, head in (await self.db.run(self.store.safe_positions)).items():
             if stream in self._schemas:
                 self._live[stream] = head
+        notifier = await self.db.run(self.store.notifier)
+        if notifier is not None:
+            # PostgreSQL: commits and writer reports wake us (LISTEN/NOTIFY);
+            # the slow loop only notices writers that went silent.
+            self._notifications = NotificationReader(notifier, self.notify)
+            self.reactor.addReader(self._notifications)
+            interval = max(self.config.writer_timeout / 5, self.config.poll_interval)
+        else:
+            interval = self.config.poll_interval
         self._poller = task.LoopingCall(self._follow_heads)
         self._poller.clock = self.reactor
-        self._poller.start(self.config.poll_interval, now=False).addErrback(
+        self._poller.start(interval, now=False).addErrback(
             lambda f: logger.error("following stream heads stopped: %s", f.getTraceback())
         )
         factory = Factory.forProtocol(lambda: ServerProtocol(self, self.protocol_config, self.reactor))
@@ -106,8 +118,13 @@ class Master:
             self._poller.stop()
         if self.port is not None:
             await self.port.stopListening()
+        if self._notifications is not None:
+            self.reactor.removeReader(self._notifications)
+            self._notifications.close()
+            self._notifications = None
         for conn in list(self.connections):
             conn.close()
+        await self.db.run(self.store.retire_writers)
         self.db.stop()
 
     def _register_all(self) -> None:
@@ -189,7 +206,8 @@ class Master:
             self._following = False
 
     async def _advance(self) -> None:
-        heads = await self.db.run(self.store.heads)
+        # The safe position: every row up to it has committed (see storage).
+        heads = await self.db.run(self.store.safe_positions)
         if any(stream not in self._schemas for stream in heads):
             self._learn(await self.db.run(self.store.catalog))
         for stream, head in heads.items():
@@ -208,9 +226,16 @@ class Master:
                     self._read_encoded, stream, self._live[stream], head, self.config.fanout_rows, variants
                 )
                 if count == 0:
-                    self._live[stream] = head
+                    self._timetick(stream, head)
                     break
                 self._fan_out(stream, encoded, last_token, count)
+
+    def _timetick(self, stream: str, safe: int) -> None:
+        """No rows in (live, safe]: tell live subscriptions they may move to ``safe``."""
+        data = PositionCommand(stream, self.config.instance_name, self._live[stream], safe).encode()
+        for conn, sub in list(self._live_subs[stream].items()):
+            conn.send_live(sub, data, safe)
+        self._live[stream] = safe
 
     def _fan_out(self, stream: str, encoded: dict[bool, bytes], last_token: int, count: int) -> None:
         self.counters["live_rows"] += count
@@ -266,3 +291,31 @@ class Master:
 
     def received_ping(self, conn: ServerProtocol, command: PingCommand) -> None:
         conn.clock_offset_ms = command.unix_ms - int(self.reactor.seconds() * 1000)
+
+
+@implementer(IReadDescriptor)
+class NotificationReader:
+    """Watches the store's notification connection on the reactor (non-blocking)."""
+
+    def __init__(self, notifier: Any, wake: Callable[[], None]) -> None:
+        self._notifier = notifier
+        self._wake = wake
+
+    def fileno(self) -> int:
+        return self._notifier.fileno()
+
+    def doRead(self) -> None:
+        try:
+            if self._notifier.drain():
+                self._wake()
+        except Exception:
+            logger.exception("reading database notifications failed")
+
+    def connectionLost(self, reason: Any) -> None:
+        logger.warning("database notification connection lost: %s", reason)
+
+    def logPrefix(self) -> str:
+        return "tickline-notifications"
+
+    def close(self) -> None:
+        self._notifier.close()

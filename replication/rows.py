@@ -12,11 +12,12 @@ from typing import Callable, Optional
 
 import orjson
 
-from replication.commands import encode_rdata
+from replication.commands import BATCH
 from storage.schema import StreamSchema
 from storage.store import FIRST_VALUE, INSTANCE, TOKEN, TS, StoredRow
 
 RowEncoder = Callable[[StoredRow, bool], bytes]
+_BATCH = BATCH.encode("ascii")
 
 
 def row_encoder(schema: StreamSchema) -> RowEncoder:
@@ -30,10 +31,10 @@ def row_encoder(schema: StreamSchema) -> RowEncoder:
     if not json_columns and not boolean_columns:
 
         def encode(row: StoredRow, with_ts: bool) -> bytes:
-            values = list(row[FIRST_VALUE:end])
+            # orjson writes a tuple as a JSON array: no list copy needed.
             if with_ts:
-                values.append(row[TS])
-            return dumps(values)
+                return dumps((*row[FIRST_VALUE:end], row[TS]))
+            return dumps(row[FIRST_VALUE:end])
 
         return encode
 
@@ -59,16 +60,28 @@ def encode_rows(
 
     Rows that share a token are sent as ``batch`` lines with the real token on
     the last one. ``rows`` must hold whole tokens (the store never splits one).
+    The lines are byte for byte what ``replication.commands.encode_rdata``
+    makes; this loop is the master's hot path, so the ``RDATA <stream>
+    <instance> `` prefix is built once per instance rather than once per row.
     """
+    if not rows:
+        return b"", 0
+    stream_bytes = stream.encode("utf-8")
+    prefixes: dict[str, bytes] = {}
     lines = []
-    count = len(rows)
-    last_token = 0
+    append = lines.append
+    last = len(rows) - 1
     for i, row in enumerate(rows):
+        instance = row[INSTANCE]
+        prefix = prefixes.get(instance)
+        if prefix is None:
+            prefix = prefixes[instance] = b"RDATA %s %s " % (stream_bytes, instance.encode("utf-8"))
         token = row[TOKEN]
-        last_of_token = i + 1 == count or rows[i + 1][TOKEN] != token
-        lines.append(encode_rdata(stream, row[INSTANCE], token if last_of_token else None, encode(row, with_ts)))
-        last_token = token
-    return b"".join(lines), last_token
+        if i < last and rows[i + 1][TOKEN] == token:
+            append(b"%s%s %s\n" % (prefix, _BATCH, encode(row, with_ts)))
+        else:
+            append(b"%s%d %s\n" % (prefix, token, encode(row, with_ts)))
+    return b"".join(lines), rows[-1][TOKEN]
 
 
 def split_ts(row: list, with_ts: bool) -> tuple[list, Optional[int]]:

@@ -70,6 +70,7 @@ class ServerProtocol(LineCommandProtocol):
         self._pause_timer = None
         self.clock_offset_ms: Optional[int] = None
         self._pending_replicates = 0  # REPLICATEs waiting for the master to follow the store
+        self._half_close_synced = False
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -91,8 +92,20 @@ class ServerProtocol(LineCommandProtocol):
 
     def finish_after_half_close(self) -> None:
         # Finish replays owed to a half-closed peer (nc -q1), then close.
-        if not self._pending_replicates and all(sub.live for sub in self.subscriptions.values()):
-            self.close()
+        if self._pending_replicates or not all(sub.live for sub in self.subscriptions.values()):
+            return
+        if self.subscriptions and not self._half_close_synced:
+            # Rows committed before the peer half-closed may not be followed
+            # yet: let the master look at the store once more, then close.
+            self._half_close_synced = True
+            self._pending_replicates += 1
+            self.master.followed().addBoth(self._synced_after_half_close)
+            return
+        self.close()
+
+    def _synced_after_half_close(self, _: object) -> None:
+        self._pending_replicates -= 1
+        self.finish_after_half_close()
 
     @property
     def display_name(self) -> str:
@@ -135,6 +148,28 @@ class ServerProtocol(LineCommandProtocol):
         if not self._allowed("REPLICATE"):
             return
         master = self.master
+        stream, token = command.stream, command.token
+        if self._pending_replicates or (
+            stream is not None and (not master.has_stream(stream) or token > master.live_token(stream))
+        ):
+            # The stream or the rows may be committed but not yet followed by
+            # the master: look at the store once more before refusing. Later
+            # REPLICATEs wait their turn, so answers keep the order of requests.
+            self._pending_replicates += 1
+            master.followed().addBoth(self._replicate_after_follow, command)
+            return
+        self._replicate(command)
+
+    def _replicate_after_follow(self, _: object, command: ReplicateCommand) -> None:
+        self._pending_replicates -= 1
+        if self._closing:
+            return
+        self._replicate(command)
+        if self.read_closed:
+            self.finish_after_half_close()
+
+    def _replicate(self, command: ReplicateCommand) -> None:
+        master = self.master
         if command.stream is None:
             for stream in master.stream_names():
                 head = master.live_token(stream)
@@ -143,33 +178,16 @@ class ServerProtocol(LineCommandProtocol):
             return
         stream, token = command.stream, command.token
         assert token is not None
-        if not master.has_stream(stream) or token > master.live_token(stream):
-            # The stream or the rows may be committed but not yet followed by
-            # the master: look at the store once more before refusing.
-            self._pending_replicates += 1
-            master.followed().addBoth(self._replicate_after_follow, stream, token)
-            return
-        self._replicate_from(stream, token)
-
-    def _replicate_after_follow(self, _: object, stream: str, token: int) -> None:
-        self._pending_replicates -= 1
-        if self._closing:
-            return
-        master = self.master
         if not master.has_stream(stream):
             self.send_error(
                 f"unknown stream {stream!r} (streams: {', '.join(master.stream_names())})"
             )
-        elif token > master.live_token(stream):
-            head = master.live_token(stream)
+            return
+        head = master.live_token(stream)
+        if token > head:
             self.send_error(f"token {token} is above the head {head} of stream {stream!r}")
-        else:
-            self._replicate_from(stream, token)
-        if self.read_closed:
-            self.finish_after_half_close()
-
-    def _replicate_from(self, stream: str, token: int) -> None:
-        self.send(PositionCommand(stream, self.master.config.instance_name, token, token))
+            return
+        self.send(PositionCommand(stream, master.config.instance_name, token, token))
         self._start(stream, token)
 
     def on_USER_SYNC(self, command: UserSyncCommand) -> None:

@@ -40,9 +40,11 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from typing import Any, Optional, Sequence
@@ -75,7 +77,7 @@ def make_rows(first: int, count: int) -> list[tuple[Any, ...]]:
     """Rows ``first .. first+count-1`` of the ``events`` stream, deterministic.
 
     About 80% messages, 15% memberships (with a state key), 5% redactions;
-    an RDATA line is about 120 bytes.
+    an RDATA line is about 140 bytes.
     """
     rows = []
     for n in range(first, first + count):
@@ -208,39 +210,46 @@ class Profiler:
 
 
 def run_client(args: list[str], timeout: float, on_ready=None, profile: Optional[tuple[str, str]] = None) -> dict[str, Any]:
-    """Run a client subprocess; it prints ``READY`` (live mode) and then one JSON result."""
-    proc = subprocess.Popen(
-        _self_command(*args), cwd=ROOT, env=_env(), stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )
-    profiler = None
-    extra: dict[str, Any] = {}
-    try:
-        assert proc.stdout is not None
-        while True:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            text = line.decode().strip()
-            if text == "WAITING" and profile is not None:
-                profiler = Profiler(profile[0], proc.pid, profile[1])
-                proc.send_signal(signal.SIGUSR1)
-            elif text == "READY" and on_ready is not None:
-                extra.update(on_ready())
-            elif text.startswith("{"):
-                result = json.loads(text)
-                result.update(extra)
-                proc.wait(timeout)
-                return result
-        proc.wait(timeout)
-        err = proc.stderr.read().decode("utf-8", "replace") if proc.stderr else ""
-        raise BenchError(f"client {args[0]} exited with {proc.returncode} and no result:\n{err[-2000:]}")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    """Run a client subprocess; it prints ``READY`` (live mode) and then one JSON result.
+
+    The client stops itself after its own timeout; a watchdog kills it if it does not.
+    """
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(
+            _self_command(*args), cwd=ROOT, env=_env(), stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=err,
+        )
+        watchdog = threading.Timer(timeout, proc.kill)
+        watchdog.start()
+        profiler = None
+        extra: dict[str, Any] = {}
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                text = line.decode().strip()
+                if text == "WAITING" and profile is not None:
+                    profiler = Profiler(profile[0], proc.pid, profile[1])
+                    proc.send_signal(signal.SIGUSR1)
+                elif text == "READY" and on_ready is not None:
+                    extra.update(on_ready())
+                elif text.startswith("{"):
+                    result = json.loads(text)
+                    result.update(extra)
+                    proc.wait()
+                    return result
             proc.wait()
-        if profiler is not None:
-            profiler.stop()
+            err.seek(0)
+            message = err.read().decode("utf-8", "replace")[-2000:]
+            raise BenchError(f"client {args[0]} exited with {proc.returncode} and no result:\n{message}")
+        finally:
+            watchdog.cancel()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+            if profiler is not None:
+                profiler.stop()
 
 
 # -- the client and baseline roles (run in their own processes) ---------------------
@@ -248,11 +257,10 @@ def run_client(args: list[str], timeout: float, on_ready=None, profile: Optional
 
 def _wait_for_profiler() -> None:
     """With ``--profile``: say WAITING, block until the parent's SIGUSR1 (py-spy attached)."""
-    got = []
-    signal.signal(signal.SIGUSR1, lambda *_: got.append(1))
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     print("WAITING", flush=True)
-    while not got:
-        signal.pause()
+    signal.sigwait({signal.SIGUSR1})
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
 
 
 def role_tickline_client(port: int, rows: int, mode: str, timeout: float, profiled: bool) -> int:
@@ -319,7 +327,9 @@ def role_tickline_client(port: int, rows: int, mode: str, timeout: float, profil
     return 0 if "error" not in result else 1
 
 
-def role_baseline_client(port: int, rows: int, timeout: float, profiled: bool) -> int:
+def role_baseline_client(port: int, rows: int, timeout: float, profiled: bool, send: Optional[str] = None) -> int:
+    """A bare ``LineOnlyReceiver`` counting ``RDATA`` lines; with ``send``, it first sends that line
+    (``REPLICATE events 0`` makes it a client of the master that parses nothing)."""
     from twisted.internet import reactor
     from twisted.internet.protocol import ClientFactory
     from twisted.protocols.basic import LineOnlyReceiver
@@ -333,7 +343,13 @@ def role_baseline_client(port: int, rows: int, timeout: float, profiled: bool) -
         delimiter = b"\n"
         MAX_LENGTH = 65536
 
+        def connectionMade(self) -> None:
+            if send:
+                self.transport.write(send.encode() + b"\n")
+
         def lineReceived(self, line: bytes) -> None:
+            if line[:6] != b"RDATA ":
+                return
             count = result["rows"] = result["rows"] + 1
             if count == 1:
                 result["t_first"] = time.monotonic()
@@ -441,17 +457,36 @@ def run_wire(
     head = fill_database(url, rows)
     log(f"filled {rows:,} rows in {time.monotonic() - started:.1f} s")
     timeout = _client_timeout(rows)
-    rates: dict[str, list[float]] = {"baseline": [], "wire": [], "wire-live": []}
+    runs: dict[str, list[dict[str, float]]] = {"baseline": [], "wire": [], "wire-live": [], "master-alone": []}
     servers: list[Server] = []
     profilers: list[Profiler] = []
     store = None
+
+    def measure(kind: str, server: Server, args: list[str], start: str = "t_start", on_ready=None,
+                profile: Optional[tuple[str, str]] = None) -> dict[str, float]:
+        """One client run: rows/s and CPU microseconds per row of server and client."""
+        cpu_before = _cpu_seconds(server.proc.pid)
+        r = run_client(args + ["--timeout", str(timeout)], timeout + 30, on_ready=on_ready, profile=profile)
+        server_cpu = _cpu_seconds(server.proc.pid) - cpu_before
+        if "error" in r:
+            raise BenchError(f"{kind} client: {r['error']}\n{server.log_tail()}")
+        run = {
+            "rate": _rate(r["rows"], r["t_last"] - r[start]),
+            "server_us": 1e6 * server_cpu / r["rows"],
+            "client_us": 1e6 * r["cpu"] / r["rows"],
+        }
+        log(f"{kind}: {_fmt(run['rate'])} rows/s, CPU per row: server {run['server_us']:.2f} us, "
+            f"client {run['client_us']:.2f} us")
+        return run
+
     try:
         base_port = _free_port()
-        servers.append(Server(
+        baseline = Server(
             _self_command("_baseline-server", "--port", str(base_port), "--rows", str(rows)),
             os.path.join(workdir, "baseline.log"), "baseline listening", "baseline server",
             timeout=30.0 + rows / 20_000,
-        ))
+        )
+        servers.append(baseline)
         port = _free_port()
         master_cmd = [sys.executable, "-m", "scripts.cli", "master", "--database", url,
                       "--listen", f"127.0.0.1:{port}"]
@@ -459,23 +494,18 @@ def run_wire(
         servers.append(master)
         store = open_store(url)
         next_row = rows
+        replay_args = ["_tickline-client", "--port", str(port), "--rows", str(head), "--mode", "replay"]
 
         for i in range(repeat):
-            r = run_client(["_baseline-client", "--port", str(base_port), "--rows", str(rows),
-                            "--timeout", str(timeout)], timeout + 10)
-            if "error" in r:
-                raise BenchError(f"baseline client: {r['error']}")
-            rates["baseline"].append(_rate(r["rows"], r["t_last"] - r["t_start"]))
-            log(f"run {i + 1}: baseline {_fmt(rates['baseline'][-1])} lines/s")
-
+            log(f"run {i + 1} of {repeat}")
+            runs["baseline"].append(measure(
+                "baseline", baseline, ["_baseline-client", "--port", str(base_port), "--rows", str(rows)]))
             if "wire" in scenarios:
-                r = run_client(["_tickline-client", "--port", str(port), "--rows", str(head), "--mode", "replay",
-                                "--timeout", str(timeout)], timeout + 10)
-                if "error" in r:
-                    raise BenchError(f"tickline client: {r['error']}\n{master.log_tail()}")
-                rates["wire"].append(_rate(r["rows"], r["t_last"] - r["t_start"]))
-                log(f"run {i + 1}: tickline replay {_fmt(rates['wire'][-1])} rows/s")
-
+                runs["wire"].append(measure("tickline replay", master, replay_args))
+                # The master alone: the same replay read by the bare line client, which parses nothing.
+                runs["master-alone"].append(measure(
+                    "master to bare client", master,
+                    ["_baseline-client", "--port", str(port), "--rows", str(head), "--send", f"REPLICATE {STREAM} 0"]))
             if "wire-live" in scenarios:
                 new_rows = make_rows(next_row, rows)
                 next_row += rows
@@ -484,25 +514,16 @@ def run_wire(
                     store.append(STREAM, new_rows, INSTANCE)  # one transaction
                     return {"t_commit": time.monotonic()}
 
-                args = ["_tickline-client", "--port", str(port), "--rows", str(rows), "--mode", "live",
-                        "--timeout", str(timeout)]
-                r = run_client(args, timeout + 10, on_ready=commit)
-                if "error" in r:
-                    raise BenchError(f"tickline live client: {r['error']}\n{master.log_tail()}")
-                rates["wire-live"].append(_rate(r["rows"], r["t_last"] - r["t_commit"]))
-                log(f"run {i + 1}: tickline live {_fmt(rates['wire-live'][-1])} rows/s")
+                live_args = ["_tickline-client", "--port", str(port), "--rows", str(rows), "--mode", "live"]
+                runs["wire-live"].append(measure("tickline live", master, live_args, "t_commit", commit))
 
         if pyspy:
-            # One more replay run under py-spy; sampling takes a core, so it is not timed.
+            # One more replay run under py-spy; sampling takes a core, so it does not count.
             profilers.append(Profiler(pyspy, master.proc.pid, os.path.join(profile_dir, "master-wire.txt")))
             profile = (pyspy, os.path.join(profile_dir, "client-wire.txt"))
-            r = run_client(["_tickline-client", "--port", str(port), "--rows", str(head), "--mode", "replay",
-                            "--timeout", str(timeout), "--profiled"], timeout + 10, profile=profile)
+            measure("profiled tickline replay", master, replay_args + ["--profiled"], profile=profile)
             while profilers:
                 profilers.pop().stop()
-            if "error" in r:
-                raise BenchError(f"profiled tickline client: {r['error']}\n{master.log_tail()}")
-            log(f"profiled run: tickline replay {_fmt(_rate(r['rows'], r['t_last'] - r['t_start']))} rows/s")
     finally:
         while profilers:
             profilers.pop().stop()
@@ -516,11 +537,22 @@ def run_wire(
             if os.path.exists(path):
                 print(f"\nprofile {name} ({path}):")
                 print(summarize_profile(path))
-    return {
-        name: {"tickline": max(rates[name]), "baseline": max(rates["baseline"]),
-               "runs": rates[name], "baseline_runs": rates["baseline"]}
-        for name in scenarios
-    }
+    best_baseline = max(runs["baseline"], key=lambda r: r["rate"])
+    results = {}
+    for name in scenarios:
+        best = max(runs[name], key=lambda r: r["rate"])
+        results[name] = {
+            "tickline": best["rate"], "baseline": best_baseline["rate"],
+            # CPU per row (median of the runs) is steadier than wall time on a busy machine.
+            "master_us": statistics.median(r["server_us"] for r in runs[name]),
+            "client_us": statistics.median(r["client_us"] for r in runs[name]),
+            "baseline_server_us": statistics.median(r["server_us"] for r in runs["baseline"]),
+            "baseline_client_us": statistics.median(r["client_us"] for r in runs["baseline"]),
+            "runs": runs[name], "baseline_runs": runs["baseline"],
+        }
+        if name == "wire":
+            results[name]["master_alone"] = max(r["rate"] for r in runs["master-alone"])
+    return results
 
 
 def summarize_profile(path: str, top: int = 12) -> str:
@@ -597,6 +629,12 @@ def main(scenarios: Optional[list[str]] = None, rows: Optional[int] = None,
         r = results[name]
         print(f"{name}: tickline {_fmt(r['tickline'])} rows/s, baseline {_fmt(r['baseline'])} rows/s, "
               f"ratio {r['tickline'] / r['baseline']:.2f}", flush=True)
+        print(f"  CPU per row: master {r['master_us']:.2f} us, client {r['client_us']:.2f} us; "
+              f"baseline server {r['baseline_server_us']:.2f} us, client {r['baseline_client_us']:.2f} us",
+              flush=True)
+        if "master_alone" in r:
+            print(f"  master alone (its replay read by the bare line client): {_fmt(r['master_alone'])} rows/s",
+                  flush=True)
     return 0
 
 
@@ -610,11 +648,12 @@ def _cli(argv: Optional[Sequence[str]] = None) -> int:
         p.add_argument("--mode", default="replay", choices=("replay", "live"))
         p.add_argument("--timeout", type=float, default=120.0)
         p.add_argument("--profiled", action="store_true")
+        p.add_argument("--send", default=None)
         a = p.parse_args(argv)
         if role == "_tickline-client":
             return role_tickline_client(a.port, a.rows, a.mode, a.timeout, a.profiled)
         if role == "_baseline-client":
-            return role_baseline_client(a.port, a.rows, a.timeout, a.profiled)
+            return role_baseline_client(a.port, a.rows, a.timeout, a.profiled, a.send)
         if role == "_baseline-server":
             return role_baseline_server(a.port, a.rows)
         p.error(f"unknown role {role}")
@@ -622,7 +661,7 @@ def _cli(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("scenarios", nargs="*", metavar="SCENARIO", help=f"default: all ({', '.join(SCENARIOS)})")
     p.add_argument("--rows", type=int, default=None, help=f"rows per scenario (default {DEFAULT_ROWS:,})")
     p.add_argument("--repeat", type=int, default=DEFAULT_REPEAT, help="runs per measurement; the best is reported")
-    p.add_argument("--profile", metavar="DIR", help="sample master and client with py-spy (last run), print where time goes")
+    p.add_argument("--profile", metavar="DIR", help="after the timed runs, one more replay sampled by py-spy (master and client); print where time goes")
     p.add_argument("-v", "--verbose", action="store_true", help="print each run")
     a = p.parse_args(argv)
     return main(a.scenarios, a.rows, a.repeat, a.profile, a.verbose)

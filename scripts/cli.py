@@ -125,7 +125,7 @@ def run_master(args: argparse.Namespace, config: Config) -> int:
         if any(c.isspace() for c in args.server_name):
             raise UsageError("--server-name must be one word")
         master_config = attr.evolve(master_config, server_name=args.server_name)
-    store = open_store(_database(args, config))
+    store = open_store(_database(args, config), writer_timeout=master_config.writer_timeout)
     master = Master(master_config, config.protocol, store, config.streams, reactor)
     exit_code = [0]
 
@@ -174,9 +174,12 @@ def run_write(args: argparse.Namespace, config: Config) -> int:
     # One transaction per chunk keeps huge stdin loads from holding the lock for long.
     chunk = len(rows) if args.batch else 10_000
     out = []
-    for start in range(0, len(rows), chunk):
-        tokens = store.append(args.stream, rows[start:start + chunk], args.instance, batch=args.batch)
-        out.append("\n".join(map(str, tokens)))
+    try:
+        for start in range(0, len(rows), chunk):
+            tokens = store.append(args.stream, rows[start:start + chunk], args.instance, batch=args.batch)
+            out.append("\n".join(map(str, tokens)))
+    finally:
+        store.close()  # a PostgreSQL writer stops holding the stream back
     if out:
         sys.stdout.write("\n".join(out) + "\n")
     return 0

@@ -173,6 +173,11 @@ class StreamSchema:
         marks = ", ".join([placeholder] * (3 + len(self.columns)))
         return f"INSERT INTO {self.replicated_table} ({names}) VALUES ({marks})"
 
+    def insert_replicated_values_sql(self) -> str:
+        """For psycopg2's ``execute_values``: one ``VALUES %s`` for many rows."""
+        names = ", ".join(("token", "instance_name", "ts") + self.column_names)
+        return f"INSERT INTO {self.replicated_table} ({names}) VALUES %s"
+
     def create_table_sql(self, dialect: str) -> list[str]:
         seq = "seq INTEGER PRIMARY KEY" if dialect == "sqlite" else "seq BIGSERIAL PRIMARY KEY"
         cols = self._column_ddl(dialect)

@@ -18,6 +18,7 @@ from storage.store import DatabaseUnavailable
 
 class SqliteDatabase:
     dialect = "sqlite"
+    placeholder = "?"
 
     def __init__(self, path: str, busy_timeout_ms: int = 30_000) -> None:
         self.path = path

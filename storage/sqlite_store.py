@@ -140,6 +140,20 @@ class SqliteStreamStore(SqliteDatabase):
         rows = self.read(lambda conn: conn.execute("SELECT stream, token FROM tickline_stream_heads").fetchall())
         return dict(rows)
 
+    def safe_positions(self) -> dict[str, int]:
+        """Per stream, the token up to which every row has committed.
+
+        On SQLite the write lock makes tokens commit in order, so that is the head.
+        """
+        return self.heads()
+
+    def notifier(self) -> None:
+        """SQLite has no change notification: the master polls."""
+        return None
+
+    def retire_writers(self) -> None:
+        """Nothing to retire: SQLite writers need no positions."""
+
     def data_version(self) -> int:
         """Changes whenever another connection commits (cheap change detection)."""
         return self.connection().execute("PRAGMA data_version").fetchone()[0]

@@ -36,6 +36,7 @@ def open_store(
     url: str | DatabaseUrl,
     clock: Callable[[], float] = time.time,
     base_dir: Optional[str] = None,
+    **pg_options: Any,
 ):
     """Open (and migrate) the stream store behind a database URL."""
     parsed = url if isinstance(url, DatabaseUrl) else parse_database_url(url, base_dir)
@@ -43,8 +44,9 @@ def open_store(
         from storage.sqlite_store import SqliteStreamStore
 
         store = SqliteStreamStore(parsed.path, clock=clock)
-        store.migrate()
-        return store
-    raise DatabaseUnavailable(
-        f"database {parsed.text}: the PostgreSQL backend is not available yet; use sqlite:///path.db"
-    )
+    else:
+        from storage.pg_store import PgStreamStore
+
+        store = PgStreamStore(parsed.dsn, clock=clock, **pg_options)
+    store.migrate()
+    return store

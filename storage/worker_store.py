@@ -7,26 +7,30 @@ neither did, so a resumed worker neither loses nor repeats a row.
 
 from __future__ import annotations
 
-import sqlite3
 from typing import Any, Callable
 
+from storage.pg_db import PgDatabase
 from storage.schema import StreamSchema
 from storage.sqlite_db import SqliteDatabase
 from storage.urls import DatabaseUrl, parse_database_url
-from storage.store import DatabaseUnavailable
 
 Effects = Callable[[Any], None]
 
 
-class SqliteWorkerStore(SqliteDatabase):
-    placeholder = "?"
+class WorkerStore:
+    """Worker state on either database (mixed into its connection class)."""
+
+    placeholder: str
+    dialect: str
+    read: Callable[[Callable[[Any], Any]], Any]
+    write: Callable[[Callable[[Any], Any]], Any]
 
     def applied_tokens(self) -> dict[str, int]:
         rows = self.read(lambda conn: conn.execute("SELECT stream, token FROM tickline_applied").fetchall())
         return dict(rows)
 
     def create_replicated_table(self, schema: StreamSchema) -> None:
-        def run(conn: sqlite3.Connection) -> None:
+        def run(conn: Any) -> None:
             for statement in schema.create_replicated_table_sql(self.dialect):
                 conn.execute(statement)
 
@@ -39,13 +43,15 @@ class SqliteWorkerStore(SqliteDatabase):
         upstream, and must not rewrite history).
         """
 
-        def run(conn: sqlite3.Connection) -> None:
-            found = conn.execute("SELECT token FROM tickline_applied WHERE stream = ?", (stream,)).fetchone()
+        p = self.placeholder
+
+        def run(conn: Any) -> None:
+            found = conn.execute(f"SELECT token FROM tickline_applied WHERE stream = {p}", (stream,)).fetchone()
             if found is not None and found[0] >= token:
                 raise StaleApply(f"stream {stream!r}: token {token} is not above the applied token {found[0]}")
             effects(conn)
             conn.execute(
-                "INSERT INTO tickline_applied (stream, token) VALUES (?, ?) "
+                f"INSERT INTO tickline_applied (stream, token) VALUES ({p}, {p}) "
                 "ON CONFLICT (stream) DO UPDATE SET token = excluded.token",
                 (stream, token),
             )
@@ -57,12 +63,21 @@ class StaleApply(Exception):
     """An apply at or below the stream's applied token."""
 
 
-def open_worker_store(url: str | DatabaseUrl, base_dir: str | None = None) -> SqliteWorkerStore:
+class SqliteWorkerStore(WorkerStore, SqliteDatabase):
+    placeholder = "?"
+
+
+class PgWorkerStore(WorkerStore, PgDatabase):
+    placeholder = "%s"
+
+
+def open_worker_store(url: str | DatabaseUrl, base_dir: str | None = None) -> WorkerStore:
+    """Open (and migrate) a worker's database."""
     parsed = url if isinstance(url, DatabaseUrl) else parse_database_url(url, base_dir)
+    store: WorkerStore
     if parsed.is_sqlite:
         store = SqliteWorkerStore(parsed.path)
-        store.migrate()
-        return store
-    raise DatabaseUnavailable(
-        f"database {parsed.text}: the PostgreSQL backend is not available yet; use sqlite:///path.db"
-    )
+    else:
+        store = PgWorkerStore(parsed.dsn)
+    store.migrate()
+    return store

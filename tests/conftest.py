@@ -364,6 +364,31 @@ def tickline() -> Callable[..., subprocess.CompletedProcess]:
 
 
 @pytest.fixture
+def spawn() -> Iterator[Callable[..., subprocess.Popen]]:
+    """Start ``tickline ARGS...`` in the background (stdout/stderr piped); killed at teardown."""
+    procs: list[subprocess.Popen] = []
+
+    def start(*args: str) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [*tickline_command(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=_env()
+        )
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=5)
+
+
+@pytest.fixture
+def unused_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (just now)."""
+    return free_port()
+
+
+@pytest.fixture
 def write() -> Callable[..., subprocess.CompletedProcess]:
     """``write(*args, input=None)`` runs ``tickline write ARGS...`` and returns the result."""
 
@@ -398,3 +423,6 @@ def nc_path() -> str:
     if path is None:
         pytest.skip("nc (netcat-openbsd) is not installed")
     return path
+
+
+pytest_plugins = ["tests.pgserver"]

@@ -17,8 +17,12 @@ def table_replicator(schema: StreamSchema) -> Handler:
     check = schema.check_row
 
     def replicate(ctx: ApplyContext, rows: list[ReplicatedRow]) -> None:
-        insert = schema.insert_replicated_sql(ctx.placeholder)
-        ctx.executemany(insert, [(r.token, r.instance_name, r.ts, *check(r.values)) for r in rows])
+        values = [(r.token, r.instance_name, r.ts, *check(r.values)) for r in rows]
+        execute_values = getattr(ctx.connection, "execute_values", None)
+        if execute_values is not None:  # PostgreSQL: many rows per statement
+            execute_values(schema.insert_replicated_values_sql(), values)
+        else:
+            ctx.executemany(schema.insert_replicated_sql(ctx.placeholder), values)
 
     replicate.__name__ = f"replicate_{schema.name}"
     return replicate

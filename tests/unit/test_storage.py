@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import socket
 import sqlite3
 
 import orjson
@@ -26,12 +27,21 @@ from storage.urls import BadDatabaseUrl, parse_database_url
 EVENT = ["$e", "!r", "m.room.message", None, None]
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request, tmp_path) -> str:
+    """Every storage test runs against both backends."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path}/t.db"
+    return request.getfixturevalue("pg_url")
+
+
 @pytest.fixture
-def store(tmp_path) -> SqliteStreamStore:
-    s = open_store(f"sqlite:///{tmp_path}/t.db")
+def store(db_url):
+    s = open_store(db_url)
     s.register_stream(EVENTS)
     s.register_stream(CACHES)
-    return s
+    yield s
+    s.close()
 
 
 def test_migrations_are_versioned_and_applied_once(tmp_path) -> None:
@@ -44,15 +54,16 @@ def test_migrations_are_versioned_and_applied_once(tmp_path) -> None:
     assert [r[0] for r in rows] == versions
 
 
-def test_wal_mode(store) -> None:
+def test_wal_mode(tmp_path) -> None:
+    store = open_store(f"sqlite:///{tmp_path}/t.db")
     assert sqlite3.connect(store.path).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
 def test_tokens_strictly_increase_one_per_row(store) -> None:
     assert store.append("events", [EVENT, EVENT], "w") == [1, 2]
     assert store.append("events", [EVENT], "w") == [3]
-    assert store.heads()["events"] == 3
-    assert store.heads()["caches"] == 0
+    assert store.safe_positions()["events"] == 3
+    assert store.safe_positions()["caches"] == 0
 
 
 def test_batch_rows_share_one_token(store) -> None:
@@ -103,12 +114,12 @@ def test_json_columns_round_trip(store) -> None:
 def test_bad_rows_are_refused_naming_the_problem_and_write_nothing(store, row, message) -> None:
     with pytest.raises(RowError, match=message):
         store.append("events", [EVENT, row], "w")
-    assert store.heads()["events"] == 0
+    assert store.safe_positions()["events"] == 0
     assert store.read_rows("events", 0, 100, 100) == []
 
 
-def test_typed_columns_check_values(tmp_path) -> None:
-    s = open_store(f"sqlite:///{tmp_path}/t.db")
+def test_typed_columns_check_values(db_url) -> None:
+    s = open_store(db_url)
     schema = StreamSchema(
         "metrics",
         (Column("n", "bigint"), Column("x", "double"), Column("ok", "boolean"), Column("j", "json", True)),
@@ -117,6 +128,7 @@ def test_typed_columns_check_values(tmp_path) -> None:
     s.append("metrics", [[2**63 - 1, 1, True, {"a": [1]}]], "w")
     (row,) = s.read_rows("metrics", 0, 10, 10)
     assert row[4:6] == (2**63 - 1, 1.0) and row[6] in (1, True)
+    assert orjson.loads(row[7]) == {"a": [1]}
     with pytest.raises(RowError, match="does not fit in 64 bits"):
         s.append("metrics", [[2**63, 1, True, None]], "w")
     with pytest.raises(RowError, match="'ok' expects boolean"):
@@ -132,8 +144,8 @@ def test_unknown_stream(store) -> None:
         store.read_rows("nope", 0, 1, 1)
 
 
-def test_declared_stream_is_in_the_catalog_for_other_processes(tmp_path) -> None:
-    url = f"sqlite:///{tmp_path}/t.db"
+def test_declared_stream_is_in_the_catalog_for_other_processes(db_url) -> None:
+    url = db_url
     schema = StreamSchema("metrics", (Column("host", "text"), Column("value", "double")))
     open_store(url).register_stream(schema)
     other = open_store(url)  # knows nothing of the declaration
@@ -141,8 +153,8 @@ def test_declared_stream_is_in_the_catalog_for_other_processes(tmp_path) -> None
     assert other.append("metrics", [["h", 1.5]], "w") == [1]
 
 
-def test_changed_declaration_is_refused(tmp_path) -> None:
-    url = f"sqlite:///{tmp_path}/t.db"
+def test_changed_declaration_is_refused(db_url) -> None:
+    url = db_url
     open_store(url).register_stream(StreamSchema("metrics", (Column("host", "text"),)))
     with pytest.raises(SchemaMismatch, match="stream 'metrics' is declared with columns"):
         open_store(url).register_stream(StreamSchema("metrics", (Column("host", "bigint"),)))
@@ -189,13 +201,22 @@ def test_unreachable_database_names_the_path(tmp_path) -> None:
         open_store(f"sqlite:///{tmp_path}/missing-dir/t.db")
 
 
+def test_unreachable_postgresql_names_the_server() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once closed
+    with pytest.raises(DatabaseUnavailable, match=f"cannot connect to PostgreSQL at postgresql://u@127.0.0.1:{port}/db"):
+        open_store(f"postgresql://u@127.0.0.1:{port}/db")
+
+
 def _append_many(url: str, instance: str, count: int, queue) -> None:
     s = open_store(url)
     queue.put([s.append("events", [EVENT], instance)[0] for _ in range(count)])
+    s.close()
 
 
-def test_concurrent_writer_processes_get_distinct_increasing_tokens(tmp_path) -> None:
-    url = f"sqlite:///{tmp_path}/t.db"
+def test_concurrent_writer_processes_get_distinct_increasing_tokens(db_url) -> None:
+    url = db_url
     open_store(url).register_stream(EVENTS)
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
@@ -207,7 +228,9 @@ def test_concurrent_writer_processes_get_distinct_increasing_tokens(tmp_path) ->
         p.join(timeout=60)
     tokens = sorted(t for r in results for t in r)
     assert tokens == list(range(1, 301))
+    for result in results:
+        assert result == sorted(result)
     rows = open_store(url).read_rows("events", 0, 1000, 1000)
     assert [r[TOKEN] for r in rows] == tokens
     ts = [r[TS] for r in rows]
-    assert ts == sorted(ts)  # token order and timestamp order agree
+    assert len(set(ts)) == len(ts)

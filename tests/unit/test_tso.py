@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import multiprocessing
-import os
 
 import pytest
 
 from replication.streams import EVENTS
 from storage import tso
-from storage.sqlite_store import SqliteStreamStore
+from storage.store import open_store
 
 
 class SteppingClock:
@@ -48,10 +47,16 @@ def test_logical_overflow_carries_into_physical_and_stays_increasing() -> None:
     assert tso.physical_ms(first) == 5001
 
 
-def test_store_timestamps_keep_increasing_when_the_clock_steps_back_10s(tmp_path) -> None:
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request, tmp_path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path}/t.db"
+    return request.getfixturevalue("pg_url")
+
+
+def test_store_timestamps_keep_increasing_when_the_clock_steps_back_10s(db_url) -> None:
     clock = SteppingClock(1_800_000_000.0)
-    store = SqliteStreamStore(str(tmp_path / "t.db"), clock=clock)
-    store.migrate()
+    store = open_store(db_url, clock=clock)
     store.register_stream(EVENTS)
     seen = []
     for step in (0.0, 0.001, -10.0, 0.0, 5.0, -10.0):
@@ -64,26 +69,23 @@ def test_store_timestamps_keep_increasing_when_the_clock_steps_back_10s(tmp_path
     assert tso.physical_ms(seen[-1]) >= 1_800_000_000_000
 
 
-def test_store_timestamps_survive_a_restart_with_an_earlier_clock(tmp_path) -> None:
-    path = str(tmp_path / "t.db")
-    first = SqliteStreamStore(path, clock=SteppingClock(1_800_000_100.0))
-    first.migrate()
+def test_store_timestamps_survive_a_restart_with_an_earlier_clock(db_url) -> None:
+    first = open_store(db_url, clock=SteppingClock(1_800_000_100.0))
     before = first.allocate_timestamps(5)
     first.close()
-    again = SqliteStreamStore(path, clock=SteppingClock(1_800_000_000.0))  # 100 s earlier
-    again.migrate()
+    again = open_store(db_url, clock=SteppingClock(1_800_000_000.0))  # 100 s earlier
     after = again.allocate_timestamps(5)
     assert min(after) > max(before)
 
 
-def _allocate_many(path: str, count: int, queue) -> None:
-    store = SqliteStreamStore(path)
+def _allocate_many(url: str, count: int, queue) -> None:
+    store = open_store(url)
     queue.put([ts for _ in range(count) for ts in store.allocate_timestamps(2)])
 
 
-def test_timestamps_unique_and_ordered_across_processes(tmp_path) -> None:
-    path = str(tmp_path / "t.db")
-    SqliteStreamStore(path).migrate()
+def test_timestamps_unique_and_ordered_across_processes(db_url) -> None:
+    path = db_url
+    open_store(db_url).close()
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_allocate_many, args=(path, 200, queue)) for _ in range(3)]
@@ -97,4 +99,3 @@ def test_timestamps_unique_and_ordered_across_processes(tmp_path) -> None:
     assert len(set(everything)) == len(everything) == 3 * 200 * 2
     for result in results:
         assert result == sorted(result)
-    assert os.path.exists(path)

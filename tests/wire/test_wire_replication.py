@@ -22,7 +22,8 @@ def parse_rdata(line: str) -> tuple[str, str, str, list]:
     return stream, instance, token, orjson.loads(row)
 
 
-def live_client(m, *streams_at: str):
+def live_client(m):
+    """A client after plain REPLICATE, with the positions it was given."""
     client = m.connect()
     client.handshake()
     client.send("REPLICATE")

@@ -22,7 +22,7 @@ def test_server_name_option(master) -> None:
     assert m.connect().read_line() == "SERVER master-a"
 
 
-def test_config_file_gives_name_listen_address_and_database(master) -> None:
+def test_config_file_gives_name_listen_address_and_database(master, tickline) -> None:
     # no --listen/--database: `tickline master -c FILE` alone
     m = master("server_name: from-config\nlisten: 127.0.0.1:$PORT\ndatabase: $DATABASE\n", options=False)
     m.append("events", [EVENT_ROW])
@@ -31,6 +31,11 @@ def test_config_file_gives_name_listen_address_and_database(master) -> None:
     client.send("REPLICATE events 0")
     assert client.next_command() == "POSITION events master 0 0"
     assert client.next_command().startswith("RDATA events writer 1 ")
+    # tail and write find the master and the database through the same file
+    assert tickline("write", "-c", str(m.config_path), "events", '["$x","!r","t",null,null]').stdout == "2\n"
+    result = tickline("tail", "-c", str(m.config_path), "--from", "1", "--count", "1", "events", timeout=20)
+    assert result.returncode == 0, result.stderr
+    assert '"token":2' in result.stdout
 
 
 def test_server_name_option_wins_over_the_config(master) -> None:
@@ -95,7 +100,7 @@ def test_pings_keep_coming_and_silence_times_out_only_after_the_peers_ping(maste
         assert line.startswith("PING "), line
         stamps.append(time.monotonic())
     assert len(stamps) >= 3
-    assert max(b - a for a, b in zip(stamps, stamps[1:])) < 0.2 + 0.15
+    assert max(b - a for a, b in zip(stamps, stamps[1:])) < 0.5  # ping_interval 0.2 s, with slack for load
     quiet.send("REPLICATE caches 0")
     assert quiet.next_command() == "POSITION caches master 0 0"
 

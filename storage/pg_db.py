@@ -1,0 +1,139 @@
+"""A PostgreSQL database through psycopg2: one connection per thread, migrations.
+
+Writes run in a READ COMMITTED transaction, reads in REPEATABLE READ so that
+several statements see one snapshot. Migrations take an advisory lock, so
+processes starting together apply each migration once.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import psycopg2
+import psycopg2.extensions
+import psycopg2.extras
+
+from storage.migrate import apply_migrations
+from storage.store import DatabaseUnavailable
+
+MIGRATION_LOCK = 0x7469636B  # "tick"
+
+
+class Cursor:
+    """A psycopg2 cursor with SQLite's ``execute`` returning the cursor."""
+
+    __slots__ = ("cursor",)
+
+    def __init__(self, cursor: Any) -> None:
+        self.cursor = cursor
+
+    def execute(self, sql: str, params: Any = ()) -> Any:
+        self.cursor.execute(sql, params)
+        return self.cursor
+
+    def executemany(self, sql: str, params: Any) -> Any:
+        rows = list(params)
+        if rows:
+            psycopg2.extras.execute_batch(self.cursor, sql, rows, page_size=1000)
+        return self.cursor
+
+    def execute_values(self, sql: str, rows: list, page_size: int = 5000) -> Any:
+        psycopg2.extras.execute_values(self.cursor, sql, rows, page_size=page_size)
+        return self.cursor
+
+    @property
+    def rowcount(self) -> int:
+        return self.cursor.rowcount
+
+
+class PgDatabase:
+    dialect = "postgresql"
+    placeholder = "%s"
+
+    def __init__(self, dsn: str, connect_timeout: int = 5) -> None:
+        self.dsn = dsn
+        self._connect_timeout = connect_timeout
+        self._local = threading.local()
+        self._all: list[Any] = []
+        self._all_lock = threading.Lock()
+
+    def connect(self, autocommit: bool = False) -> Any:
+        """A new connection (the caller owns it)."""
+        try:
+            conn = psycopg2.connect(self.dsn, connect_timeout=self._connect_timeout, application_name="tickline")
+        except psycopg2.Error as e:
+            message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise DatabaseUnavailable(f"cannot connect to PostgreSQL at {_safe_dsn(self.dsn)}: {message}") from None
+        conn.autocommit = autocommit
+        with self._all_lock:
+            self._all.append(conn)
+        return conn
+
+    def connection(self) -> Any:
+        conn = getattr(self._local, "conn", None)
+        if conn is None or conn.closed:
+            conn = self._local.conn = self.connect()
+        return conn
+
+    def close(self) -> None:
+        with self._all_lock:
+            conns, self._all = self._all, []
+        for conn in conns:
+            try:
+                conn.close()
+            except psycopg2.Error:
+                pass
+        self._local = threading.local()
+
+    def _run(self, fn: Callable[[Cursor], Any], isolation: int) -> Any:
+        conn = self.connection()
+        try:
+            conn.set_session(isolation_level=isolation)
+            with conn.cursor() as cur:
+                result = fn(Cursor(cur))
+            conn.commit()
+            return result
+        except psycopg2.OperationalError as e:
+            self._drop_broken(conn)
+            raise DatabaseUnavailable(f"PostgreSQL at {_safe_dsn(self.dsn)}: {str(e).strip()}") from None
+        except BaseException:
+            if not conn.closed:
+                conn.rollback()
+            raise
+
+    def _drop_broken(self, conn: Any) -> None:
+        try:
+            conn.close()
+        except psycopg2.Error:
+            pass
+        self._local.conn = None
+
+    def write(self, fn: Callable[[Cursor], Any]) -> Any:
+        return self._run(fn, psycopg2.extensions.ISOLATION_LEVEL_READ_COMMITTED)
+
+    def read(self, fn: Callable[[Cursor], Any]) -> Any:
+        return self._run(fn, psycopg2.extensions.ISOLATION_LEVEL_REPEATABLE_READ)
+
+    def migrate(self) -> list[int]:
+        def run(cur: Cursor) -> list[int]:
+            cur.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
+
+            def execute(sql: str, params: tuple) -> list:
+                cur.execute(sql, params)
+                return cur.cursor.fetchall() if cur.cursor.description else []
+
+            return apply_migrations(execute, "%s")
+
+        return self.write(run)
+
+
+def _safe_dsn(dsn: str) -> str:
+    """The DSN without its password, for messages."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(dsn)
+    if parts.password:
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+        return urlunsplit(parts._replace(netloc=netloc))
+    return dsn

@@ -1,0 +1,465 @@
+"""Streams on PostgreSQL, with several concurrent writer processes.
+
+Tokens come from one sequence per stream, so writers never wait for each
+other, and transactions may commit out of token order. To keep readers from
+skipping a token that is still in flight (writer A takes 10, B takes 11, B
+commits first), every writer keeps a *position*: the highest token below which
+all of its own allocations have committed. It is stored in
+``tickline_writers`` with the commit that moves it, and reported at least
+every ``report_interval`` seconds (an idle writer reports the stream's head,
+so it never holds the stream back). The stream's *safe position* is the
+minimum over the live writers; readers follow that, never the raw head.
+
+A writer registers (``alive``, a new ``epoch``, position = the current head)
+before it allocates. A writer that stops reporting for ``writer_timeout``
+seconds is marked dead by :meth:`safe_positions` and its epoch moves on; its
+late commit then fails the epoch check and is retried with new tokens, so its
+rows are still delivered, in token order.
+
+Every commit and every report sends ``NOTIFY tickline, '<stream>'``, which the
+master listens to instead of polling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import select
+import threading
+import time
+import weakref
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
+
+import psycopg2
+import psycopg2.extensions
+
+from storage.pg_db import Cursor, PgDatabase
+from storage.schema import RowError, StreamSchema
+from storage.store import DatabaseUnavailable, SchemaMismatch, StoredRow, UnknownStream
+
+logger = logging.getLogger(__name__)
+
+Row = Union[Sequence[Any], Mapping[str, Any]]
+CHANNEL = "tickline"
+NOW_MS = "(extract(epoch from clock_timestamp()) * 1000)::bigint"
+
+
+class Fenced(Exception):
+    """This writer was declared dead: its transaction may not commit."""
+
+
+class _WriterState:
+    __slots__ = ("epoch", "inflight", "reported")
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.inflight: dict[int, int] = {}  # transaction id -> its lowest token
+        self.reported = -1
+
+
+def _seq(schema: StreamSchema) -> str:
+    return f"{schema.table}_token_seq"
+
+
+class PgStreamStore(PgDatabase):
+    def __init__(
+        self,
+        dsn: str,
+        clock: Callable[[], float] = time.time,
+        report_interval: float = 0.2,
+        writer_timeout: float = 5.0,
+    ) -> None:
+        super().__init__(dsn)
+        self._clock = clock
+        self.report_interval = report_interval
+        self.writer_timeout = writer_timeout
+        self._schemas: dict[str, StreamSchema] = {}
+        self._lock = threading.Lock()
+        self._writers: dict[tuple[str, str], _WriterState] = {}
+        self._next_txn = 0
+        self._reporter: Optional[threading.Thread] = None
+        self._stop_reporting = threading.Event()
+        self._side = threading.local()  # autocommit connections for the oracle and reports
+
+    # -- schema ------------------------------------------------------------------
+
+    def register_stream(self, schema: StreamSchema) -> None:
+        def run(cur: Cursor) -> None:
+            cur.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"stream:{schema.name}",))
+            found = cur.execute("SELECT columns FROM tickline_streams WHERE name = %s", (schema.name,)).fetchone()
+            if found is not None:
+                stored = StreamSchema.from_columns_json(schema.name, found[0])
+                if stored != schema:
+                    raise SchemaMismatch(
+                        f"stream {schema.name!r} is declared with columns {schema.columns_json()} "
+                        f"but the database has {stored.columns_json()}"
+                    )
+                return
+            for statement in schema.create_table_sql(self.dialect):
+                cur.execute(statement)
+            cur.execute(f"CREATE SEQUENCE {_seq(schema)} MINVALUE 1 START 1")
+            cur.execute(
+                "INSERT INTO tickline_streams (name, columns) VALUES (%s, %s)",
+                (schema.name, schema.columns_json()),
+            )
+
+        self.write(run)
+        with self._lock:
+            self._schemas[schema.name] = schema
+
+    def catalog(self) -> dict[str, StreamSchema]:
+        rows = self.read(lambda cur: cur.execute("SELECT name, columns FROM tickline_streams").fetchall())
+        found = {name: StreamSchema.from_columns_json(name, columns) for name, columns in rows}
+        with self._lock:
+            self._schemas.update(found)
+        return found
+
+    def schema(self, stream: str) -> StreamSchema:
+        schema = self._schemas.get(stream)
+        if schema is None:
+            schema = self.catalog().get(stream)
+        if schema is None:
+            raise UnknownStream(stream)
+        return schema
+
+    # -- side connections (autocommit) ----------------------------------------------
+
+    def _side_cursor(self) -> Any:
+        conn = getattr(self._side, "conn", None)
+        if conn is None or conn.closed:
+            conn = self._side.conn = self.connect(autocommit=True)
+        return conn.cursor()
+
+    def _head_sql(self, schema: StreamSchema) -> str:
+        return f"SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {_seq(schema)}"
+
+    # -- the timestamp oracle ----------------------------------------------------------
+
+    def allocate_timestamps(self, count: int = 1) -> list[int]:
+        """``count`` timestamps, strictly increasing across every process.
+
+        One short autocommit statement on the oracle's row: the new high-water
+        mark is persisted before any of the timestamps is used.
+        """
+        if count < 1:
+            raise ValueError("count must be at least 1")
+        from storage import tso
+
+        floor = tso.compose(max(int(self._clock() * 1000), 0)) + count - 1
+        with self._side_cursor() as cur:
+            cur.execute(
+                "UPDATE tickline_tso SET last_ts = GREATEST(last_ts + %s, %s) WHERE id = 1 RETURNING last_ts",
+                (count, floor),
+            )
+            (last,) = cur.fetchone()
+        return list(range(last - count + 1, last + 1))
+
+    # -- writers -------------------------------------------------------------------------
+
+    def _register(self, schema: StreamSchema, instance: str) -> _WriterState:
+        """Register as a live writer of the stream (before allocating anything)."""
+        key = (schema.name, instance)
+        with self._lock:
+            state = self._writers.get(key)
+            if state is not None:
+                return state
+            with self._side_cursor() as cur:
+                cur.execute(
+                    "INSERT INTO tickline_writers (stream, instance_name, epoch, position, heartbeat_ms, alive) "
+                    f"VALUES (%s, %s, 1, ({self._head_sql(schema)}), {NOW_MS}, TRUE) "
+                    "ON CONFLICT (stream, instance_name) DO UPDATE SET epoch = tickline_writers.epoch + 1, "
+                    "position = excluded.position, heartbeat_ms = excluded.heartbeat_ms, alive = TRUE "
+                    "RETURNING epoch",
+                    (schema.name, instance),
+                )
+                (epoch,) = cur.fetchone()
+            state = self._writers[key] = _WriterState(epoch)
+        self._ensure_reporter()
+        return state
+
+    def append(self, stream: str, rows: Iterable[Row], instance_name: str, batch: bool = False) -> list[int]:
+        """Append rows in one transaction; returns the token of each row.
+
+        A writer that was declared dead meanwhile registers again and retries
+        with new tokens, so its rows still arrive, in token order.
+        """
+        rows = list(rows)
+        for attempt in range(5):
+            try:
+                with self.writing(stream, instance_name) as txn:
+                    return txn.append(rows, batch)
+            except Fenced:
+                logger.warning(
+                    "writer %s of %s was declared dead; registering again and retrying with new tokens",
+                    instance_name, stream,
+                )
+        raise Fenced(f"writer {instance_name} of {stream} was fenced off 5 times in a row")
+
+    @contextlib.contextmanager
+    def writing(self, stream: str, instance_name: str) -> Iterator["WriteTransaction"]:
+        """One write transaction of a writer: ``append`` any number of times, commit on exit.
+
+        While it is open its first token holds the stream's safe position back.
+        Raises :class:`Fenced` at commit if the writer was declared dead meanwhile.
+        """
+        schema = self.schema(stream)
+        if not instance_name or any(ch.isspace() for ch in instance_name):
+            raise RowError(f"bad instance name {instance_name!r}: one word without spaces")
+        state = self._register(schema, instance_name)
+        with self._lock:
+            self._next_txn += 1
+            txn_id = self._next_txn
+        conn = self.connection()
+        try:
+            conn.set_session(isolation_level=psycopg2.extensions.ISOLATION_LEVEL_READ_COMMITTED)
+            with conn.cursor() as raw:
+                txn = WriteTransaction(self, schema, instance_name, state, txn_id, Cursor(raw))
+                yield txn
+                txn.finish()
+            conn.commit()
+        except psycopg2.OperationalError as e:
+            self._drop_broken(conn)
+            raise DatabaseUnavailable(f"PostgreSQL at {self.dsn}: {str(e).strip()}") from None
+        except Fenced:
+            conn.rollback()
+            with self._lock:
+                if self._writers.get((stream, instance_name)) is state:
+                    del self._writers[(stream, instance_name)]
+            raise
+        except BaseException:
+            if not conn.closed:
+                conn.rollback()
+            raise
+        finally:
+            with self._lock:
+                state.inflight.pop(txn_id, None)
+
+    def _ensure_reporter(self) -> None:
+        with self._lock:
+            if self._reporter is not None:
+                return
+            self._reporter = threading.Thread(
+                target=_report_loop, args=(weakref.ref(self), self._stop_reporting, self.report_interval),
+                name="tickline-writer-reports", daemon=True,
+            )
+            self._reporter.start()
+
+    def report_positions(self) -> None:
+        """Tell the master how far each of this process's writers has committed."""
+        with self._lock:
+            writers = list(self._writers.items())
+        for (stream, instance), state in writers:
+            schema = self.schema(stream)
+            with self._lock, self._side_cursor() as cur:
+                if state.inflight:
+                    position = min(state.inflight.values()) - 1
+                else:
+                    cur.execute(self._head_sql(schema))
+                    (position,) = cur.fetchone()
+            with self._side_cursor() as cur:
+                cur.execute(
+                    f"UPDATE tickline_writers SET position = GREATEST(position, %s), heartbeat_ms = {NOW_MS} "
+                    "WHERE stream = %s AND instance_name = %s AND epoch = %s AND alive",
+                    (position, stream, instance, state.epoch),
+                )
+                if cur.rowcount != 1:
+                    with self._lock:
+                        if self._writers.get((stream, instance)) is state and not state.inflight:
+                            del self._writers[(stream, instance)]  # register again on next write
+                    continue
+                if position != state.reported:
+                    state.reported = position
+                    cur.execute("SELECT pg_notify(%s, %s)", (CHANNEL, stream))
+
+    def retire_writers(self) -> None:
+        """Leave cleanly: this process's writers stop holding their streams back."""
+        self._stop_reporting.set()
+        with self._lock:
+            writers = list(self._writers.items())
+            self._writers.clear()
+        for (stream, instance), state in writers:
+            with self._side_cursor() as cur:
+                cur.execute(
+                    "UPDATE tickline_writers SET alive = FALSE WHERE stream = %s AND instance_name = %s AND epoch = %s",
+                    (stream, instance, state.epoch),
+                )
+                cur.execute("SELECT pg_notify(%s, %s)", (CHANNEL, stream))
+
+    def close(self) -> None:
+        self.retire_writers()
+        super().close()
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def safe_positions(self) -> dict[str, int]:
+        """Per stream, the token up to which every row has committed.
+
+        Marks writers silent for longer than ``writer_timeout`` as dead first.
+        """
+        timeout_ms = int(self.writer_timeout * 1000)
+
+        def run(cur: Cursor) -> dict[str, int]:
+            dead = cur.execute(
+                "UPDATE tickline_writers SET alive = FALSE, epoch = epoch + 1 "
+                f"WHERE alive AND heartbeat_ms < {NOW_MS} - %s RETURNING stream, instance_name",
+                (timeout_ms,),
+            ).fetchall()
+            for stream, instance in dead:
+                logger.warning("writer %s of stream %s stopped reporting: dropped from the safe position", instance, stream)
+            alive = dict(
+                cur.execute("SELECT stream, MIN(position) FROM tickline_writers WHERE alive GROUP BY stream").fetchall()
+            )
+            positions = {}
+            for stream, columns in cur.execute("SELECT name, columns FROM tickline_streams").fetchall():
+                if stream in alive:
+                    positions[stream] = alive[stream]
+                else:
+                    # No live writer: every row that will ever commit below the
+                    # head has committed (dead writers are fenced off).
+                    table = StreamSchema.from_columns_json(stream, columns).table
+                    top = cur.execute(f"SELECT MAX(token) FROM {table}").fetchone()[0]
+                    positions[stream] = top or 0
+            return positions
+
+        return self.write(run)
+
+    def heads(self) -> dict[str, int]:
+        """The highest token allocated per stream (not necessarily committed)."""
+        result = {}
+        for stream, schema in self.catalog().items():
+            result[stream] = self.read(lambda cur: cur.execute(self._head_sql(schema)).fetchone()[0])
+        return result
+
+    def read_rows(self, stream: str, after: int, upto: int, limit: int) -> list[StoredRow]:
+        schema = self.schema(stream)
+        selected = ", ".join(
+            f"{c.name}::text" if c.type == "json" else c.name for c in schema.columns
+        )
+        columns = f"seq, token, instance_name, ts, {selected}"
+        first = (
+            f"SELECT {columns} FROM {schema.table} WHERE token > %s AND token <= %s ORDER BY token, seq LIMIT %s"
+        )
+        rest = f"SELECT {columns} FROM {schema.table} WHERE token = %s AND seq > %s ORDER BY seq"
+
+        def run(cur: Cursor) -> list[StoredRow]:
+            rows = cur.execute(first, (after, upto, limit)).fetchall()
+            if len(rows) == limit and rows:
+                last = rows[-1]
+                rows.extend(cur.execute(rest, (last[1], last[0])).fetchall())
+            return rows
+
+        return self.read(run)
+
+    def token_at(self, stream: str, ts: int) -> int:
+        schema = self.schema(stream)
+        found = self.read(
+            lambda cur: cur.execute(f"SELECT MIN(token) FROM {schema.table} WHERE ts >= %s", (ts,)).fetchone()
+        )
+        if found[0] is None:
+            return self.safe_positions().get(stream, 0)
+        return found[0] - 1
+
+    # -- change notification -----------------------------------------------------------------
+
+    def notifier(self) -> "PgNotifier":
+        return PgNotifier(self)
+
+
+class WriteTransaction:
+    """Rows appended by one writer in one open transaction (see ``PgStreamStore.writing``)."""
+
+    def __init__(
+        self, store: PgStreamStore, schema: StreamSchema, instance: str, state: _WriterState, txn_id: int, cur: Cursor
+    ) -> None:
+        self._store = store
+        self._schema = schema
+        self._instance = instance
+        self._state = state
+        self._id = txn_id
+        self._cur = cur
+        self._last_token = 0
+        names = ", ".join(("token", "instance_name", "ts") + schema.column_names)
+        self._insert = f"INSERT INTO {schema.table} ({names}) VALUES %s"
+
+    def append(self, rows: Iterable[Row], batch: bool = False) -> list[int]:
+        values = [self._schema.check_row(row) for row in rows]
+        if not values:
+            return []
+        count = len(values)
+        first_ts = self._store.allocate_timestamps(count)[0]
+        store, cur = self._store, self._cur
+        # Allocation and registration as in flight happen under the lock, so
+        # a concurrent report never claims a token still in flight.
+        with store._lock:
+            allocated = [
+                r[0]
+                for r in cur.execute(
+                    "SELECT nextval(%s) FROM generate_series(1, %s)", (_seq(self._schema), 1 if batch else count)
+                ).fetchall()
+            ]
+            self._state.inflight.setdefault(self._id, allocated[0])
+        tokens = [allocated[0]] * count if batch else allocated
+        cur.execute_values(
+            self._insert,
+            [(token, self._instance, first_ts + i, *row) for i, (token, row) in enumerate(zip(tokens, values))],
+        )
+        self._last_token = tokens[-1]
+        return tokens
+
+    def finish(self) -> None:
+        """Move the writer's position with the commit, or refuse if it was fenced off."""
+        if not self._last_token:
+            return
+        store = self._store
+        with store._lock:
+            others = [t for other, t in self._state.inflight.items() if other != self._id]
+        position = min([self._last_token] + [t - 1 for t in others])
+        self._cur.execute(
+            f"UPDATE tickline_writers SET position = GREATEST(position, %s), heartbeat_ms = {NOW_MS} "
+            "WHERE stream = %s AND instance_name = %s AND epoch = %s AND alive",
+            (position, self._schema.name, self._instance, self._state.epoch),
+        )
+        if self._cur.rowcount != 1:
+            raise Fenced(self._instance)
+        self._cur.execute("SELECT pg_notify(%s, %s)", (CHANNEL, self._schema.name))
+
+
+def _report_loop(store_ref: "weakref.ref[PgStreamStore]", stop: threading.Event, interval: float) -> None:
+    """The reporter thread; it holds the store weakly and ends with it."""
+    while not stop.wait(interval):
+        store = store_ref()
+        if store is None:
+            return
+        try:
+            store.report_positions()
+        except Exception as e:  # keep reporting; the master times us out otherwise
+            logger.warning("reporting writer positions failed: %s", e)
+        del store
+
+
+class PgNotifier:
+    """``LISTEN tickline`` on a connection of its own: a file descriptor to watch."""
+
+    def __init__(self, store: PgStreamStore) -> None:
+        self._conn = store.connect(autocommit=True)
+        with self._conn.cursor() as cur:
+            cur.execute(f"LISTEN {CHANNEL}")
+
+    def fileno(self) -> int:
+        return self._conn.fileno()
+
+    def drain(self) -> set[str]:
+        """The streams named by the notifications that arrived (never blocks)."""
+        self._conn.poll()
+        streams = {n.payload for n in self._conn.notifies}
+        self._conn.notifies.clear()
+        return streams
+
+    def wait(self, timeout: float) -> set[str]:
+        """Block up to ``timeout`` for notifications (for tools without a reactor)."""
+        if not self._conn.notifies:
+            select.select([self._conn], [], [], timeout)
+        return self.drain()
+
+    def close(self) -> None:
+        self._conn.close()

@@ -1,0 +1,32 @@
+"""The benchmark runs end to end on a tiny row count and prints its ratio lines.
+
+No timing is asserted: the numbers depend on the machine and its load.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from tests.conftest import ROOT, _env, run_tickline
+
+RATIO_LINE = r"^{name}: tickline [\d,]+ rows/s, baseline [\d,]+ rows/s, ratio \d+\.\d\d$"
+
+
+def test_wire_scenarios_print_a_ratio_line_each() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "wire", "wire-live", "--rows", "2000", "--repeat", "1"],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name in ("wire", "wire-live"):
+        assert re.search(RATIO_LINE.format(name=name), proc.stdout, re.M), proc.stdout
+    assert re.search(r"^  master alone \(.*\): [\d,]+ rows/s$", proc.stdout, re.M), proc.stdout
+
+
+def test_bench_command_refuses_an_unknown_scenario() -> None:
+    proc = run_tickline("bench", "nosuch", "--rows", "10")
+    assert proc.returncode == 2
+    assert "unknown scenario 'nosuch'" in proc.stderr
+    assert "wire" in proc.stderr
