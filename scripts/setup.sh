@@ -4,7 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(netcat-openbsd sqlite3)
+# nc and sqlite3 for people and tests; PostgreSQL's server for the test suite
+# (tests start a throwaway server of their own; the package's cluster is not used).
+APT_PACKAGES=(netcat-openbsd sqlite3 postgresql)
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do

@@ -10,7 +10,6 @@ deterministic.
 from __future__ import annotations
 
 import logging
-import sqlite3
 from typing import Any, Callable, Optional
 
 import attr
@@ -49,14 +48,13 @@ def ev(n: int) -> str:
 
 
 class Harness:
-    def __init__(self, tmp_path, **config: Any) -> None:
-        self.path = tmp_path / "w.db"
+    def __init__(self, url: str, **config: Any) -> None:
         self.clock = Clock()
         self.handlers = config.pop("handlers", HandlerRegistry())
         self.caches = config.pop("caches", CacheRegistry({"room_caches": ["members", "state"]}))
         defaults = dict(name="w1", replicate=("events",), apply=ApplySettings(retry_initial=1.0))
         self.config = WorkerConfig(**{**defaults, **config})
-        self.store = open_worker_store(f"sqlite:///{self.path}")
+        self.store = open_worker_store(url)
         self.worker = SyncWorker(
             self.config, ProtocolConfig(), self.store, all_streams(), self.clock, self.handlers, self.caches
         )
@@ -83,16 +81,30 @@ class Harness:
         return [line for line in out if not line.startswith("PING ")]
 
     def rows(self) -> list[tuple]:
-        conn = sqlite3.connect(self.path)
-        return conn.execute("SELECT token, instance_name, ts, event_id FROM replicated_events ORDER BY token, event_id").fetchall()
+        return [
+            tuple(row)
+            for row in self.store.read(
+                lambda c: c.execute(
+                    "SELECT token, instance_name, ts, event_id FROM replicated_events ORDER BY token, event_id"
+                ).fetchall()
+            )
+        ]
 
     def applied(self, stream: str = "events") -> int:
         return self.store.applied_tokens().get(stream, 0)
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def url(request, tmp_path) -> str:
+    """The worker's database: every rule is checked on both backends."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path}/w.db"
+    return request.getfixturevalue("pg_url")
+
+
 @pytest.fixture
-def h(tmp_path) -> Harness:
-    return Harness(tmp_path)
+def h(url) -> Harness:
+    return Harness(url)
 
 
 def test_handshake_waits_for_server_then_resumes_every_stream(h) -> None:
@@ -101,8 +113,8 @@ def test_handshake_waits_for_server_then_resumes_every_stream(h) -> None:
     assert h.sent() == ["REPLICATE caches 0", "REPLICATE events 0"]
 
 
-def test_wrong_server_name_is_refused_before_any_replicate(tmp_path, caplog) -> None:
-    h = Harness(tmp_path, server_name="prod")
+def test_wrong_server_name_is_refused_before_any_replicate(url, caplog) -> None:
+    h = Harness(url, server_name="prod")
     h.sent()
     with caplog.at_level(logging.ERROR):
         h.send("SERVER staging")
@@ -167,11 +179,11 @@ def test_position_at_or_below_the_applied_token_moves_without_fetching(h) -> Non
     assert [r[0] for r in h.rows()] == [1, 11]
 
 
-def test_resume_after_a_crash_from_the_applied_token(tmp_path) -> None:
-    first = Harness(tmp_path)
+def test_resume_after_a_crash_from_the_applied_token(url) -> None:
+    first = Harness(url)
     first.send("SERVER s", "POSITION events m 0 0", f"RDATA events m 1 {ev(1)}", f"RDATA events m 2 {ev(2)}")
     first.send(f"RDATA events m batch {ev(3)}")  # never completed: lost with the process
-    again = Harness(tmp_path)  # a new process on the same database
+    again = Harness(url)  # a new process on the same database
     again.sent()
     again.send("SERVER s")
     assert "REPLICATE events 2" in again.sent()
@@ -179,7 +191,7 @@ def test_resume_after_a_crash_from_the_applied_token(tmp_path) -> None:
     assert [r[0] for r in again.rows()] == [1, 2, 3]
 
 
-def test_failing_handler_stops_the_stream_and_is_retried_never_skipped(tmp_path, caplog) -> None:
+def test_failing_handler_stops_the_stream_and_is_retried_never_skipped(url, caplog) -> None:
     handlers = HandlerRegistry()
     broken = {"on": True}
     seen: list[int] = []
@@ -191,7 +203,7 @@ def test_failing_handler_stops_the_stream_and_is_retried_never_skipped(tmp_path,
                 raise RuntimeError("handler refuses $e2")
             seen.append(row.token)
 
-    h = Harness(tmp_path, handlers=handlers)
+    h = Harness(url, handlers=handlers)
     with caplog.at_level(logging.WARNING):
         h.send("SERVER s", "POSITION events m 0 0", *(f"RDATA events m {n} {ev(n)}" for n in (1, 2, 3)))
         h.clock.advance(0)  # the grouped apply failed: retry token by token
@@ -207,8 +219,8 @@ def test_failing_handler_stops_the_stream_and_is_retried_never_skipped(tmp_path,
     assert [r[0] for r in h.rows()] == [1, 2, 3]
 
 
-def test_too_many_pending_rows_pause_reading(tmp_path) -> None:
-    h = Harness(tmp_path, max_pending_rows=4)
+def test_too_many_pending_rows_pause_reading(url) -> None:
+    h = Harness(url, max_pending_rows=4)
     h.worker.hold = []
     h.send("SERVER s", "POSITION events m 0 0", *(f"RDATA events m {n} {ev(n)}" for n in range(1, 7)))
     assert h.transport.producerState == "paused"
