@@ -17,6 +17,7 @@ from twisted.python.failure import Failure
 
 from replication.commands import (
     SERVER_COMMANDS,
+    AuthCommand,
     ErrorCommand,
     NameCommand,
     OptionsCommand,
@@ -69,8 +70,10 @@ class ClientProtocol(LineCommandProtocol):
         config: ProtocolConfig,
         clock: IReactorTime,
         with_ts: bool = False,
+        secret: Optional[str] = None,
     ) -> None:
         super().__init__(config, clock)
+        self.secret = secret
         self.handler = handler
         self.client_name = client_name
         self.with_ts = with_ts
@@ -81,6 +84,8 @@ class ClientProtocol(LineCommandProtocol):
     def connectionMade(self) -> None:
         super().connectionMade()
         self.conn_name = f"{self.client_name}->{self.conn_name}"
+        if self.secret is not None:
+            self.send(AuthCommand(self.secret))
         self.send(NameCommand(self.client_name))
         self.send_ping()
         if self.with_ts:

@@ -79,7 +79,7 @@ class ClientCommandHandlers:
     def remote_server_up(self, conn: "ServerProtocol", command: RemoteServerUpCommand) -> None:
         data = command.encode()
         for other in list(self._master.connections):
-            if other is not conn:
+            if other is not conn and other.authenticated:
                 other.write(data)
         self._notify(conn, command)
 

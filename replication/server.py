@@ -11,6 +11,7 @@ makes the master buffer rows for it.
 
 from __future__ import annotations
 
+import hmac
 import logging
 from typing import TYPE_CHECKING, ClassVar, Optional
 
@@ -122,7 +123,7 @@ class ServerProtocol(LineCommandProtocol):
     def on_AUTH(self, command: AuthCommand) -> None:
         if self.master.config.secret is None:
             self.authenticated = True
-        elif command.secret == self.master.config.secret:
+        elif hmac.compare_digest(command.secret.encode(), self.master.config.secret.encode()):
             self.authenticated = True
         else:
             self.close_with_error("authentication failed: wrong secret")
@@ -246,9 +247,13 @@ class ServerProtocol(LineCommandProtocol):
             if data:
                 self.write(data)
                 self.master.metrics_catchup_rows(count)
-            # No rows in (sent, head] means none exist: every token up to the
-            # live head has committed.
-            sub.sent_token = last_token if data else head
+            if data:
+                sub.sent_token = last_token
+            else:
+                # No rows in (sent, head]: every token up to the live head has
+                # committed (or never will), so the client may move there.
+                self.send(PositionCommand(sub.stream, self.master.config.instance_name, sub.sent_token, head))
+                sub.sent_token = head
             self.pump(sub)
 
         def failed(failure: Failure) -> None:

@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 import attr
 
 from scripts.config import Config, ConfigError, load_config, parse_address, setup_logging
-from storage.schema import RowError, SchemaError
+from storage.schema import NAME_WORD, RowError, SchemaError
 from storage.store import StorageError
 from storage.urls import BadDatabaseUrl, parse_database_url
 
@@ -122,8 +122,8 @@ def run_master(args: argparse.Namespace, config: Config) -> int:
         host, port = parse_address(args.listen, "--listen")
         master_config = attr.evolve(master_config, listen_host=host, listen_port=port)
     if args.server_name:
-        if any(c.isspace() for c in args.server_name):
-            raise UsageError("--server-name must be one word")
+        if not NAME_WORD.fullmatch(args.server_name):
+            raise UsageError("--server-name must be one word of printable ASCII")
         master_config = attr.evolve(master_config, server_name=args.server_name)
     store = open_store(_database(args, config), writer_timeout=master_config.writer_timeout)
     master = Master(master_config, config.protocol, store, config.streams, reactor)
@@ -165,6 +165,8 @@ def run_write(args: argparse.Namespace, config: Config) -> int:
     from storage.store import open_store
 
     rows = _read_rows(args.rows)
+    if not rows:
+        raise UsageError("no rows to write (stdin was empty)")
     store = open_store(_database(args, config))
     for schema in config.streams.values():
         store.register_stream(schema)

@@ -21,7 +21,7 @@ from replication.protocol import ProtocolConfig
 from replication.streams import all_streams, schema_from_config
 from workers.consumer import ApplySettings
 from workers.worker import WorkerConfig
-from storage.schema import SchemaError, StreamSchema
+from storage.schema import NAME_WORD, SchemaError, StreamSchema
 from storage.urls import BadDatabaseUrl, parse_database_url
 
 DEFAULT_DATABASE = "sqlite:///tickline.db"
@@ -79,9 +79,9 @@ def _check_type(value: Any, kind: Any, key: str) -> Any:
             return value
         raise ConfigError(f"{key}: expected a positive whole number, got {value!r}")
     if kind in ("str", str):
-        if isinstance(value, str) and value and not any(c.isspace() for c in value):
+        if isinstance(value, str) and NAME_WORD.fullmatch(value):
             return value
-        raise ConfigError(f"{key}: expected one word of text, got {value!r}")
+        raise ConfigError(f"{key}: expected one word of printable ASCII, got {value!r}")
     if kind in ("bool", bool):
         if isinstance(value, bool):
             return value

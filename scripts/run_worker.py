@@ -8,6 +8,7 @@ import sys
 import attr
 
 from scripts.config import Config, ConfigError, parse_address
+from storage.schema import NAME_WORD
 from storage.urls import parse_database_url
 from storage.worker_store import open_worker_store
 from workers.caches import CacheRegistry
@@ -20,8 +21,8 @@ def worker_config(args: argparse.Namespace, config: Config) -> WorkerConfig:
     wc = config.worker
     changes: dict = {}
     if args.name:
-        if any(c.isspace() for c in args.name):
-            raise ConfigError("--name must be one word")
+        if not NAME_WORD.fullmatch(args.name):
+            raise ConfigError("--name must be one word of printable ASCII")
         changes["name"] = args.name
     if args.master:
         changes["master_host"], changes["master_port"] = parse_address(args.master, "--master")
@@ -52,7 +53,7 @@ def run_worker(args: argparse.Namespace, config: Config) -> int:
         raise ConfigError(f"worker.handlers: {e}") from None
     caches = CacheRegistry(config.caches.special, config.caches.max_size)
     store = open_worker_store(wc.database)
-    worker = Worker(wc, config.protocol, store, config.streams, reactor, handlers, caches)
+    worker = Worker(wc, config.protocol, store, config.streams, reactor, handlers, caches, config.master.secret)
     try:
         worker.prepare()
     except UnknownStreamError as e:

@@ -103,7 +103,10 @@ class TailFactory(ClientFactory):
         self.with_ts = with_ts
 
     def buildProtocol(self, addr: Any) -> ClientProtocol:
-        return ClientProtocol(self.handler, self.name, self.config.protocol, self.reactor, with_ts=self.with_ts)
+        return ClientProtocol(
+            self.handler, self.name, self.config.protocol, self.reactor,
+            with_ts=self.with_ts, secret=self.config.master.secret,
+        )
 
     def clientConnectionFailed(self, connector: Any, reason: Failure) -> None:
         self.handler.fail(f"cannot connect to the master at {connector.host}:{connector.port}: {reason.getErrorMessage()}")

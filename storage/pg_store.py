@@ -34,7 +34,7 @@ import psycopg2
 import psycopg2.extensions
 
 from storage.pg_db import Cursor, PgDatabase
-from storage.schema import RowError, StreamSchema
+from storage.schema import StreamSchema, check_instance_name
 from storage.store import DatabaseUnavailable, SchemaMismatch, StoredRow, UnknownStream
 
 logger = logging.getLogger(__name__)
@@ -203,8 +203,7 @@ class PgStreamStore(PgDatabase):
         Raises :class:`Fenced` at commit if the writer was declared dead meanwhile.
         """
         schema = self.schema(stream)
-        if not instance_name or any(ch.isspace() for ch in instance_name):
-            raise RowError(f"bad instance name {instance_name!r}: one word without spaces")
+        check_instance_name(instance_name)
         state = self._register(schema, instance_name)
         with self._lock:
             self._next_txn += 1

@@ -16,6 +16,8 @@ import orjson
 STREAM_NAME = re.compile(r"[a-z][a-z0-9_]{0,62}")
 COLUMN_NAME = re.compile(r"[a-z][a-z0-9_]{0,62}")
 RESERVED_COLUMNS = frozenset({"seq", "token", "instance_name", "ts"})
+# Instance and server names travel as one word of the wire protocol.
+NAME_WORD = re.compile(r"[!-~]{1,200}")
 
 # Declared type -> (SQLite type, PostgreSQL type)
 COLUMN_TYPES: dict[str, tuple[str, str]] = {
@@ -34,6 +36,13 @@ class SchemaError(ValueError):
 
 class RowError(ValueError):
     """A row that does not fit its stream's columns."""
+
+
+def check_instance_name(name: object) -> str:
+    """A writer's instance name: one word of printable ASCII (it is sent in RDATA)."""
+    if not isinstance(name, str) or not NAME_WORD.fullmatch(name):
+        raise RowError(f"bad instance name {name!r}: one word of printable ASCII, no spaces")
+    return name
 
 
 @attr.s(slots=True, frozen=True, auto_attribs=True)

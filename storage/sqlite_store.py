@@ -13,7 +13,7 @@ import time
 from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 
 from storage import tso
-from storage.schema import RowError, StreamSchema
+from storage.schema import StreamSchema, check_instance_name
 from storage.sqlite_db import SqliteDatabase
 from storage.store import SchemaMismatch, StoredRow, UnknownStream
 
@@ -90,8 +90,7 @@ class SqliteStreamStore(SqliteDatabase):
         values = [schema.check_row(row) for row in rows]
         if not values:
             return []
-        if not instance_name or any(ch.isspace() for ch in instance_name):
-            raise RowError(f"bad instance name {instance_name!r}: one word without spaces")
+        check_instance_name(instance_name)
         count = len(values)
         token_count = 1 if batch else count
         placeholders = ", ".join("?" * (3 + len(schema.columns)))

@@ -6,7 +6,7 @@ and the wall clock, and never goes back: if the clock steps backwards the
 logical counter keeps counting on from the last value, and if the counter
 overflows it carries into the physical part, which is still strictly
 increasing. The persisted last value lives in the database (see
-``storage.streams``), so the order holds across processes and restarts.
+``storage.sqlite_store`` and ``storage.pg_store``), so the order holds across processes and restarts.
 """
 
 from __future__ import annotations

@@ -72,8 +72,10 @@ class Worker(ReplicationHandler):
         reactor: Any,
         handlers: Optional[HandlerRegistry] = None,
         caches: Optional[CacheRegistry] = None,
+        secret: Optional[str] = None,
     ) -> None:
         self.config = config
+        self.secret = secret  # sent in AUTH when the master requires it
         self.protocol_config = protocol_config
         self.store = store
         self.reactor = reactor
@@ -324,7 +326,8 @@ class WorkerFactory(ReconnectingClientFactory):
     def buildProtocol(self, addr: Any) -> ClientProtocol:
         # The delay resets after the handshake (on_server), not on TCP connect.
         return ClientProtocol(
-            self.worker, self.worker.config.name, self.worker.protocol_config, self.worker.reactor, with_ts=True
+            self.worker, self.worker.config.name, self.worker.protocol_config, self.worker.reactor,
+            with_ts=True, secret=self.worker.secret,
         )
 
     def clientConnectionFailed(self, connector: Any, reason: Failure) -> None:

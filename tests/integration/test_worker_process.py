@@ -91,3 +91,30 @@ def test_worker_bad_config_and_unknown_stream_are_clear_errors(tmp_path) -> None
     assert result.returncode == 2 and "cannot import no.such.module" in result.stderr
     result = run_tickline("worker", "--database", "sqlite:////nonexistent-dir/w.db", "--replicate", "events")
     assert result.returncode == 2 and "does not exist" in result.stderr
+
+
+def test_tail_and_worker_authenticate_with_the_configured_secret(tmp_path) -> None:
+    master_db, worker_db = tmp_path / "m.db", tmp_path / "w.db"
+    port = free_port()
+    config = tmp_path / "secret.yaml"
+    config.write_text(
+        f"database: {sqlite_url(master_db)}\nlisten: 127.0.0.1:{port}\nsecret: s3cret\n"
+        f"worker:\n  name: w1\n  database: {sqlite_url(worker_db)}\n  replicate: [events]\n"
+    )
+    master = Proc(tmp_path / "master.log", "master", "-c", str(config))
+    worker = None
+    try:
+        wait_for(lambda: accepts(port), 15, "the master to listen")
+        worker = Proc(tmp_path / "worker.log", "worker", "-c", str(config))
+        assert run_tickline("write", "-c", str(config), "events", '["$a", "!r", "t", null, null]').returncode == 0
+        tail = run_tickline("tail", "-c", str(config), "--from", "0", "--count", "1", "events", timeout=30)
+        assert tail.returncode == 0, tail.stderr
+        assert '"$a"' in tail.stdout
+        wait_for(lambda: query_one(worker_db, "SELECT COUNT(*) FROM replicated_events", 0) == 1, 30, "the worker")
+        # Without the secret the master refuses.
+        plain = run_tickline("tail", "--master", f"127.0.0.1:{port}", "--from", "0", "--count", "1", "events", timeout=30)
+        assert plain.returncode == 1 and "authentication required" in plain.stderr
+    finally:
+        if worker is not None:
+            assert worker.stop() == 0
+        master.stop()
