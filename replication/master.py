@@ -20,7 +20,7 @@ from twisted.internet.protocol import Factory
 from zope.interface import implementer
 
 from replication.client_commands import ClientCommandHandlers
-from replication.commands import PingCommand, PositionCommand
+from replication.commands import PositionCommand
 from replication.dbthreads import DatabaseThreads
 from replication.protocol import ProtocolConfig
 from replication.rows import RowEncoder, encode_rows, row_encoder
@@ -65,6 +65,7 @@ class Master:
         self._schemas: dict[str, StreamSchema] = {}
         self._encoders: dict[str, RowEncoder] = {}
         self._live: dict[str, int] = {}
+        self._safe: dict[str, int] = {}
         self._live_subs: dict[str, dict[ServerProtocol, Subscription]] = {}
         self.connections: set[ServerProtocol] = set()
         self.client_commands = ClientCommandHandlers(self)
@@ -147,6 +148,10 @@ class Master:
     def has_stream(self, stream: str) -> bool:
         return stream in self._live
 
+    def safe_position(self, stream: str) -> int:
+        """The last safe position seen: every row up to it has committed."""
+        return max(self._safe.get(stream, 0), self._live.get(stream, 0))
+
     def live_token(self, stream: str) -> int:
         """The token up to which rows have been fanned out to live subscriptions."""
         return self._live[stream]
@@ -208,6 +213,7 @@ class Master:
     async def _advance(self) -> None:
         # The safe position: every row up to it has committed (see storage).
         heads = await self.db.run(self.store.safe_positions)
+        self._safe.update(heads)
         if any(stream not in self._schemas for stream in heads):
             self._learn(await self.db.run(self.store.catalog))
         for stream, head in heads.items():
@@ -234,7 +240,7 @@ class Master:
         """No rows in (live, safe]: tell live subscriptions they may move to ``safe``."""
         data = PositionCommand(stream, self.config.instance_name, self._live[stream], safe).encode()
         for conn, sub in list(self._live_subs[stream].items()):
-            conn.send_live(sub, data, safe)
+            conn.send_live(sub, data, safe, "POSITION")
         self._live[stream] = safe
 
     def _fan_out(self, stream: str, encoded: dict[bool, bytes], last_token: int, count: int) -> None:
@@ -245,7 +251,7 @@ class Master:
                 # A subscription with the other variant joined during the read:
                 # it is behind last_token, so the loop below makes it catch up.
                 continue
-            conn.send_live(sub, data, last_token)
+            conn.send_live(sub, data, last_token, "RDATA", count)
         self._live[stream] = last_token
         for conn, sub in list(self._live_subs[stream].items()):
             if sub.sent_token != last_token:
@@ -289,8 +295,6 @@ class Master:
     def metrics_catchup_rows(self, count: int) -> None:
         self.counters["catchup_rows"] += count
 
-    def received_ping(self, conn: ServerProtocol, command: PingCommand) -> None:
-        conn.clock_offset_ms = command.unix_ms - int(self.reactor.seconds() * 1000)
 
 
 @implementer(IReadDescriptor)

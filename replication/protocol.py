@@ -17,6 +17,8 @@ protocol finishes what it owes and then closes (``IHalfCloseableProtocol``).
 from __future__ import annotations
 
 import logging
+import socket
+import struct
 from typing import Callable, ClassVar, Optional
 
 import attr
@@ -26,6 +28,7 @@ from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from replication.stats import STATS
 from replication.commands import (
     Command,
     ErrorCommand,
@@ -36,6 +39,7 @@ from replication.commands import (
 )
 
 logger = logging.getLogger(__name__)
+_TCP_INFO_RTT = struct.Struct("I")  # tcpi_rtt: microseconds, at offset 68 of struct tcp_info
 
 
 @attr.s(slots=True, frozen=True, auto_attribs=True)
@@ -72,6 +76,8 @@ class LineCommandProtocol(Protocol):
         self._tick = 1.0
         self._abort_call = None
         self.read_closed = False
+        self.rtt_ms: Optional[float] = None  # kernel's smoothed TCP round trip
+        self.clock_offset_ms: Optional[float] = None  # peer's clock minus ours, from its PINGs
 
     # -- connection lifecycle --------------------------------------------------
 
@@ -112,12 +118,14 @@ class LineCommandProtocol(Protocol):
     # -- sending -------------------------------------------------------------
 
     def send(self, command: Command) -> None:
+        STATS.sent[command.NAME] += 1
         self.write(command.encode())
 
     def write(self, data: bytes) -> None:
         if self._closing and self.transport is None:
             return
         self._last_sent = self.clock.seconds()
+        STATS.bytes_sent += len(data)
         self.transport.write(data)
 
     def send_ping(self) -> None:
@@ -150,6 +158,7 @@ class LineCommandProtocol(Protocol):
         if self._closing:
             return
         self._last_received = self.clock.seconds()
+        STATS.bytes_received += len(data)
         buffer = self._buffer + data if self._buffer else data
         lines = buffer.split(b"\n")
         self._buffer = lines.pop()
@@ -187,6 +196,7 @@ class LineCommandProtocol(Protocol):
         if command.NAME not in self.INBOUND:
             self.send_error(f"{command.NAME} may not be sent by the {self.peer_side}")
             return
+        STATS.received[command.NAME] += 1
         handler: Callable[[Command], None] = getattr(self, f"on_{command.NAME}")
         handler(command)
 
@@ -215,10 +225,24 @@ class LineCommandProtocol(Protocol):
 
     def on_PING(self, command: PingCommand) -> None:
         self._peer_pinged = True
-        self.received_ping(command)
-
-    def received_ping(self, command: PingCommand) -> None:
-        """Hook for round-trip and clock-offset bookkeeping."""
+        self.rtt_ms = tcp_rtt_ms(self.transport)
+        # The peer's clock when the PING left, plus half the round trip, against ours now.
+        now_ms = self.clock.seconds() * 1000
+        self.clock_offset_ms = command.unix_ms + (self.rtt_ms or 0.0) / 2 - now_ms
 
     def on_ERROR(self, command: ErrorCommand) -> None:
         logger.warning("[%s] %s sent ERROR %s", self.conn_name, self.peer_side, command.message)
+
+
+def tcp_rtt_ms(transport: object) -> Optional[float]:
+    """The kernel's smoothed round-trip time of a TCP connection (Linux), or None."""
+    get_handle = getattr(transport, "getHandle", None)
+    if get_handle is None or not hasattr(socket, "TCP_INFO"):
+        return None
+    try:
+        info = get_handle().getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+    except (OSError, AttributeError):
+        return None
+    if len(info) < 72:
+        return None
+    return _TCP_INFO_RTT.unpack_from(info, 68)[0] / 1000.0

@@ -35,6 +35,7 @@ from replication.commands import (
     UserSyncCommand,
 )
 from replication.protocol import LineCommandProtocol, ProtocolConfig
+from replication.stats import STATS
 
 if TYPE_CHECKING:
     from replication.master import Master
@@ -69,7 +70,6 @@ class ServerProtocol(LineCommandProtocol):
         self.subscriptions: dict[str, Subscription] = {}
         self.paused = False
         self._pause_timer = None
-        self.clock_offset_ms: Optional[int] = None
         self._pending_replicates = 0  # REPLICATEs waiting for the master to follow the store
         self._half_close_synced = False
 
@@ -131,9 +131,6 @@ class ServerProtocol(LineCommandProtocol):
     def on_PING(self, command: PingCommand) -> None:
         # A PING proves liveness even before AUTH, so it needs no check.
         super().on_PING(command)
-
-    def received_ping(self, command: PingCommand) -> None:
-        self.master.received_ping(self, command)
 
     def on_NAME(self, command: NameCommand) -> None:
         if self._allowed("NAME"):
@@ -245,6 +242,7 @@ class ServerProtocol(LineCommandProtocol):
                 return
             sub.reading = False
             if data:
+                STATS.sent["RDATA"] += count
                 self.write(data)
                 self.master.metrics_catchup_rows(count)
             if data:
@@ -265,13 +263,14 @@ class ServerProtocol(LineCommandProtocol):
 
         d.addCallbacks(got, failed)
 
-    def send_live(self, sub: Subscription, data: bytes, last_token: int) -> None:
-        """Called by the master's fan-out with rows just after ``sub.sent_token``."""
+    def send_live(self, sub: Subscription, data: bytes, last_token: int, command: str = "RDATA", count: int = 1) -> None:
+        """Called by the master's fan-out with ``count`` lines just after ``sub.sent_token``."""
         if self.paused:
             # Don't buffer for a client that is not reading: it catches up later.
             sub.live = False
             self.master.unsubscribe_live(self, sub)
             return
+        STATS.sent[command] += count
         self.write(data)
         sub.sent_token = last_token
 

@@ -25,6 +25,10 @@ the machine only ever slows a run down), per scenario, as one line::
 
     wire: tickline 412,000 rows/s, baseline 1,630,000 rows/s, ratio 0.25
 
+followed by the CPU time per row of each process (median of the runs; steadier
+than wall time on a busy machine, and it shows which side is saturated) and,
+for ``wire``, the master alone: its replay read by the bare line client.
+
 Absolute numbers vary between machines and runs; the ratio is what to compare.
 Run as ``tickline bench`` or ``python scripts/benchmark.py`` (which also takes
 ``--repeat`` and ``--profile DIR``: sample master and client with py-spy).

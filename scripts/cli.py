@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     master.add_argument("--listen", metavar="HOST:PORT", help="address to listen on")
     master.add_argument("--database", metavar="URL", help="database URL (sqlite:///path.db)")
     master.add_argument("--server-name", metavar="NAME", help="name sent in SERVER")
+    master.add_argument("--metrics-listen", metavar="HOST:PORT", help="serve Prometheus /metrics here (or PORT)")
 
     write = commands.add_parser("write", help="append rows to a stream, print their tokens")
     _add_config(write)
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--replicate", metavar="STREAM", action="append", default=[],
         help="copy STREAM into table replicated_STREAM (repeatable)",
     )
+    worker.add_argument("--metrics-listen", metavar="HOST:PORT", help="serve Prometheus /metrics here (or PORT)")
 
     check = commands.add_parser("check-config", help="validate a configuration file")
     check.add_argument("-c", "--config", metavar="FILE", required=True)
@@ -88,6 +90,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         config = load_config(args.config)
         setup_logging(config.log_level)
         if args.command == "master":
+            from scripts.run_master import run_master
+
             return run_master(args, config)
         if args.command == "write":
             return run_write(args, config)
@@ -105,42 +109,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     raise AssertionError(args.command)
 
 
-def _database(args: argparse.Namespace, config: Config) -> str:
+def database_url(args: argparse.Namespace, config: Config) -> str:
     url = args.database or config.database
     parse_database_url(url)
     return url
-
-
-def run_master(args: argparse.Namespace, config: Config) -> int:
-    from twisted.internet import defer, reactor
-
-    from replication.master import Master
-    from storage.store import open_store
-
-    master_config = config.master
-    if args.listen:
-        host, port = parse_address(args.listen, "--listen")
-        master_config = attr.evolve(master_config, listen_host=host, listen_port=port)
-    if args.server_name:
-        if not NAME_WORD.fullmatch(args.server_name):
-            raise UsageError("--server-name must be one word of printable ASCII")
-        master_config = attr.evolve(master_config, server_name=args.server_name)
-    store = open_store(_database(args, config), writer_timeout=master_config.writer_timeout)
-    master = Master(master_config, config.protocol, store, config.streams, reactor)
-    exit_code = [0]
-
-    def started_failed(failure) -> None:
-        print(f"tickline master: error: {failure.getErrorMessage()}", file=sys.stderr)
-        exit_code[0] = 1
-        reactor.stop()
-
-    def start() -> None:
-        defer.ensureDeferred(master.start()).addErrback(started_failed)
-
-    reactor.callWhenRunning(start)
-    reactor.addSystemEventTrigger("before", "shutdown", lambda: defer.ensureDeferred(master.stop()))
-    reactor.run()
-    return exit_code[0]
 
 
 def _read_rows(texts: Sequence[str]) -> list:
@@ -167,7 +139,7 @@ def run_write(args: argparse.Namespace, config: Config) -> int:
     rows = _read_rows(args.rows)
     if not rows:
         raise UsageError("no rows to write (stdin was empty)")
-    store = open_store(_database(args, config))
+    store = open_store(database_url(args, config))
     for schema in config.streams.values():
         store.register_stream(schema)
     streams = store.catalog()

@@ -50,6 +50,8 @@ class Config:
     source: Optional[str] = None
     worker: WorkerConfig = WorkerConfig()
     caches: CacheSettings = CacheSettings()
+    metrics_listen: Optional[tuple[str, int]] = None  # the master's /metrics; None: off
+    worker_metrics_listen: Optional[tuple[str, int]] = None  # a worker's /metrics; None: off
 
 
 def parse_address(value: Any, key: str) -> tuple[str, int]:
@@ -105,7 +107,7 @@ def _checked(cls: type, section: Mapping[str, Any], prefix: str, allowed: tuple[
 
 
 TOP_KEYS = (
-    "server_name", "instance_name", "database", "listen", "secret",
+    "server_name", "instance_name", "database", "listen", "secret", "metrics_listen",
     "master", "protocol", "streams", "logging", "worker", "caches",
 )
 
@@ -173,9 +175,23 @@ def config_from_mapping(raw: Any, source: Optional[str] = None) -> Config:
     except SchemaError as e:
         raise ConfigError(f"streams: {e}") from None
 
-    worker = _worker_config(_section(raw, "worker"), streams, master)
+    worker_section = dict(_section(raw, "worker"))
+    worker_metrics = parse_metrics_address(worker_section.pop("metrics_listen", None), "worker.metrics_listen")
+    worker = _worker_config(worker_section, streams, master)
     caches = _cache_settings(_section(raw, "caches"))
-    return Config(master, protocol, database, level, streams, source, worker, caches)
+    metrics = parse_metrics_address(raw.get("metrics_listen"), "metrics_listen")
+    return Config(master, protocol, database, level, streams, source, worker, caches, metrics, worker_metrics)
+
+
+def parse_metrics_address(value: Any, key: str) -> Optional[tuple[str, int]]:
+    """``HOST:PORT``, or ``PORT`` alone on 127.0.0.1; None (the default) turns /metrics off."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if isinstance(value, str) and value.isdigit():
+        value = f"127.0.0.1:{value}"
+    return parse_address(value, key)
 
 
 def _string_list(value: Any, key: str) -> tuple[str, ...]:

@@ -7,7 +7,8 @@ import sys
 
 import attr
 
-from scripts.config import Config, ConfigError, parse_address
+from scripts.config import Config, ConfigError, parse_address, parse_metrics_address
+from scripts.daemon import run_daemon
 from storage.schema import NAME_WORD
 from storage.urls import parse_database_url
 from storage.worker_store import open_worker_store
@@ -44,6 +45,8 @@ def worker_config(args: argparse.Namespace, config: Config) -> WorkerConfig:
 def run_worker(args: argparse.Namespace, config: Config) -> int:
     from twisted.internet import defer, reactor
 
+    from scripts.metrics import WorkerCollector, serve_metrics
+
     wc = worker_config(args, config)
     handlers = HandlerRegistry()
     try:
@@ -51,6 +54,11 @@ def run_worker(args: argparse.Namespace, config: Config) -> int:
             handlers.register(stream, load_handler(path))
     except HandlerError as e:
         raise ConfigError(f"worker.handlers: {e}") from None
+    metrics = (
+        parse_metrics_address(args.metrics_listen, "--metrics-listen")
+        if args.metrics_listen
+        else config.worker_metrics_listen
+    )
     caches = CacheRegistry(config.caches.special, config.caches.max_size)
     store = open_worker_store(wc.database)
     worker = Worker(wc, config.protocol, store, config.streams, reactor, handlers, caches, config.master.secret)
@@ -58,10 +66,22 @@ def run_worker(args: argparse.Namespace, config: Config) -> int:
         worker.prepare()
     except UnknownStreamError as e:
         raise ConfigError(str(e)) from None
-    reactor.callWhenRunning(worker.start)
-    reactor.addSystemEventTrigger("before", "shutdown", lambda: defer.ensureDeferred(worker.stop()))
-    reactor.run()
-    return 0
+
+    async def start() -> None:
+        if metrics is not None:
+            serve_metrics(reactor, WorkerCollector(worker), *metrics)
+        worker.start()
+
+    def ready() -> "defer.Deferred[str]":
+        # READY=1 once connected and caught up with every stream.
+        return worker.when_caught_up().addCallback(lambda _: f"caught up; {status()}")
+
+    def status() -> str:
+        streams = ", ".join(f"{s}@{c.applied}" for s, c in sorted(worker.consumers.items()))
+        state = "connected" if worker.client is not None else f"connecting to {wc.master_host}:{wc.master_port}"
+        return f"{state}; applied {streams}"
+
+    return run_daemon(reactor, "worker", start, ready, worker.stop, status, config.source)
 
 
 if __name__ == "__main__":  # pragma: no cover

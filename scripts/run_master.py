@@ -1,0 +1,49 @@
+"""``tickline master``: serve the streams until stopped, as a systemd-friendly daemon."""
+
+from __future__ import annotations
+
+import argparse
+
+import attr
+
+from scripts.cli import UsageError, database_url
+from scripts.config import Config, parse_address, parse_metrics_address
+from scripts.daemon import run_daemon
+from storage.schema import NAME_WORD
+
+
+def run_master(args: argparse.Namespace, config: Config) -> int:
+    from twisted.internet import defer, reactor
+
+    from replication.master import Master
+    from scripts.metrics import MasterCollector, follow_heads, serve_metrics
+    from storage.store import open_store
+
+    master_config = config.master
+    if args.listen:
+        host, port = parse_address(args.listen, "--listen")
+        master_config = attr.evolve(master_config, listen_host=host, listen_port=port)
+    if args.server_name:
+        if not NAME_WORD.fullmatch(args.server_name):
+            raise UsageError("--server-name must be one word of printable ASCII")
+        master_config = attr.evolve(master_config, server_name=args.server_name)
+    metrics = parse_metrics_address(args.metrics_listen, "--metrics-listen") if args.metrics_listen else config.metrics_listen
+    store = open_store(database_url(args, config), writer_timeout=master_config.writer_timeout)
+    master = Master(master_config, config.protocol, store, config.streams, reactor)
+    heads: dict[str, int] = {}
+
+    async def start() -> None:
+        await master.start()
+        if metrics is not None:
+            serve_metrics(reactor, MasterCollector(master, heads), *metrics)
+            follow_heads(reactor, master, heads)
+
+    def ready() -> "defer.Deferred[str]":
+        address = master.port.getHost()
+        return defer.succeed(f"listening on {address.host}:{address.port}; {status()}")
+
+    def status() -> str:
+        streams = ", ".join(f"{s}@{master.live_token(s)}" for s in master.stream_names())
+        return f"{len(master.connections)} connections; streams {streams}"
+
+    return run_daemon(reactor, "master", start, ready, master.stop, status, config.source)
