@@ -60,7 +60,8 @@ if __package__ in (None, ""):
 import orjson
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCENARIOS = ("wire", "wire-live")
+WIRE_SCENARIOS = ("wire", "wire-live")
+SCENARIOS = WIRE_SCENARIOS + ("catch-up", "end-to-end")  # the last two: scripts/bench_workers.py
 DEFAULT_ROWS = 200_000
 DEFAULT_REPEAT = 5
 STREAM = "events"
@@ -622,14 +623,19 @@ def main(scenarios: Optional[list[str]] = None, rows: Optional[int] = None,
         return 2
     print(f"tickline bench: {rows:,} rows, best of {repeat} runs, {os.cpu_count()} cores", flush=True)
     workdir = tempfile.mkdtemp(prefix="tickline-bench-")
+    wire = [s for s in chosen if s in WIRE_SCENARIOS]
     try:
-        results = run_wire(chosen, rows, repeat, workdir, profile_dir, verbose)
+        results = run_wire(wire, rows, repeat, workdir, profile_dir, verbose) if wire else {}
+        if any(s not in WIRE_SCENARIOS for s in chosen):
+            from scripts.bench_workers import run_worker_scenarios
+
+            run_worker_scenarios(chosen, rows, workdir)
     except BenchError as e:
         print(f"tickline bench: error: {e}", file=sys.stderr)
         return 1
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    for name in chosen:
+    for name in wire:
         r = results[name]
         print(f"{name}: tickline {_fmt(r['tickline'])} rows/s, baseline {_fmt(r['baseline'])} rows/s, "
               f"ratio {r['tickline'] / r['baseline']:.2f}", flush=True)

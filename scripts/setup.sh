@@ -6,20 +6,28 @@ cd "$(dirname "$0")/.."
 
 # nc and sqlite3 for people and tests; PostgreSQL's server for the test suite
 # (tests start a throwaway server of their own; the package's cluster is not used).
-APT_PACKAGES=(netcat-openbsd sqlite3 postgresql)
+# Spark snapshots: a Java runtime and the JDBC drivers (/usr/share/java/postgresql.jar,
+# /usr/share/java/sqlite-jdbc.jar); pyspark ships no JDBC driver and nothing is downloaded at run time.
+APT_PACKAGES=(netcat-openbsd sqlite3 postgresql libpostgresql-jdbc-java libxerial-sqlite-jdbc-java)
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
 done
+command -v java >/dev/null 2>&1 || missing+=(JAVA)
 if [ "${#missing[@]}" -gt 0 ]; then
     if [ "$(id -u)" -ne 0 ]; then
         echo "setup: need root to install Debian packages: ${missing[*]}" >&2
         exit 1
     fi
-    echo "setup: installing Debian packages: ${missing[*]}"
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -q >/dev/null
+    if [[ " ${missing[*]} " == *" JAVA "* ]]; then  # Java 17 where offered, else Debian's default
+        java_pkg=openjdk-17-jre-headless
+        apt-cache show "$java_pkg" >/dev/null 2>&1 || java_pkg=default-jre-headless
+        missing=("${missing[@]/JAVA/$java_pkg}")
+    fi
+    echo "setup: installing Debian packages: ${missing[*]}"
     apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
@@ -31,7 +39,7 @@ fi
 # Reinstall only when the declared dependencies changed since the last run.
 stamp=.venv/.tickline-setup
 want="$(sha256sum setup.cfg pyproject.toml | sha256sum | cut -d' ' -f1)"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! .venv/bin/python -c "import replication, twisted, orjson" 2>/dev/null; then
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! .venv/bin/python -c "import replication, twisted, orjson, pyspark" 2>/dev/null; then
     echo "setup: installing Python packages into .venv"
     .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
     .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
