@@ -73,6 +73,7 @@ class Master:
         self._poller: Optional[task.LoopingCall] = None
         self._following = False
         self._follow_again = False
+        self._expire_writers = True
         self._follow_waiters: list[defer.Deferred[None]] = []
         self._notifications: Optional[NotificationReader] = None
         self.port: Optional[IListeningPort] = None
@@ -95,7 +96,7 @@ class Master:
             interval = max(self.config.writer_timeout / 5, self.config.poll_interval)
         else:
             interval = self.config.poll_interval
-        self._poller = task.LoopingCall(self._follow_heads)
+        self._poller = task.LoopingCall(self._slow_tick)
         self._poller.clock = self.reactor
         self._poller.start(interval, now=False).addErrback(
             lambda f: logger.error("following stream heads stopped: %s", f.getTraceback())
@@ -180,6 +181,12 @@ class Master:
         if self._poller is not None and self._poller.running:
             self.reactor.callLater(0, self._follow_heads)
 
+    def _slow_tick(self) -> Optional["defer.Deferred[None]"]:
+        # The periodic pass also looks for writers that went silent; wake-ups
+        # by notification skip that sweep to keep commit -> RDATA short.
+        self._expire_writers = True
+        return self._follow_heads()
+
     def _follow_heads(self) -> Optional["defer.Deferred[None]"]:
         if self._following:
             self._follow_again = True
@@ -212,7 +219,8 @@ class Master:
 
     async def _advance(self) -> None:
         # The safe position: every row up to it has committed (see storage).
-        heads = await self.db.run(self.store.safe_positions)
+        expire, self._expire_writers = self._expire_writers, False
+        heads = await self.db.run(self.store.safe_positions, expire)
         self._safe.update(heads)
         if any(stream not in self._schemas for stream in heads):
             self._learn(await self.db.run(self.store.catalog))

@@ -177,7 +177,7 @@ def _latencies(url: str, worker_url: str, rate: int, seconds: float) -> list[flo
                 for t in range(seen + 1, token + 1):
                     applied_at[t] = now
                 seen = token
-            time.sleep(0.0002)
+            time.sleep(0.001)
         conn.close()
 
     poller = threading.Thread(target=poll, daemon=True)

@@ -290,19 +290,22 @@ class PgStreamStore(PgDatabase):
 
     # -- reading ---------------------------------------------------------------------------
 
-    def safe_positions(self) -> dict[str, int]:
+    def safe_positions(self, expire_writers: bool = True) -> dict[str, int]:
         """Per stream, the token up to which every row has committed.
 
-        Marks writers silent for longer than ``writer_timeout`` as dead first.
+        With ``expire_writers``, first marks writers silent for longer than
+        ``writer_timeout`` as dead.
         """
         timeout_ms = int(self.writer_timeout * 1000)
 
         def run(cur: Cursor) -> dict[str, int]:
-            dead = cur.execute(
-                "UPDATE tickline_writers SET alive = FALSE, epoch = epoch + 1 "
-                f"WHERE alive AND heartbeat_ms < {NOW_MS} - %s RETURNING stream, instance_name",
-                (timeout_ms,),
-            ).fetchall()
+            dead = []
+            if expire_writers:
+                dead = cur.execute(
+                    "UPDATE tickline_writers SET alive = FALSE, epoch = epoch + 1 "
+                    f"WHERE alive AND heartbeat_ms < {NOW_MS} - %s RETURNING stream, instance_name",
+                    (timeout_ms,),
+                ).fetchall()
             for stream, instance in dead:
                 logger.warning("writer %s of stream %s stopped reporting: dropped from the safe position", instance, stream)
             alive = dict(

@@ -139,7 +139,7 @@ class SqliteStreamStore(SqliteDatabase):
         rows = self.read(lambda conn: conn.execute("SELECT stream, token FROM tickline_stream_heads").fetchall())
         return dict(rows)
 
-    def safe_positions(self) -> dict[str, int]:
+    def safe_positions(self, expire_writers: bool = True) -> dict[str, int]:
         """Per stream, the token up to which every row has committed.
 
         On SQLite the write lock makes tokens commit in order, so that is the head.
