@@ -831,3 +831,23 @@ def test_client_holds_a_batch_until_its_token_and_drops_rows_before_position() -
     assert handler.rows == []  # nothing of a batch before its last line
     proto.dataReceived(b'RDATA events m 2 ["c"]\nRDATA events m 3 ["d"]\n')
     assert handler.rows == [("events", 2, [["a"], ["b"], ["c"]]), ("events", 3, [["d"]])]
+
+
+# -- master-side API -------------------------------------------------------------------
+
+
+def test_invalidate_cache_records_a_caches_row_and_fans_it_out_at_once(env: Env) -> None:
+    conn = env.connected()
+    conn.send("REPLICATE")
+    conn.commands()
+    tokens_written: list[int] = []
+    env.master.invalidate_cache("members", ["!room"]).addCallback(tokens_written.append)
+    env.master.invalidate_cache("state").addCallback(tokens_written.append)
+    env.reactor.advance(0)  # the wake-up after the write, before the next poll
+    assert tokens_written == [1, 2]
+    rows = rdata(conn.commands())
+    assert [(s, t, r[:2]) for s, _, t, r in rows] == [
+        ("caches", 1, ["members", ["!room"]]),
+        ("caches", 2, ["state", None]),
+    ]
+    assert all(isinstance(r[2], int) for _, _, _, r in rows)  # invalidation_ts in ms
