@@ -26,8 +26,10 @@ from replication.commands import (
     RemoteServerUpCommand,
     ReplicateCommand,
     ServerCommand,
+    parse_rdata_fast,
 )
 from replication.protocol import LineCommandProtocol, ProtocolConfig
+from replication.stats import STATS
 
 logger = logging.getLogger(__name__)
 
@@ -114,21 +116,32 @@ class ClientProtocol(LineCommandProtocol):
         self._pending_batch.pop(command.stream, None)
         self.handler.on_position(self, command)
 
+    def _handle_line(self, raw: bytes) -> None:
+        # Most lines are RDATA: take them without building a command object.
+        fast = parse_rdata_fast(raw)
+        if fast is None:
+            super()._handle_line(raw)
+            return
+        STATS.received["RDATA"] += 1
+        self._rows(*fast)
+
     def on_RDATA(self, command: RdataCommand) -> None:
-        stream = command.stream
+        self._rows(command.stream, command.instance, command.token, command.row)
+
+    def _rows(self, stream: str, instance: str, token: Optional[int], row: list) -> None:
         if stream not in self.positioned:
             logger.debug("[%s] dropped RDATA for %s before its POSITION", self.conn_name, stream)
             return
-        if command.token is None:
-            self._pending_batch.setdefault(stream, []).append(command.row)
+        if token is None:
+            self._pending_batch.setdefault(stream, []).append(row)
             return
         pending = self._pending_batch.pop(stream, None)
         if pending is None:
-            rows = [command.row]
+            rows = [row]
         else:
-            pending.append(command.row)
+            pending.append(row)
             rows = pending
-        self.handler.on_rows(self, stream, command.instance, command.token, rows)
+        self.handler.on_rows(self, stream, instance, token, rows)
 
     def on_ERROR(self, command: ErrorCommand) -> None:
         super().on_ERROR(command)

@@ -44,6 +44,7 @@ __all__ = [
     "CLIENT_COMMANDS",
     "parse_line",
     "encode_rdata",
+    "parse_rdata_fast",
 ]
 
 # Stream, instance and server names are single words of printable ASCII.
@@ -272,6 +273,45 @@ class RdataCommand(Command):
 
     def encode(self) -> bytes:
         return encode_rdata(self.stream, self.instance, self.token, orjson.dumps(self.row))
+
+
+_RDATA_PREFIX = b"RDATA "
+_BATCH_BYTES = BATCH.encode("ascii")
+
+
+def parse_rdata_fast(raw: bytes) -> Optional[tuple[str, str, Optional[int], list]]:
+    """(stream, instance, token or None, row) of a well-formed ``RDATA`` line, else None.
+
+    The receiving hot path: it accepts exactly what :meth:`RdataCommand.parse`
+    accepts for names it has already checked once, and returns None for
+    anything else, which then goes through the full parser (and its ERROR).
+    """
+    if not raw.startswith(_RDATA_PREFIX):
+        return None
+    parts = raw.split(b" ", 4)
+    if len(parts) != 5:
+        return None
+    _, stream_b, instance_b, position, row_json = parts
+    try:
+        stream = stream_b.decode("ascii")
+        instance = instance_b.decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    if stream not in _GOOD_WORDS or instance not in _GOOD_WORDS:
+        return None
+    if position == _BATCH_BYTES:
+        token = None
+    elif position.isdigit() and len(position) < 19 and (position == b"0" or position[:1] != b"0"):
+        token = int(position)
+    else:
+        return None
+    try:
+        row = orjson.loads(row_json)
+    except orjson.JSONDecodeError:
+        return None
+    if type(row) is not list:
+        return None
+    return stream, instance, token, row
 
 
 @attr.s(slots=True, frozen=True, auto_attribs=True)

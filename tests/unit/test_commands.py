@@ -239,3 +239,46 @@ def test_commands_are_immutable_values() -> None:
     assert hash(command) == hash(PositionCommand("events", "master", 1, 2))
     with pytest.raises(AttributeError):
         command.new_token = 3  # type: ignore[misc]
+
+
+# -- the receiving fast path ---------------------------------------------------------
+
+from replication.commands import RdataCommand as _Rdata, parse_line as _parse, parse_rdata_fast  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        'RDATA events master 12 ["$e", "!r", "t", null, null]',
+        'RDATA events master batch ["a b", {"k": [1, 2]}]',
+        "RDATA events master 0 []",
+        'RDATA events master 9223372036854775807 ["x"]',
+        'RDATA events master 1 ["x"]\r',
+    ],
+)
+def test_fast_rdata_parse_agrees_with_the_command_class(line: str) -> None:
+    full = _parse(line.strip())
+    assert isinstance(full, _Rdata)  # also teaches the fast path the names
+    fast = parse_rdata_fast(line.encode())
+    if fast is not None:  # the fast path may decline; it must never disagree
+        assert fast == (full.stream, full.instance, full.token, full.row)
+    assert parse_rdata_fast(b'RDATA events master 3 ["x"]') == ("events", "master", 3, ["x"])
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'RDATA events master 01 ["x"]',
+        b'RDATA events master -1 ["x"]',
+        b"RDATA events master 1 {bad",
+        b'RDATA events master 1 {"a": 1}',
+        b"RDATA events master 1",
+        b'RDATA events master 99999999999999999999 ["x"]',
+        b'RDATA ev\xc3\xa9nts master 1 ["x"]',
+        b'RDATA never-seen-name master 1 ["x"]',
+        b'POSITION events master 1 2',
+    ],
+)
+def test_fast_rdata_parse_declines_what_the_full_parser_must_judge(raw: bytes) -> None:
+    _parse('RDATA events master 1 ["x"]')
+    assert parse_rdata_fast(raw) is None
