@@ -23,7 +23,7 @@ from replication.client_commands import ClientCommandHandlers
 from replication.commands import PositionCommand
 from replication.dbthreads import DatabaseThreads
 from replication.protocol import ProtocolConfig
-from replication.rows import RowEncoder, encode_rows, row_encoder
+from replication.rows import RowEncoder, encode_json_rows, encode_rows, row_encoder
 from replication.server import ServerProtocol, Subscription
 from replication.streams import cache_invalidation_row
 from storage.schema import StreamSchema
@@ -169,6 +169,14 @@ class Master:
         self, stream: str, after: int, upto: int, limit: int, variants: tuple[bool, ...]
     ) -> tuple[dict[bool, bytes], int, int]:
         """Runs on a database thread: read rows once, encode each variant once."""
+        read_json = getattr(self.store, "read_rows_json", None)
+        if read_json is not None:
+            # The store builds each row's JSON itself (SQLite's json_array).
+            json_rows = read_json(stream, after, upto, limit)
+            if not json_rows:
+                return {}, after, 0
+            encoded = {v: encode_json_rows(stream, json_rows, v)[0] for v in variants}
+            return encoded, json_rows[-1][TOKEN], len(json_rows)
         rows = self.store.read_rows(stream, after, upto, limit)
         if not rows:
             return {}, after, 0

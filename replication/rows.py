@@ -84,6 +84,32 @@ def encode_rows(
     return b"".join(lines), rows[-1][TOKEN]
 
 
+def encode_json_rows(stream: str, rows: list[tuple], with_ts: bool) -> tuple[bytes, int]:
+    """RDATA lines for rows whose JSON the store built: ``(seq, token, instance bytes, ts, json bytes)``.
+
+    Same lines as :func:`encode_rows` (batches included); with ``ts`` the
+    timestamp is spliced in as the array's last element.
+    """
+    if not rows:
+        return b"", 0
+    stream_bytes = stream.encode("utf-8")
+    prefixes: dict[bytes, bytes] = {}
+    lines = []
+    append = lines.append
+    last = len(rows) - 1
+    for i, (_, token, instance, ts, row_json) in enumerate(rows):
+        prefix = prefixes.get(instance)
+        if prefix is None:
+            prefix = prefixes[instance] = b"RDATA %s %s " % (stream_bytes, instance)
+        if with_ts:
+            row_json = b"%s,%d]" % (row_json[:-1], ts)
+        if i < last and rows[i + 1][TOKEN] == token:
+            append(b"%s%s %s\n" % (prefix, _BATCH, row_json))
+        else:
+            append(b"%s%d %s\n" % (prefix, token, row_json))
+    return b"".join(lines), rows[-1][TOKEN]
+
+
 def split_ts(row: list, with_ts: bool) -> tuple[list, Optional[int]]:
     """A received row and its timestamp (``None`` without the ``ts`` option)."""
     if with_ts and row:
