@@ -62,6 +62,7 @@ import orjson
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIRE_SCENARIOS = ("wire", "wire-live")
 SCENARIOS = WIRE_SCENARIOS + ("catch-up", "end-to-end")  # the last two: scripts/bench_workers.py
+SCENARIOS += ("snapshot",)  # Spark JDBC snapshots: scripts/bench_snapshot.py
 DEFAULT_ROWS = 200_000
 DEFAULT_REPEAT = 5
 STREAM = "events"
@@ -617,6 +618,7 @@ def main(scenarios: Optional[list[str]] = None, rows: Optional[int] = None,
         print(f"tickline bench: error: unknown scenario {unknown[0]!r} (known: {', '.join(SCENARIOS)})",
               file=sys.stderr)
         return 2
+    requested_rows = rows  # the snapshot scenario's default is its own (1,000,000)
     rows = DEFAULT_ROWS if rows is None else rows
     if rows < 1 or repeat < 1:
         print("tickline bench: error: --rows and --repeat must be positive", file=sys.stderr)
@@ -626,10 +628,14 @@ def main(scenarios: Optional[list[str]] = None, rows: Optional[int] = None,
     wire = [s for s in chosen if s in WIRE_SCENARIOS]
     try:
         results = run_wire(wire, rows, repeat, workdir, profile_dir, verbose) if wire else {}
-        if any(s not in WIRE_SCENARIOS for s in chosen):
+        if any(s not in WIRE_SCENARIOS + ("snapshot",) for s in chosen):
             from scripts.bench_workers import run_worker_scenarios
 
             run_worker_scenarios(chosen, rows, workdir)
+        if "snapshot" in chosen:
+            from scripts.bench_snapshot import print_results, run_snapshot_bench
+
+            print_results(run_snapshot_bench(requested_rows, repeat, workdir, verbose))
     except BenchError as e:
         print(f"tickline bench: error: {e}", file=sys.stderr)
         return 1

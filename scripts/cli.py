@@ -1,4 +1,4 @@
-"""The ``tickline`` command line: master, write, tail, check-config, bench."""
+"""The ``tickline`` command line: master, write, tail, worker, snapshot, check-config, bench."""
 
 from __future__ import annotations
 
@@ -66,6 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     worker.add_argument("--metrics-listen", metavar="HOST:PORT", help="serve Prometheus /metrics here (or PORT)")
 
+    snapshot = commands.add_parser("snapshot", help="read a worker's replicated stream with Spark as of one token")
+    _add_config(snapshot)
+    snapshot.add_argument("--database", metavar="URL", help="the worker's database (default: the config's worker.database)")
+    snapshot.add_argument("--stream", metavar="NAME", required=True, help="the stream (table replicated_NAME)")
+    snapshot.add_argument("--partitions", metavar="N", type=int, help="token ranges read in parallel (default: spark.num_partitions)")
+    snapshot_range = snapshot.add_mutually_exclusive_group()
+    snapshot_range.add_argument("--as-of", metavar="TOKEN", type=int, help="rows with token <= TOKEN (default: the applied token)")
+    snapshot_range.add_argument("--after", metavar="TOKEN", type=int, help="incremental: rows with TOKEN < token <= the applied token")
+    snapshot.add_argument("--out", metavar="DIR", help="write Parquet and a manifest into DIR/<stream>_<after>_<token>/")
+
     check = commands.add_parser("check-config", help="validate a configuration file")
     check.add_argument("-c", "--config", metavar="FILE", required=True)
 
@@ -99,6 +109,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from scripts.run_worker import run_worker
 
             return run_worker(args, config)
+        if args.command == "snapshot":
+            from scripts.snapshot import run_snapshot
+
+            return run_snapshot(args, config)
         if args.command == "tail":
             from scripts.tail import run_tail
 

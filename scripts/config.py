@@ -21,6 +21,7 @@ from replication.protocol import ProtocolConfig
 from replication.streams import all_streams, schema_from_config
 from workers.consumer import ApplySettings
 from workers.worker import WorkerConfig
+from workers.snapshot import SparkSettings
 from storage.schema import NAME_WORD, SchemaError, StreamSchema
 from storage.urls import BadDatabaseUrl, parse_database_url
 
@@ -52,6 +53,7 @@ class Config:
     caches: CacheSettings = CacheSettings()
     metrics_listen: Optional[tuple[str, int]] = None  # the master's /metrics; None: off
     worker_metrics_listen: Optional[tuple[str, int]] = None  # a worker's /metrics; None: off
+    spark: SparkSettings = SparkSettings()  # tickline snapshot and workers.snapshot
 
 
 def parse_address(value: Any, key: str) -> tuple[str, int]:
@@ -108,7 +110,7 @@ def _checked(cls: type, section: Mapping[str, Any], prefix: str, allowed: tuple[
 
 TOP_KEYS = (
     "server_name", "instance_name", "database", "listen", "secret", "metrics_listen",
-    "master", "protocol", "streams", "logging", "worker", "caches",
+    "master", "protocol", "streams", "logging", "worker", "caches", "spark",
 )
 
 
@@ -180,7 +182,10 @@ def config_from_mapping(raw: Any, source: Optional[str] = None) -> Config:
     worker = _worker_config(worker_section, streams, master)
     caches = _cache_settings(_section(raw, "caches"))
     metrics = parse_metrics_address(raw.get("metrics_listen"), "metrics_listen")
-    return Config(master, protocol, database, level, streams, source, worker, caches, metrics, worker_metrics)
+    spark_keys = tuple(f.name for f in attr.fields(SparkSettings))
+    spark = SparkSettings(**_checked(SparkSettings, _section(raw, "spark"), "spark.", spark_keys))
+    return Config(master, protocol, database, level, streams, source, worker, caches, metrics, worker_metrics,
+                  spark=spark)
 
 
 def parse_metrics_address(value: Any, key: str) -> Optional[tuple[str, int]]:

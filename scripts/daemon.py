@@ -69,16 +69,22 @@ def run_daemon(
 
     reactor.callWhenRunning(lambda: defer.ensureDeferred(begin()).addErrback(failed))
     reactor.addSystemEventTrigger("before", "shutdown", lambda: defer.ensureDeferred(end()))
-    if config_path is not None:
-        install_log_reload(reactor, config_path)
+    install_log_reload(reactor, config_path)
     reactor.run()
     return exit_code[0]
 
 
-def install_log_reload(reactor: Any, config_path: str) -> None:
-    """SIGHUP reads the config file again and applies its logging section."""
+def install_log_reload(reactor: Any, config_path: Optional[str]) -> None:
+    """SIGHUP reads the config file again and applies its logging section.
+
+    Without a config file there is nothing to reload, but SIGHUP must still
+    not kill the process (its default action).
+    """
 
     def reload() -> None:
+        if config_path is None:
+            logger.info("SIGHUP: no config file (-c) to reload the log configuration from")
+            return
         try:
             level = load_config(config_path).log_level
         except ConfigError as e:

@@ -158,8 +158,10 @@ class Worker(ReplicationHandler):
         for call in self._retry_calls.values():
             if call.active():
                 call.cancel()
-        # An apply in flight commits or rolls back as a whole; wait for it.
-        while any(c.applying for c in self.consumers.values()):
+        # An apply in flight commits or rolls back as a whole; wait for it. Wait
+        # too until the connection has closed, or the reactor's shutdown drops
+        # CLEAR_USER_SYNC unwritten (close() aborts after close_grace at most).
+        while any(c.applying for c in self.consumers.values()) or (client is not None and self.client is client):
             await _sleep(self.reactor, 0.01)
         self.db.stop()
 
