@@ -73,12 +73,14 @@ class ClientProtocol(LineCommandProtocol):
         clock: IReactorTime,
         with_ts: bool = False,
         secret: Optional[str] = None,
+        options: frozenset[str] = frozenset(),
     ) -> None:
         super().__init__(config, clock)
         self.secret = secret
         self.handler = handler
         self.client_name = client_name
         self.with_ts = with_ts
+        self.options = frozenset(({"ts"} if with_ts else set()) | set(options))
         self.server_name: Optional[str] = None
         self.positioned: set[str] = set()
         self._pending_batch: dict[str, list[list[Any]]] = {}
@@ -90,8 +92,8 @@ class ClientProtocol(LineCommandProtocol):
             self.send(AuthCommand(self.secret))
         self.send(NameCommand(self.client_name))
         self.send_ping()
-        if self.with_ts:
-            self.send(OptionsCommand(frozenset({"ts"})))
+        if self.options:
+            self.send(OptionsCommand(self.options))
         self.handler.connected(self)
 
     def connectionLost(self, reason: Failure = None) -> None:

@@ -452,7 +452,7 @@ class AuthCommand(Command):
         return self.secret
 
 
-KNOWN_OPTIONS = frozenset({"ts"})
+KNOWN_OPTIONS = frozenset({"ts", "live"})
 
 
 @attr.s(slots=True, frozen=True, auto_attribs=True)
@@ -462,6 +462,10 @@ class OptionsCommand(Command):
     ``ts``: every ``RDATA`` row JSON carries the row's timestamp as one more,
     last element of the array. Without it rows are exactly the stream's
     columns, as the seed protocol has them.
+
+    ``live``: a replay (``REPLICATE <stream> <token>``) ends with
+    ``POSITION <stream> <instance> <head> <head>`` when it reaches the live
+    rows, so the client knows it has caught up.
     """
 
     NAME: ClassVar[str] = "OPTIONS"

@@ -46,12 +46,15 @@ logger = logging.getLogger(__name__)
 class Subscription:
     """One stream on one connection."""
 
-    __slots__ = ("stream", "sent_token", "live", "reading", "generation")
+    __slots__ = ("stream", "sent_token", "live", "reading", "generation", "announce_live")
 
-    def __init__(self, stream: str, sent_token: int) -> None:
+    def __init__(self, stream: str, sent_token: int, announce_live: bool = False) -> None:
         self.stream = stream
         self.sent_token = sent_token  # every row up to here has been written
         self.live = False
+        # A replay ends with POSITION <head> <head> when it first goes live, so
+        # the client knows it has caught up.
+        self.announce_live = announce_live
         self.reading = False
         self.generation = 0  # bumped when a new REPLICATE restarts the stream
 
@@ -66,6 +69,7 @@ class ServerProtocol(LineCommandProtocol):
         self.master = master
         self.client_name: Optional[str] = None
         self.with_ts = False
+        self.announce_live = False  # OPTIONS live
         self.authenticated = master.config.secret is None
         self.subscriptions: dict[str, Subscription] = {}
         self.paused = False
@@ -140,7 +144,9 @@ class ServerProtocol(LineCommandProtocol):
 
     def on_OPTIONS(self, command: OptionsCommand) -> None:
         if self._allowed("OPTIONS"):
-            self.with_ts = "ts" in command.options
+            # Options add up; none can be switched off again.
+            self.with_ts = self.with_ts or "ts" in command.options
+            self.announce_live = self.announce_live or "live" in command.options
 
     def on_REPLICATE(self, command: ReplicateCommand) -> None:
         if not self._allowed("REPLICATE"):
@@ -186,7 +192,7 @@ class ServerProtocol(LineCommandProtocol):
             self.send_error(f"token {token} is above the head {head} of stream {stream!r}")
             return
         self.send(PositionCommand(stream, master.config.instance_name, token, token))
-        self._start(stream, token)
+        self._start(stream, token, announce_live=self.announce_live)
 
     def on_USER_SYNC(self, command: UserSyncCommand) -> None:
         if self._allowed("USER_SYNC"):
@@ -210,12 +216,12 @@ class ServerProtocol(LineCommandProtocol):
 
     # -- streaming -----------------------------------------------------------------
 
-    def _start(self, stream: str, token: int) -> None:
+    def _start(self, stream: str, token: int, announce_live: bool = False) -> None:
         old = self.subscriptions.get(stream)
         if old is not None:
             old.generation += 1
             self.master.unsubscribe_live(self, old)
-        sub = Subscription(stream, token)
+        sub = Subscription(stream, token, announce_live)
         if old is not None:
             sub.generation = old.generation + 1
         self.subscriptions[stream] = sub
@@ -229,6 +235,9 @@ class ServerProtocol(LineCommandProtocol):
         if sub.sent_token >= head:
             sub.live = True
             self.master.subscribe_live(self, sub)
+            if sub.announce_live:
+                sub.announce_live = False
+                self.send(PositionCommand(sub.stream, self.master.config.instance_name, head, head))
             if self.read_closed:
                 self.finish_after_half_close()
             return

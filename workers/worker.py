@@ -93,6 +93,10 @@ class Worker(ReplicationHandler):
         self._reading_paused = False
         self._retry_calls: dict[str, Any] = {}
         self._caught_up_waiters: list[defer.Deferred] = []
+        # Per stream on this connection: the REPLICATE was answered, and the
+        # replay reached the live rows (the POSITION that OPTIONS live adds).
+        self._answered: set[str] = set()
+        self._live_streams: set[str] = set()
         self.stopping = False
 
     # -- set-up --------------------------------------------------------------------
@@ -165,6 +169,15 @@ class Worker(ReplicationHandler):
             await _sleep(self.reactor, 0.01)
         self.db.stop()
 
+    def client_protocol(self) -> ClientProtocol:
+        """The protocol for one connection to the master."""
+        # ts: rows carry their timestamps; live: a replay ends with a POSITION,
+        # so the worker knows when it has caught up.
+        return ClientProtocol(
+            self, self.config.name, self.protocol_config, self.reactor,
+            with_ts=True, secret=self.secret, options=frozenset({"live"}),
+        )
+
     def _apply_in_db(self, stream: str, token: int, effects: Callable[[Any], None]) -> "defer.Deferred[None]":
         return self.db.run(self.store.apply, stream, token, effects)
 
@@ -187,7 +200,7 @@ class Worker(ReplicationHandler):
             self.factory.resetDelay()
         logger.info("connected to master %s", server_name)
         for stream, consumer in sorted(self.consumers.items()):
-            client.replicate(stream, consumer.resume_token())
+            self._replicate(client, stream, consumer.resume_token())
         for user_id, last in self.syncing_users.items():
             client.send(UserSyncCommand(self.config.name, user_id, True, last))
         if self._federation_ack is not None:
@@ -199,9 +212,13 @@ class Worker(ReplicationHandler):
         consumer = self.consumers.get(command.stream)
         if consumer is None:
             return
+        if command.stream in self._answered:
+            self._live_streams.add(command.stream)
+        else:
+            self._answered.add(command.stream)
         missed_from = consumer.position(command.prev_token, command.new_token)
         if missed_from is not None:
-            client.replicate(command.stream, missed_from)
+            self._replicate(client, command.stream, missed_from)
         self._check_caught_up()
 
     def on_rows(self, client: ClientProtocol, stream: str, instance: str, token: int, rows: list[list[Any]]) -> None:
@@ -226,7 +243,12 @@ class Worker(ReplicationHandler):
     def _retry_replicate(self, client: ClientProtocol, stream: str) -> None:
         self._retry_calls.pop(stream, None)
         if client is self.client and client.transport is not None and stream not in client.positioned:
-            client.replicate(stream, self.consumers[stream].resume_token())
+            self._replicate(client, stream, self.consumers[stream].resume_token())
+
+    def _replicate(self, client: ClientProtocol, stream: str, token: int) -> None:
+        self._answered.discard(stream)
+        self._live_streams.discard(stream)
+        client.replicate(stream, token)
 
     def on_remote_server_up(self, client: ClientProtocol, server: str) -> None:
         logger.info("remote server up: %s", server)
@@ -234,6 +256,8 @@ class Worker(ReplicationHandler):
     def disconnected(self, client: ClientProtocol, reason: Failure) -> None:
         if client is self.client:
             self.client = None
+        self._answered.clear()
+        self._live_streams.clear()
         for consumer in self.consumers.values():
             consumer.reset()
         for call in self._retry_calls.values():
@@ -258,11 +282,10 @@ class Worker(ReplicationHandler):
         self._check_caught_up()
 
     def caught_up(self) -> bool:
-        """Every stream positioned on this connection and nothing left to apply."""
-        client = self.client
+        """Every stream's replay reached the live rows on this connection, all applied."""
         return (
-            client is not None
-            and all(s in client.positioned for s in self.consumers)
+            self.client is not None
+            and all(s in self._live_streams for s in self.consumers)
             and not any(c.busy for c in self.consumers.values())
         )
 
@@ -327,10 +350,7 @@ class WorkerFactory(ReconnectingClientFactory):
 
     def buildProtocol(self, addr: Any) -> ClientProtocol:
         # The delay resets after the handshake (on_server), not on TCP connect.
-        return ClientProtocol(
-            self.worker, self.worker.config.name, self.worker.protocol_config, self.worker.reactor,
-            with_ts=True, secret=self.worker.secret,
-        )
+        return self.worker.client_protocol()
 
     def clientConnectionFailed(self, connector: Any, reason: Failure) -> None:
         if not self.worker.stopping:

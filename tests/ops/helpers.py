@@ -143,16 +143,25 @@ class FakeMaster:
         return conn
 
     def handshake(self, conn: AcceptedConnection, streams: list[str], server_name: str = "fake") -> list[str]:
-        """SERVER and PING; answer each ``REPLICATE <stream> <token>`` with a POSITION. Returns the lines read."""
+        """SERVER and PING; answer each ``REPLICATE <stream> <token>`` as a master with no rows.
+
+        The answer's POSITION, then (after ``OPTIONS live``) the end-of-replay
+        POSITION. Returns the lines read.
+        """
         conn.send(f"SERVER {server_name}", f"PING {int(time.time() * 1000)}")
         wanted = set(streams)
         lines = []
+        live = False
         while wanted:
             line = conn.read_line()
             lines.append(line)
+            if line.startswith("OPTIONS ") and "live" in line.split():
+                live = True
             if line.startswith("REPLICATE "):
                 _, stream, token = line.split()
                 conn.send(f"POSITION {stream} {server_name} {token} {token}")
+                if live:
+                    conn.send(f"POSITION {stream} {server_name} {token} {token}")
                 wanted.discard(stream)
         return lines
 

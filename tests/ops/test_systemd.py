@@ -164,12 +164,6 @@ def test_worker_is_not_ready_until_connected_then_watchdog_and_clean_stop(tmp_pa
     assert master.stop() == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: the worker sends READY=1 as soon as every stream has its first POSITION, before the replayed "
-    "rows arrive; the answer to REPLICATE <stream> <token> does not tell the head, and nothing marks the end "
-    "of a replay, so the worker cannot know it is behind",
-)
 def test_worker_ready_waits_until_the_rows_written_before_it_started_are_applied(tmp_path, notify, procs) -> None:
     port = free_port()
     config = shared_config(tmp_path, port)
@@ -193,7 +187,7 @@ def test_worker_sends_clear_user_sync_on_sigterm_and_exits_0_in_time(tmp_path, n
     worker = procs("worker", "worker", "-c", str(config))
     conn = fake_master.accept()
     opening = fake_master.handshake(conn, ["caches", "events"])
-    assert opening[:3] == ["NAME w1", opening[1], "OPTIONS ts"] and opening[1].startswith("PING ")
+    assert opening[:3] == ["NAME w1", opening[1], "OPTIONS live ts"] and opening[1].startswith("PING ")
     ready_at, _ = notify.wait("READY", "1", pid=worker.pid, alive=lambda: worker.popen.poll() is None)
 
     started = time.monotonic()

@@ -18,7 +18,6 @@ from twisted.internet import defer
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 
-from replication.client import ClientProtocol
 from replication.protocol import ProtocolConfig
 from replication.streams import all_streams
 from storage.worker_store import open_worker_store
@@ -63,7 +62,7 @@ class Harness:
 
     def connect(self) -> None:
         self.transport = StringTransport()
-        self.proto = ClientProtocol(self.worker, "w1", ProtocolConfig(), self.clock, with_ts=True)
+        self.proto = self.worker.client_protocol()
         self.proto.makeConnection(self.transport)
 
     def disconnect(self) -> None:
@@ -108,7 +107,7 @@ def h(url) -> Harness:
 
 
 def test_handshake_waits_for_server_then_resumes_every_stream(h) -> None:
-    assert h.sent() == ["NAME w1", "OPTIONS ts"]
+    assert h.sent() == ["NAME w1", "OPTIONS live ts"]
     h.send("SERVER tickline")
     assert h.sent() == ["REPLICATE caches 0", "REPLICATE events 0"]
 
@@ -315,3 +314,12 @@ def test_lru_size_limit() -> None:
     assert "a" in cache and "c" in cache and "b" not in cache
     with pytest.raises(ValueError):
         CacheRegistry({"x": ["a"]}).cache("x")
+
+
+def test_caught_up_only_after_the_replay_reaches_live(h) -> None:
+    h.send("SERVER s", "POSITION caches m 0 0", "POSITION caches m 0 0")  # caches: answered, then live
+    h.send("POSITION events m 0 0", f"RDATA events m 1 {ev(1)}")  # the answer, then replayed rows
+    assert not h.worker.caught_up()
+    h.send(f"RDATA events m 2 {ev(2)}", "POSITION events m 2 2")  # OPTIONS live: the replay is done
+    assert h.worker.caught_up()
+    assert h.applied() == 2
