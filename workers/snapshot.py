@@ -49,7 +49,7 @@ from storage.schema import StreamSchema
 from storage.urls import DatabaseUrl, parse_database_url
 
 if TYPE_CHECKING:  # pragma: no cover
-    from pyspark.sql import Column as SparkColumn, DataFrame, SparkSession
+    from pyspark.sql import DataFrame, SparkSession
 
 DEFAULT_POSTGRESQL_JAR = "/usr/share/java/postgresql.jar"  # Debian: libpostgresql-jdbc-java
 DEFAULT_SQLITE_JAR = "/usr/share/java/sqlite-jdbc.jar"  # Debian: libxerial-sqlite-jdbc-java
