@@ -35,7 +35,7 @@ import psycopg2.extensions
 
 from storage.pg_db import Cursor, PgDatabase
 from storage.schema import StreamSchema, check_instance_name
-from storage.store import DatabaseUnavailable, SchemaMismatch, StoredRow, UnknownStream
+from storage.store import DatabaseUnavailable, SchemaMismatch, StoredRow, StreamCatalog
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def _seq(schema: StreamSchema) -> str:
     return f"{schema.table}_token_seq"
 
 
-class PgStreamStore(PgDatabase):
+class PgStreamStore(StreamCatalog, PgDatabase):
     def __init__(
         self,
         dsn: str,
@@ -106,21 +106,6 @@ class PgStreamStore(PgDatabase):
         self.write(run)
         with self._lock:
             self._schemas[schema.name] = schema
-
-    def catalog(self) -> dict[str, StreamSchema]:
-        rows = self.read(lambda cur: cur.execute("SELECT name, columns FROM tickline_streams").fetchall())
-        found = {name: StreamSchema.from_columns_json(name, columns) for name, columns in rows}
-        with self._lock:
-            self._schemas.update(found)
-        return found
-
-    def schema(self, stream: str) -> StreamSchema:
-        schema = self._schemas.get(stream)
-        if schema is None:
-            schema = self.catalog().get(stream)
-        if schema is None:
-            raise UnknownStream(stream)
-        return schema
 
     # -- side connections (autocommit) ----------------------------------------------
 

@@ -15,12 +15,12 @@ from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 from storage import tso
 from storage.schema import StreamSchema, check_instance_name
 from storage.sqlite_db import SqliteDatabase
-from storage.store import SchemaMismatch, StoredRow, UnknownStream
+from storage.store import SchemaMismatch, StoredRow, StreamCatalog
 
 Row = Union[Sequence[Any], Mapping[str, Any]]
 
 
-class SqliteStreamStore(SqliteDatabase):
+class SqliteStreamStore(StreamCatalog, SqliteDatabase):
     def __init__(
         self,
         path: str,
@@ -60,22 +60,6 @@ class SqliteStreamStore(SqliteDatabase):
         self.write(run)
         with self._lock:
             self._schemas[schema.name] = schema
-
-    def catalog(self) -> dict[str, StreamSchema]:
-        """Every stream registered in this database."""
-        rows = self.read(lambda conn: conn.execute("SELECT name, columns FROM tickline_streams").fetchall())
-        found = {name: StreamSchema.from_columns_json(name, columns) for name, columns in rows}
-        with self._lock:
-            self._schemas.update(found)
-        return found
-
-    def schema(self, stream: str) -> StreamSchema:
-        schema = self._schemas.get(stream)
-        if schema is None:
-            schema = self.catalog().get(stream)
-        if schema is None:
-            raise UnknownStream(stream)
-        return schema
 
     # -- writing ----------------------------------------------------------------
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable, Optional
 
+from storage.schema import StreamSchema
 from storage.urls import DatabaseUrl, parse_database_url
 
 # A stored row as read back: (seq, token, instance_name, ts, *column values).
@@ -30,6 +32,30 @@ class UnknownStream(StorageError, KeyError):
 
     def __str__(self) -> str:
         return f"unknown stream {self.args[0]!r}"
+
+
+class StreamCatalog:
+    """The stream declarations a store knows, cached; mixed into both stores."""
+
+    _schemas: dict[str, StreamSchema]
+    _lock: threading.Lock
+    read: Callable[[Callable[[Any], Any]], Any]
+
+    def catalog(self) -> dict[str, StreamSchema]:
+        """Every stream registered in this database."""
+        rows = self.read(lambda cur: cur.execute("SELECT name, columns FROM tickline_streams").fetchall())
+        found = {name: StreamSchema.from_columns_json(name, columns) for name, columns in rows}
+        with self._lock:
+            self._schemas.update(found)
+        return found
+
+    def schema(self, stream: str) -> StreamSchema:
+        schema = self._schemas.get(stream)
+        if schema is None:
+            schema = self.catalog().get(stream)
+        if schema is None:
+            raise UnknownStream(stream)
+        return schema
 
 
 def open_store(

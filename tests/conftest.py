@@ -426,3 +426,11 @@ def nc_path() -> str:
 
 
 pytest_plugins = ["tests.pgserver"]
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request, tmp_path: Path) -> str:
+    """A fresh database on each backend: tests that take it run on both."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path}/t.db"
+    return request.getfixturevalue("pg_url")

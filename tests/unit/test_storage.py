@@ -27,14 +27,6 @@ from storage.urls import BadDatabaseUrl, parse_database_url
 EVENT = ["$e", "!r", "m.room.message", None, None]
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db_url(request, tmp_path) -> str:
-    """Every storage test runs against both backends."""
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path}/t.db"
-    return request.getfixturevalue("pg_url")
-
-
 @pytest.fixture
 def store(db_url):
     s = open_store(db_url)

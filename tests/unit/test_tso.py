@@ -47,13 +47,6 @@ def test_logical_overflow_carries_into_physical_and_stays_increasing() -> None:
     assert tso.physical_ms(first) == 5001
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db_url(request, tmp_path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path}/t.db"
-    return request.getfixturevalue("pg_url")
-
-
 def test_store_timestamps_keep_increasing_when_the_clock_steps_back_10s(db_url) -> None:
     clock = SteppingClock(1_800_000_000.0)
     store = open_store(db_url, clock=clock)

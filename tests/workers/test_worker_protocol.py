@@ -93,12 +93,10 @@ class Harness:
         return self.store.applied_tokens().get(stream, 0)
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def url(request, tmp_path) -> str:
+@pytest.fixture
+def url(db_url: str) -> str:
     """The worker's database: every rule is checked on both backends."""
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path}/w.db"
-    return request.getfixturevalue("pg_url")
+    return db_url
 
 
 @pytest.fixture
