@@ -84,6 +84,11 @@ class TailHandler(ReplicationHandler):
             print(f"tickline tail: error: {message}", file=sys.stderr)
             self.finish(1)
 
+    def stopping(self) -> None:
+        if not self.done:
+            self.done = True
+            self._out.flush()
+
     def finish(self, code: int) -> None:
         if self.done:
             return
@@ -126,5 +131,7 @@ def run_tail(args: argparse.Namespace, config: Config) -> int:
         return 2
     handler = TailHandler(reactor, list(args.streams), args.from_token, args.count, args.ts)
     reactor.connectTCP(host, port, TailFactory(handler, args.name, config, reactor, args.ts))
+    # Stopped by a signal (Ctrl-C, SIGTERM): a normal end, not a lost master.
+    reactor.addSystemEventTrigger("before", "shutdown", handler.stopping)
     reactor.run()
     return handler.exit_code
