@@ -1,4 +1,4 @@
-"""The Prometheus endpoint: ``/metrics`` of a master or a worker, served on the reactor.
+"""The Prometheus endpoint: ``/metrics`` of a master or a worker, served on the reactor thread.
 
 Metrics are read from the live objects at scrape time (custom collectors), so
 the hot path only bumps plain counters (``replication.stats``).
@@ -10,8 +10,8 @@ import time
 from typing import Any, Iterable
 
 from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.twisted import MetricsResource
 from twisted.internet import task
 from twisted.web.resource import Resource
 from twisted.web.server import Site
@@ -123,12 +123,34 @@ class WorkerCollector:
         yield from _peer_metrics([worker.client] if worker.client is not None else [])
 
 
+class MetricsPage(Resource):
+    """``/metrics`` rendered on the reactor thread.
+
+    prometheus_client's own Twisted resource collects on a thread pool, where
+    the collectors would read the master's connections and streams while the
+    reactor changes them; collecting here reads a consistent picture.
+    """
+
+    isLeaf = True
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        super().__init__()
+        self.registry = registry
+
+    def render_GET(self, request: Any) -> bytes:
+        # The text format, or OpenMetrics when the scraper asks for it.
+        accept = (request.getHeader(b"accept") or b"").decode("latin-1")
+        encoder, content_type = choose_encoder(accept)
+        request.setHeader(b"Content-Type", content_type.encode("ascii"))
+        return encoder(self.registry)
+
+
 def serve_metrics(reactor: Any, collector: Any, host: str, port: int) -> Any:
     """Listen for ``GET /metrics``; returns the listening port."""
     registry = CollectorRegistry()
     registry.register(collector)
     root = Resource()
-    root.putChild(b"metrics", MetricsResource(registry=registry))
+    root.putChild(b"metrics", MetricsPage(registry))
     return reactor.listenTCP(port, Site(root), interface=host)
 
 
