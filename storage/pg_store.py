@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import select
+import socket
 import threading
 import time
+import uuid
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
@@ -49,9 +52,10 @@ class Fenced(Exception):
 
 
 class _WriterState:
-    __slots__ = ("epoch", "inflight", "reported")
+    __slots__ = ("writer_id", "epoch", "inflight", "reported")
 
-    def __init__(self, epoch: int) -> None:
+    def __init__(self, writer_id: str, epoch: int) -> None:
+        self.writer_id = writer_id  # "<instance>/<host>:<pid>:<nonce>": one per process
         self.epoch = epoch
         self.inflight: dict[int, int] = {}  # transaction id -> its lowest token
         self.reported = -1
@@ -79,7 +83,8 @@ class PgStreamStore(StreamCatalog, PgDatabase):
         self._next_txn = 0
         self._reporter: Optional[threading.Thread] = None
         self._stop_reporting = threading.Event()
-        self._side = threading.local()  # autocommit connections for the oracle and reports
+        self._side = threading.local()
+        self._process_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"  # autocommit connections for the oracle and reports
 
     # -- schema ------------------------------------------------------------------
 
@@ -144,6 +149,9 @@ class PgStreamStore(StreamCatalog, PgDatabase):
     def _register(self, schema: StreamSchema, instance: str) -> _WriterState:
         """Register as a live writer of the stream (before allocating anything)."""
         key = (schema.name, instance)
+        # Positions are kept per process, not per instance name: two processes
+        # that happen to share an instance name must not fence each other off.
+        writer_id = f"{instance}/{self._process_id}"
         with self._lock:
             state = self._writers.get(key)
             if state is not None:
@@ -155,10 +163,10 @@ class PgStreamStore(StreamCatalog, PgDatabase):
                     "ON CONFLICT (stream, instance_name) DO UPDATE SET epoch = tickline_writers.epoch + 1, "
                     "position = excluded.position, heartbeat_ms = excluded.heartbeat_ms, alive = TRUE "
                     "RETURNING epoch",
-                    (schema.name, instance),
+                    (schema.name, writer_id),
                 )
                 (epoch,) = cur.fetchone()
-            state = self._writers[key] = _WriterState(epoch)
+            state = self._writers[key] = _WriterState(writer_id, epoch)
         self._ensure_reporter()
         return state
 
@@ -244,7 +252,7 @@ class PgStreamStore(StreamCatalog, PgDatabase):
                 cur.execute(
                     f"UPDATE tickline_writers SET position = GREATEST(position, %s), heartbeat_ms = {NOW_MS} "
                     "WHERE stream = %s AND instance_name = %s AND epoch = %s AND alive",
-                    (position, stream, instance, state.epoch),
+                    (position, stream, state.writer_id, state.epoch),
                 )
                 if cur.rowcount != 1:
                     with self._lock:
@@ -265,7 +273,7 @@ class PgStreamStore(StreamCatalog, PgDatabase):
             with self._side_cursor() as cur:
                 cur.execute(
                     "UPDATE tickline_writers SET alive = FALSE WHERE stream = %s AND instance_name = %s AND epoch = %s",
-                    (stream, instance, state.epoch),
+                    (stream, state.writer_id, state.epoch),
                 )
                 cur.execute("SELECT pg_notify(%s, %s)", (CHANNEL, stream))
 
@@ -404,7 +412,7 @@ class WriteTransaction:
         self._cur.execute(
             f"UPDATE tickline_writers SET position = GREATEST(position, %s), heartbeat_ms = {NOW_MS} "
             "WHERE stream = %s AND instance_name = %s AND epoch = %s AND alive",
-            (position, self._schema.name, self._instance, self._state.epoch),
+            (position, self._schema.name, self._state.writer_id, self._state.epoch),
         )
         if self._cur.rowcount != 1:
             raise Fenced(self._instance)
