@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Optional
 
-import attr
 from twisted.internet import defer, task
 from twisted.internet.interfaces import IListeningPort, IReadDescriptor
 from twisted.internet.protocol import Factory
@@ -23,6 +22,7 @@ from replication.client_commands import ClientCommandHandlers
 from replication.commands import PositionCommand
 from replication.dbthreads import DatabaseThreads
 from replication.protocol import ProtocolConfig
+from replication.settings import MasterConfig
 from replication.rows import RowEncoder, encode_json_rows, encode_rows, row_encoder
 from replication.server import ServerProtocol, Subscription
 from replication.streams import cache_invalidation_row
@@ -30,21 +30,6 @@ from storage.schema import StreamSchema
 from storage.store import TOKEN
 
 logger = logging.getLogger(__name__)
-
-
-@attr.s(slots=True, frozen=True, auto_attribs=True)
-class MasterConfig:
-    """Master settings; these defaults are the configuration's defaults."""
-
-    server_name: str = "tickline"
-    instance_name: str = "master"
-    listen_host: str = "127.0.0.1"
-    listen_port: int = 9322
-    secret: Optional[str] = None
-    poll_interval: float = 0.05  # seconds between looks at the store's heads (SQLite)
-    writer_timeout: float = 5.0  # drop a writer silent this long from the safe position (PostgreSQL)
-    fanout_rows: int = 10000  # rows per storage read for live fan-out
-    db_threads: int = 4
 
 
 class Master:

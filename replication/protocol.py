@@ -21,13 +21,13 @@ import socket
 import struct
 from typing import Callable, ClassVar, Optional
 
-import attr
 from twisted.internet import task
 from twisted.internet.interfaces import IHalfCloseableProtocol, IReactorTime
 from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from replication.settings import ProtocolConfig
 from replication.stats import STATS
 from replication.commands import (
     Command,
@@ -40,18 +40,6 @@ from replication.commands import (
 
 logger = logging.getLogger(__name__)
 _TCP_INFO_RTT = struct.Struct("I")  # tcpi_rtt: microseconds, at offset 68 of struct tcp_info
-
-
-@attr.s(slots=True, frozen=True, auto_attribs=True)
-class ProtocolConfig:
-    """Protocol settings; these defaults are the configuration's defaults."""
-
-    ping_interval: float = 5.0  # seconds between our PINGs
-    ping_timeout: float = 15.0  # drop a peer silent this long (after its first PING)
-    max_line_bytes: int = 65536  # longest accepted line, without its line ending
-    max_pause: float = 30.0  # drop a client that has not read for this long
-    close_grace: float = 5.0  # after an ERROR and close, abort if still not flushed
-    catchup_rows: int = 5000  # rows per storage read when replaying
 
 
 @implementer(IHalfCloseableProtocol)

@@ -6,10 +6,9 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-import attr
 
-from scripts.config import Config, ConfigError, load_config, parse_address, setup_logging
-from storage.schema import NAME_WORD, RowError, SchemaError
+from scripts.config import Config, ConfigError, load_config, setup_logging
+from storage.schema import RowError, SchemaError
 from storage.store import StorageError
 from storage.urls import BadDatabaseUrl, parse_database_url
 

@@ -16,11 +16,9 @@ from typing import Any, Mapping, Optional
 import attr
 import yaml
 
-from replication.master import MasterConfig
-from replication.protocol import ProtocolConfig
+from replication.settings import MasterConfig, ProtocolConfig
 from replication.streams import all_streams, schema_from_config
-from workers.consumer import ApplySettings
-from workers.worker import WorkerConfig
+from workers.settings import ApplySettings, WorkerConfig
 from workers.snapshot import SparkSettings
 from storage.schema import NAME_WORD, SchemaError, StreamSchema
 from storage.urls import BadDatabaseUrl, parse_database_url

@@ -27,16 +27,10 @@ from twisted.python.failure import Failure
 
 from storage.schema import StreamSchema
 from storage.tso import physical_ms
+from workers.settings import ApplySettings
 from workers.handlers import ApplyContext, Handler, ReplicatedRow
 
 logger = logging.getLogger(__name__)
-
-
-@attr.s(slots=True, frozen=True, auto_attribs=True)
-class ApplySettings:
-    apply_rows: int = 5000  # most rows per apply transaction
-    retry_initial: float = 0.5  # first delay after a failed apply, doubling
-    retry_max: float = 30.0
 
 
 @attr.s(slots=True, auto_attribs=True)

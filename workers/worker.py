@@ -18,7 +18,6 @@ import logging
 import time
 from typing import Any, Callable, Optional
 
-import attr
 from twisted.internet import defer
 from twisted.internet.protocol import ReconnectingClientFactory
 from twisted.python.failure import Failure
@@ -36,30 +35,12 @@ from replication.dbthreads import DatabaseThreads
 from replication.protocol import ProtocolConfig
 from storage.schema import StreamSchema
 from workers.caches import CacheRegistry
-from workers.consumer import ApplySettings, StreamConsumer
+from workers.consumer import StreamConsumer
+from workers.settings import WorkerConfig
 from workers.handlers import HandlerRegistry
 from workers.replicator import cache_invalidator, table_replicator
 
 logger = logging.getLogger(__name__)
-
-
-@attr.s(slots=True, frozen=True, auto_attribs=True)
-class WorkerConfig:
-    """Worker settings; these defaults are the configuration's defaults."""
-
-    name: str = "worker"
-    master_host: str = "127.0.0.1"
-    master_port: int = 9322
-    database: str = "sqlite:///worker.db"
-    server_name: Optional[str] = None  # expected SERVER name; None accepts any
-    replicate: tuple[str, ...] = ()  # streams copied into replicated_<stream>
-    handlers: tuple[tuple[str, str], ...] = ()  # (stream, dotted path)
-    invalidate_caches: bool = True  # follow the caches stream into the registry
-    reconnect_initial: float = 0.1
-    reconnect_max: float = 5.0
-    replicate_retry: float = 5.0  # retry a REPLICATE the master refused
-    max_pending_rows: int = 50000
-    apply: ApplySettings = ApplySettings()
 
 
 class Worker(ReplicationHandler):

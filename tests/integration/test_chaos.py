@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 import sqlite3
-import subprocess
 import threading
 from pathlib import Path
 

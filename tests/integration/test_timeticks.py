@@ -11,8 +11,8 @@ from collections import Counter
 
 import orjson
 
-from tests.conftest import ROOT, _env, run_tickline
-from tests.integration.procs import Proc, query_one, wait_for
+from tests.conftest import ROOT, _env
+from tests.integration.procs import Proc, wait_for
 
 WRITER_TIMEOUT = 2.0
 CONFIG = f"master:\n  writer_timeout: {WRITER_TIMEOUT}\n"

@@ -9,7 +9,6 @@ program: exit code 2 and one line on stderr naming the key.
 from __future__ import annotations
 
 import socket
-from pathlib import Path
 
 import pytest
 

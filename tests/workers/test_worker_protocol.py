@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Optional
 
-import attr
 import pytest
 from twisted.internet import defer
 from twisted.internet.task import Clock

@@ -1,0 +1,37 @@
+"""Settings of a worker: plain attrs values, no Twisted.
+
+The configuration loader fills these; their defaults are the configuration's
+defaults.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import attr
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class ApplySettings:
+    apply_rows: int = 5000  # most rows per apply transaction
+    retry_initial: float = 0.5  # first delay after a failed apply, doubling
+    retry_max: float = 30.0
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class WorkerConfig:
+    """Worker settings; these defaults are the configuration's defaults."""
+
+    name: str = "worker"
+    master_host: str = "127.0.0.1"
+    master_port: int = 9322
+    database: str = "sqlite:///worker.db"
+    server_name: Optional[str] = None  # expected SERVER name; None accepts any
+    replicate: tuple[str, ...] = ()  # streams copied into replicated_<stream>
+    handlers: tuple[tuple[str, str], ...] = ()  # (stream, dotted path)
+    invalidate_caches: bool = True  # follow the caches stream into the registry
+    reconnect_initial: float = 0.1
+    reconnect_max: float = 5.0
+    replicate_retry: float = 5.0  # retry a REPLICATE the master refused
+    max_pending_rows: int = 50000
+    apply: ApplySettings = ApplySettings()
