@@ -290,6 +290,10 @@ class PgStreamStore(StreamCatalog, PgDatabase):
         ``writer_timeout`` as dead.
         """
         timeout_ms = int(self.writer_timeout * 1000)
+        with self._lock:
+            known = list(self._schemas.values())
+        if not expire_writers and known:
+            return self._safe_positions_now(known)
 
         def run(cur: Cursor) -> dict[str, int]:
             dead = []
@@ -318,6 +322,22 @@ class PgStreamStore(StreamCatalog, PgDatabase):
 
         return self.write(run)
 
+    def _safe_positions_now(self, schemas: list[StreamSchema]) -> dict[str, int]:
+        """The same answer in one autocommit statement (one snapshot), for wake-ups.
+
+        Streams without a live writer fall back to their highest committed
+        token; ``COALESCE`` evaluates that only where it is needed.
+        """
+        parts = [
+            f"SELECT %s, COALESCE((SELECT MIN(position) FROM tickline_writers WHERE alive AND stream = %s), "
+            f"(SELECT MAX(token) FROM {schema.table}), 0)"
+            for schema in schemas
+        ]
+        params = [value for schema in schemas for value in (schema.name, schema.name)]
+        with self._side_cursor() as cur:
+            cur.execute(" UNION ALL ".join(parts), params)
+            return {name: int(position) for name, position in cur.fetchall()}
+
     def heads(self) -> dict[str, int]:
         """The highest token allocated per stream (not necessarily committed)."""
         result = {}
@@ -336,14 +356,16 @@ class PgStreamStore(StreamCatalog, PgDatabase):
         )
         rest = f"SELECT {columns} FROM {schema.table} WHERE token = %s AND seq > %s ORDER BY seq"
 
-        def run(cur: Cursor) -> list[StoredRow]:
-            rows = cur.execute(first, (after, upto, limit)).fetchall()
+        # No transaction needed: a token's rows commit together and never change,
+        # so two statements cannot see a token half written.
+        with self._side_cursor() as cur:
+            cur.execute(first, (after, upto, limit))
+            rows = cur.fetchall()
             if len(rows) == limit and rows:
                 last = rows[-1]
-                rows.extend(cur.execute(rest, (last[1], last[0])).fetchall())
+                cur.execute(rest, (last[1], last[0]))
+                rows.extend(cur.fetchall())
             return rows
-
-        return self.read(run)
 
     def token_at(self, stream: str, ts: int) -> int:
         schema = self.schema(stream)

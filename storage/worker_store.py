@@ -46,15 +46,16 @@ class WorkerStore:
         p = self.placeholder
 
         def run(conn: Any) -> None:
-            found = conn.execute(f"SELECT token FROM tickline_applied WHERE stream = {p}", (stream,)).fetchone()
-            if found is not None and found[0] >= token:
-                raise StaleApply(f"stream {stream!r}: token {token} is not above the applied token {found[0]}")
-            effects(conn)
-            conn.execute(
+            # One statement moves the token only forwards (and locks the row).
+            moved = conn.execute(
                 f"INSERT INTO tickline_applied (stream, token) VALUES ({p}, {p}) "
-                "ON CONFLICT (stream) DO UPDATE SET token = excluded.token",
+                "ON CONFLICT (stream) DO UPDATE SET token = excluded.token "
+                "WHERE tickline_applied.token < excluded.token",
                 (stream, token),
-            )
+            ).rowcount
+            if moved != 1:
+                raise StaleApply(f"stream {stream!r}: token {token} is not above the applied token")
+            effects(conn)
 
         self.write(run)
 
