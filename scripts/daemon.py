@@ -16,6 +16,7 @@ import sys
 from typing import Any, Awaitable, Callable, Optional
 
 from twisted.internet import defer, task
+from twisted.logger import STDLibLogObserver, globalLogBeginner
 
 from scripts.config import ConfigError, load_config, setup_logging
 from workers.systemd import SystemdNotifier
@@ -38,6 +39,11 @@ def run_daemon(
     ``start`` sets the service up (a failure is fatal); ``ready`` fires with
     the status line to send with ``READY=1``.
     """
+    # Twisted's own messages (an unhandled error in a Deferred, ...) go to the
+    # same one-line-per-event log as ours.
+    # Its chatter ("Starting factory ...") stays out: warnings and errors only.
+    globalLogBeginner.beginLoggingTo([STDLibLogObserver(name="twisted")], redirectStandardIO=False)
+    logging.getLogger("twisted").setLevel(logging.WARNING)
     notifier = SystemdNotifier()
     exit_code = [0]
     status_loop = task.LoopingCall(lambda: notifier.status(status()))
