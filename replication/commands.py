@@ -16,7 +16,7 @@ Which side may send which command is in :data:`SERVER_COMMANDS` and
 from __future__ import annotations
 
 import re
-from typing import ClassVar, Iterable, Optional, Union
+from typing import ClassVar, Iterable, Optional
 
 import attr
 import orjson
@@ -486,23 +486,6 @@ class OptionsCommand(Command):
     def to_args(self) -> str:
         return " ".join(sorted(self.options))
 
-
-AnyCommand = Union[
-    ServerCommand,
-    PingCommand,
-    NameCommand,
-    ReplicateCommand,
-    PositionCommand,
-    RdataCommand,
-    ErrorCommand,
-    UserSyncCommand,
-    ClearUserSyncCommand,
-    FederationAckCommand,
-    RemovePusherCommand,
-    RemoteServerUpCommand,
-    AuthCommand,
-    OptionsCommand,
-]
 
 _ALL: Iterable[type[Command]] = (
     ServerCommand,

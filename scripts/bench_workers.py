@@ -24,9 +24,6 @@ from typing import Any, Optional
 
 from scripts.benchmark import ROOT, BenchError, Server, _env, _fmt, _free_port, fill_database, make_rows
 
-WORKER_SCENARIOS = ("catch-up", "end-to-end")
-
-
 def _tickline(*args: str) -> list[str]:
     return [sys.executable, "-m", "scripts.cli", *args]
 

@@ -367,15 +367,6 @@ class PgStreamStore(StreamCatalog, PgDatabase):
                 rows.extend(cur.fetchall())
             return rows
 
-    def token_at(self, stream: str, ts: int) -> int:
-        schema = self.schema(stream)
-        found = self.read(
-            lambda cur: cur.execute(f"SELECT MIN(token) FROM {schema.table} WHERE ts >= %s", (ts,)).fetchone()
-        )
-        if found[0] is None:
-            return self.safe_positions().get(stream, 0)
-        return found[0] - 1
-
     # -- change notification -----------------------------------------------------------------
 
     def notifier(self) -> "PgNotifier":

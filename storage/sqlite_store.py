@@ -137,10 +137,6 @@ class SqliteStreamStore(StreamCatalog, SqliteDatabase):
     def retire_writers(self) -> None:
         """Nothing to retire: SQLite writers need no positions."""
 
-    def data_version(self) -> int:
-        """Changes whenever another connection commits (cheap change detection)."""
-        return self.connection().execute("PRAGMA data_version").fetchone()[0]
-
     def read_rows(self, stream: str, after: int, upto: int, limit: int) -> list[StoredRow]:
         """Rows with ``after < token <= upto`` in order, about ``limit`` of them.
 
@@ -194,17 +190,3 @@ class SqliteStreamStore(StreamCatalog, SqliteDatabase):
             return rows
 
         return self.read(run)
-
-    def token_at(self, stream: str, ts: int) -> int:
-        """The highest token whose rows all have timestamps below ``ts``."""
-        schema = self.schema(stream)
-        row = self.read(
-            lambda conn: conn.execute(
-                f"SELECT MIN(token) FROM {schema.table} WHERE ts >= ?", (ts,)
-            ).fetchone()
-        )
-        if row[0] is None:
-            return self.heads().get(stream, 0)
-        return row[0] - 1
-
-
