@@ -11,9 +11,11 @@ per connection, paced by that connection (see ``replication.server``).
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Callable, Optional
 
 from twisted.internet import defer, task
+from twisted.internet.error import ConnectionLost
 from twisted.internet.interfaces import IListeningPort, IReadDescriptor
 from twisted.internet.protocol import Factory
 from zope.interface import implementer
@@ -27,7 +29,7 @@ from replication.rows import RowEncoder, encode_json_rows, encode_rows, row_enco
 from replication.server import ServerProtocol, Subscription
 from replication.streams import cache_invalidation_row
 from storage.schema import StreamSchema
-from storage.store import TOKEN
+from storage.store import TOKEN, StorageError
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,8 @@ class Master:
         self._expire_writers = True
         self._follow_waiters: list[defer.Deferred[None]] = []
         self._notifications: Optional[NotificationReader] = None
+        self._relistening = False
+        self._db_error: Optional[str] = None
         self.port: Optional[IListeningPort] = None
 
     # -- start and stop ------------------------------------------------------------
@@ -106,7 +110,8 @@ class Master:
         if self.port is not None:
             await self.port.stopListening()
         if self._notifications is not None:
-            self.reactor.removeReader(self._notifications)
+            if not self._notifications.broken:
+                self.reactor.removeReader(self._notifications)
             self._notifications.close()
             self._notifications = None
         for conn in list(self.connections):
@@ -178,7 +183,25 @@ class Master:
         # The periodic pass also looks for writers that went silent; wake-ups
         # by notification skip that sweep to keep commit -> RDATA short.
         self._expire_writers = True
+        if self._notifications is not None and self._notifications.broken and not self._relistening:
+            # The reactor dropped the old reader; a new connection listens.
+            self._relistening = True
+            self.db.run(self.store.notifier).addCallbacks(self._listening_again, self._not_listening_yet)
         return self._follow_heads()
+
+    def _listening_again(self, notifier: Any) -> None:
+        self._relistening = False
+        if self._notifications is None:  # stopped meanwhile
+            notifier.close()
+            return
+        self._notifications = NotificationReader(notifier, self.notify)
+        self.reactor.addReader(self._notifications)
+        logger.info("listening for database notifications again")
+        self.notify()
+
+    def _not_listening_yet(self, failure: Any) -> None:
+        self._relistening = False
+        logger.warning("cannot listen for database notifications yet: %s", failure.getErrorMessage())
 
     def _follow_heads(self) -> Optional["defer.Deferred[None]"]:
         if self._following:
@@ -201,8 +224,17 @@ class Master:
                 waiters, self._follow_waiters = self._follow_waiters, []
                 try:
                     await self._advance()
+                except StorageError as e:
+                    # One line when the database goes away, one when it is back.
+                    if self._db_error is None:
+                        logger.error("database unavailable, retrying every pass: %s", e)
+                    self._db_error = str(e)
                 except Exception:
                     logger.exception("following stream heads failed; retrying")
+                else:
+                    if self._db_error is not None:
+                        logger.warning("database reachable again")
+                        self._db_error = None
                 for d in waiters:
                     d.callback(None)
                 if not self._follow_again:
@@ -304,23 +336,38 @@ class NotificationReader:
 
     def __init__(self, notifier: Any, wake: Callable[[], None]) -> None:
         self._notifier = notifier
+        # A duplicate descriptor of our own: psycopg2 closes its descriptor when the
+        # server goes away, and the reactor must still be able to unregister ours.
+        self._fd = os.dup(notifier.fileno())
         self._wake = wake
+        self.broken = False  # the master listens again from its slow loop
 
     def fileno(self) -> int:
-        return self._notifier.fileno()
+        return self._fd
 
-    def doRead(self) -> None:
+    def doRead(self) -> Optional[Exception]:
         try:
             if self._notifier.drain():
                 self._wake()
-        except Exception:
-            logger.exception("reading database notifications failed")
+        except Exception as e:
+            # Returning an error makes the reactor drop this reader.
+            return ConnectionLost(f"database notifications failed: {e}")
+        return None
 
     def connectionLost(self, reason: Any) -> None:
-        logger.warning("database notification connection lost: %s", reason)
+        self.broken = True
+        self.close()
+        logger.warning("database notification connection lost (%s); listening again soon", reason.getErrorMessage())
+        self._wake()  # what was committed meanwhile is followed by the next pass
 
     def logPrefix(self) -> str:
         return "tickline-notifications"
 
     def close(self) -> None:
-        self._notifier.close()
+        try:
+            self._notifier.close()
+        except Exception:
+            pass
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

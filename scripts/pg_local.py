@@ -68,6 +68,16 @@ class PostgresServer:
             f"-p {self.port} -k {self.datadir} -c listen_addresses=127.0.0.1 -c fsync=off "
             "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200"
         )
+        self._options = options
+        self._launch()
+
+    def restart(self) -> None:
+        """Stop the server (dropping every connection) and start it again, same port and data."""
+        self._run(pg_bin("pg_ctl"), "-D", str(self.datadir / "data"), "-m", "fast", "-w", "stop")
+        self._launch()
+
+    def _launch(self) -> None:
+        pg_ctl, data, options = pg_bin("pg_ctl"), str(self.datadir / "data"), self._options
         result = self._run(pg_ctl, "-D", data, "-o", options, "-l", str(self.datadir / "log"), "-w", "-t", "30", "start")
         if result.returncode != 0:
             log = (self.datadir / "log").read_text(errors="replace") if (self.datadir / "log").exists() else ""

@@ -114,11 +114,22 @@ class PgStreamStore(StreamCatalog, PgDatabase):
 
     # -- side connections (autocommit) ----------------------------------------------
 
-    def _side_cursor(self) -> Any:
+    @contextlib.contextmanager
+    def _side_cursor(self) -> Iterator[Any]:
+        """A cursor on this thread's autocommit connection; a lost server is DatabaseUnavailable."""
         conn = getattr(self._side, "conn", None)
         if conn is None or conn.closed:
             conn = self._side.conn = self.connect(autocommit=True)
-        return conn.cursor()
+        try:
+            with conn.cursor() as cur:
+                yield cur
+        except psycopg2.OperationalError as e:
+            try:
+                conn.close()
+            except psycopg2.Error:
+                pass
+            self._side.conn = None
+            raise DatabaseUnavailable(f"PostgreSQL at {self.dsn}: {str(e).strip().splitlines()[0]}") from None
 
     def _head_sql(self, schema: StreamSchema) -> str:
         return f"SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {_seq(schema)}"

@@ -185,3 +185,30 @@ def test_two_processes_with_one_instance_name_do_not_fence_each_other(pg_url, ca
     assert len(alive) == 2 and all(name.startswith("writer/") for (name,) in alive)
     first.close()
     second.close()
+
+
+def test_master_listens_again_after_postgresql_restarts(master, tmp_path) -> None:
+    from scripts.pg_local import PostgresServer
+
+    server = PostgresServer()  # a server of its own: this test restarts it
+    server.start()
+    try:
+        url = server.new_database()
+        m = master(CONFIG, database=url)
+        client = m.connect()
+        client.handshake()
+        client.send("REPLICATE events 0")
+        client.expect("POSITION")
+        assert m.write("events", '["$a", "!r", "t", null, null]') == [1]
+        assert client.expect("RDATA", timeout=5).startswith("RDATA events writer 1 ")
+        server.restart()
+        assert m.write("events", '["$b", "!r", "t", null, null]') == [2]
+        assert client.expect("RDATA", timeout=15).startswith("RDATA events writer 2 ")
+        m.wait_for_log("listening for database notifications again", timeout=15)
+        # Notifications wake the master again: well within the slow loop's period.
+        started = time.monotonic()
+        assert m.write("events", '["$c", "!r", "t", null, null]') == [3]
+        assert client.expect("RDATA", timeout=5).startswith("RDATA events writer 3 ")
+        assert time.monotonic() - started < 5
+    finally:
+        server.stop()
