@@ -38,7 +38,7 @@ import psycopg2.extensions
 
 from storage.pg_db import Cursor, PgDatabase
 from storage.schema import StreamSchema, check_instance_name
-from storage.store import DatabaseUnavailable, SchemaMismatch, StoredRow, StreamCatalog
+from storage.store import DatabaseUnavailable, StoredRow, StreamCatalog
 
 logger = logging.getLogger(__name__)
 
@@ -91,14 +91,7 @@ class PgStreamStore(StreamCatalog, PgDatabase):
     def register_stream(self, schema: StreamSchema) -> None:
         def run(cur: Cursor) -> None:
             cur.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"stream:{schema.name}",))
-            found = cur.execute("SELECT columns FROM tickline_streams WHERE name = %s", (schema.name,)).fetchone()
-            if found is not None:
-                stored = StreamSchema.from_columns_json(schema.name, found[0])
-                if stored != schema:
-                    raise SchemaMismatch(
-                        f"stream {schema.name!r} is declared with columns {schema.columns_json()} "
-                        f"but the database has {stored.columns_json()}"
-                    )
+            if self._registered_already(cur, schema):
                 return
             for statement in schema.create_table_sql(self.dialect):
                 cur.execute(statement)

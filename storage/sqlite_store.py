@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 from storage import tso
 from storage.schema import StreamSchema, check_instance_name
 from storage.sqlite_db import SqliteDatabase
-from storage.store import SchemaMismatch, StoredRow, StreamCatalog
+from storage.store import StoredRow, StreamCatalog
 
 Row = Union[Sequence[Any], Mapping[str, Any]]
 
@@ -38,16 +38,7 @@ class SqliteStreamStore(StreamCatalog, SqliteDatabase):
         """Create the stream's table if missing; refuse a changed declaration."""
 
         def run(conn: sqlite3.Connection) -> None:
-            found = conn.execute(
-                "SELECT columns FROM tickline_streams WHERE name = ?", (schema.name,)
-            ).fetchone()
-            if found is not None:
-                stored = StreamSchema.from_columns_json(schema.name, found[0])
-                if stored != schema:
-                    raise SchemaMismatch(
-                        f"stream {schema.name!r} is declared with columns {schema.columns_json()} "
-                        f"but the database has {stored.columns_json()}"
-                    )
+            if self._registered_already(conn, schema):
                 return
             for statement in schema.create_table_sql("sqlite"):
                 conn.execute(statement)

@@ -39,6 +39,7 @@ class StreamCatalog:
 
     _schemas: dict[str, StreamSchema]
     _lock: threading.Lock
+    placeholder: str
     read: Callable[[Callable[[Any], Any]], Any]
 
     def catalog(self) -> dict[str, StreamSchema]:
@@ -48,6 +49,20 @@ class StreamCatalog:
         with self._lock:
             self._schemas.update(found)
         return found
+
+    def _registered_already(self, cur: Any, schema: StreamSchema) -> bool:
+        """In a registering transaction: is the stream there (refusing a changed declaration)?"""
+        p = self.placeholder
+        found = cur.execute(f"SELECT columns FROM tickline_streams WHERE name = {p}", (schema.name,)).fetchone()
+        if found is None:
+            return False
+        stored = StreamSchema.from_columns_json(schema.name, found[0])
+        if stored != schema:
+            raise SchemaMismatch(
+                f"stream {schema.name!r} is declared with columns {schema.columns_json()} "
+                f"but the database has {stored.columns_json()}"
+            )
+        return True
 
     def schema(self, stream: str) -> StreamSchema:
         schema = self._schemas.get(stream)
