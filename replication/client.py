@@ -10,7 +10,7 @@ token arrives, then handed over together.
 from __future__ import annotations
 
 import logging
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar
 
 from twisted.internet.interfaces import IReactorTime
 from twisted.python.failure import Failure
@@ -37,27 +37,25 @@ logger = logging.getLogger(__name__)
 class ReplicationHandler:
     """What a client does with what the master sends; override what you need."""
 
-    def connected(self, client: "ClientProtocol") -> None:
+    def connected(self, client: ClientProtocol) -> None:
         """The handshake is sent: ask for streams with ``client.replicate(...)``."""
 
-    def on_server(self, client: "ClientProtocol", server_name: str) -> None:
+    def on_server(self, client: ClientProtocol, server_name: str) -> None:
         pass
 
-    def on_position(self, client: "ClientProtocol", command: PositionCommand) -> None:
+    def on_position(self, client: ClientProtocol, command: PositionCommand) -> None:
         pass
 
-    def on_rows(
-        self, client: "ClientProtocol", stream: str, instance: str, token: int, rows: list[list[Any]]
-    ) -> None:
+    def on_rows(self, client: ClientProtocol, stream: str, instance: str, token: int, rows: list[list[Any]]) -> None:
         """Rows of one token (one row, or a whole batch), in order."""
 
-    def on_error(self, client: "ClientProtocol", message: str) -> None:
+    def on_error(self, client: ClientProtocol, message: str) -> None:
         pass
 
-    def on_remote_server_up(self, client: "ClientProtocol", server: str) -> None:
+    def on_remote_server_up(self, client: ClientProtocol, server: str) -> None:
         pass
 
-    def disconnected(self, client: "ClientProtocol", reason: Failure) -> None:
+    def disconnected(self, client: ClientProtocol, reason: Failure) -> None:
         pass
 
 
@@ -72,7 +70,7 @@ class ClientProtocol(LineCommandProtocol):
         config: ProtocolConfig,
         clock: IReactorTime,
         with_ts: bool = False,
-        secret: Optional[str] = None,
+        secret: str | None = None,
         options: frozenset[str] = frozenset(),
     ) -> None:
         super().__init__(config, clock)
@@ -81,7 +79,7 @@ class ClientProtocol(LineCommandProtocol):
         self.client_name = client_name
         self.with_ts = with_ts
         self.options = frozenset(({"ts"} if with_ts else set()) | set(options))
-        self.server_name: Optional[str] = None
+        self.server_name: str | None = None
         self.positioned: set[str] = set()
         self._pending_batch: dict[str, list[list[Any]]] = {}
 
@@ -100,7 +98,7 @@ class ClientProtocol(LineCommandProtocol):
         super().connectionLost(reason)
         self.handler.disconnected(self, reason)
 
-    def replicate(self, stream: Optional[str] = None, token: Optional[int] = None) -> None:
+    def replicate(self, stream: str | None = None, token: int | None = None) -> None:
         """``REPLICATE`` (every stream, live from now) or one stream after a token."""
         if stream is not None:
             self.positioned.discard(stream)
@@ -130,7 +128,7 @@ class ClientProtocol(LineCommandProtocol):
     def on_RDATA(self, command: RdataCommand) -> None:
         self._rows(command.stream, command.instance, command.token, command.row)
 
-    def _rows(self, stream: str, instance: str, token: Optional[int], row: list) -> None:
+    def _rows(self, stream: str, instance: str, token: int | None, row: list) -> None:
         if stream not in self.positioned:
             logger.debug("[%s] dropped RDATA for %s before its POSITION", self.conn_name, stream)
             return

@@ -16,34 +16,35 @@ Which side may send which command is in :data:`SERVER_COMMANDS` and
 from __future__ import annotations
 
 import re
-from typing import ClassVar, Iterable, Optional
+from collections.abc import Iterable
+from typing import ClassVar
 
 import attr
 import orjson
 
 __all__ = [
-    "Command",
-    "MalformedCommand",
-    "UnknownCommand",
-    "ServerCommand",
-    "PingCommand",
-    "NameCommand",
-    "ReplicateCommand",
-    "PositionCommand",
-    "RdataCommand",
-    "ErrorCommand",
-    "UserSyncCommand",
-    "ClearUserSyncCommand",
-    "FederationAckCommand",
-    "RemovePusherCommand",
-    "RemoteServerUpCommand",
-    "AuthCommand",
-    "OptionsCommand",
+    "CLIENT_COMMANDS",
     "COMMAND_CLASSES",
     "SERVER_COMMANDS",
-    "CLIENT_COMMANDS",
-    "parse_line",
+    "AuthCommand",
+    "ClearUserSyncCommand",
+    "Command",
+    "ErrorCommand",
+    "FederationAckCommand",
+    "MalformedCommand",
+    "NameCommand",
+    "OptionsCommand",
+    "PingCommand",
+    "PositionCommand",
+    "RdataCommand",
+    "RemoteServerUpCommand",
+    "RemovePusherCommand",
+    "ReplicateCommand",
+    "ServerCommand",
+    "UnknownCommand",
+    "UserSyncCommand",
     "encode_rdata",
+    "parse_line",
     "parse_rdata_fast",
 ]
 
@@ -98,7 +99,7 @@ class Command:
     NAME: ClassVar[str]
 
     @classmethod
-    def parse(cls, args: str) -> "Command":
+    def parse(cls, args: str) -> Command:
         raise NotImplementedError
 
     def to_args(self) -> str:
@@ -121,7 +122,7 @@ class ServerCommand(Command):
     server_name: str
 
     @classmethod
-    def parse(cls, args: str) -> "ServerCommand":
+    def parse(cls, args: str) -> ServerCommand:
         (name,) = _split(args, 1, "SERVER <server_name>")
         return cls(_word(name, "server_name"))
 
@@ -137,7 +138,7 @@ class PingCommand(Command):
     unix_ms: int
 
     @classmethod
-    def parse(cls, args: str) -> "PingCommand":
+    def parse(cls, args: str) -> PingCommand:
         (value,) = _split(args, 1, "PING <unix_ms>")
         return cls(_token(value, "unix_ms"))
 
@@ -153,7 +154,7 @@ class NameCommand(Command):
     client_name: str
 
     @classmethod
-    def parse(cls, args: str) -> "NameCommand":
+    def parse(cls, args: str) -> NameCommand:
         (name,) = _split(args, 1, "NAME <client_name>")
         return cls(_word(name, "client_name"))
 
@@ -171,11 +172,11 @@ class ReplicateCommand(Command):
     """
 
     NAME: ClassVar[str] = "REPLICATE"
-    stream: Optional[str] = None
-    token: Optional[int] = None
+    stream: str | None = None
+    token: int | None = None
 
     @classmethod
-    def parse(cls, args: str) -> "ReplicateCommand":
+    def parse(cls, args: str) -> ReplicateCommand:
         if not args:
             return cls()
         stream, token = _split(args, 2, "REPLICATE or REPLICATE <stream> <token>")
@@ -205,7 +206,7 @@ class PositionCommand(Command):
     new_token: int
 
     @classmethod
-    def parse(cls, args: str) -> "PositionCommand":
+    def parse(cls, args: str) -> PositionCommand:
         usage = "POSITION <stream> <instance> <prev_token> <new_token>"
         stream, instance, prev, new = _split(args, 4, usage)
         if " " in new:
@@ -223,7 +224,7 @@ class PositionCommand(Command):
 BATCH = "batch"
 
 
-def encode_rdata(stream: str, instance: str, token: Optional[int], row_json: bytes) -> bytes:
+def encode_rdata(stream: str, instance: str, token: int | None, row_json: bytes) -> bytes:
     """One ``RDATA`` line as bytes, from a row already serialized to JSON.
 
     The master's hot path uses this directly so that each row is serialized
@@ -251,11 +252,11 @@ class RdataCommand(Command):
     NAME: ClassVar[str] = "RDATA"
     stream: str
     instance: str
-    token: Optional[int]
+    token: int | None
     row: list
 
     @classmethod
-    def parse(cls, args: str) -> "RdataCommand":
+    def parse(cls, args: str) -> RdataCommand:
         usage = "RDATA <stream> <instance> <token or batch> <row_json>"
         stream, instance, position, row_json = _split(args, 4, usage)
         token = None if position == BATCH else _token(position, "token")
@@ -279,7 +280,7 @@ _RDATA_PREFIX = b"RDATA "
 _BATCH_BYTES = BATCH.encode("ascii")
 
 
-def parse_rdata_fast(raw: bytes) -> Optional[tuple[str, str, Optional[int], list]]:
+def parse_rdata_fast(raw: bytes) -> tuple[str, str, int | None, list] | None:
     """(stream, instance, token or None, row) of a well-formed ``RDATA`` line, else None.
 
     The receiving hot path: it accepts exactly what :meth:`RdataCommand.parse`
@@ -322,7 +323,7 @@ class ErrorCommand(Command):
     message: str
 
     @classmethod
-    def parse(cls, args: str) -> "ErrorCommand":
+    def parse(cls, args: str) -> ErrorCommand:
         if not args.strip():
             raise MalformedCommand("expected ERROR <message>")
         return cls(args)
@@ -343,7 +344,7 @@ class UserSyncCommand(Command):
     last_sync_ms: int
 
     @classmethod
-    def parse(cls, args: str) -> "UserSyncCommand":
+    def parse(cls, args: str) -> UserSyncCommand:
         usage = "USER_SYNC <instance> <user_id> <start or end> <last_sync_ms>"
         instance, user_id, state, last = _split(args, 4, usage)
         if state not in ("start", "end"):
@@ -368,7 +369,7 @@ class ClearUserSyncCommand(Command):
     instance: str
 
     @classmethod
-    def parse(cls, args: str) -> "ClearUserSyncCommand":
+    def parse(cls, args: str) -> ClearUserSyncCommand:
         (instance,) = _split(args, 1, "CLEAR_USER_SYNC <instance>")
         return cls(_word(instance, "instance"))
 
@@ -385,7 +386,7 @@ class FederationAckCommand(Command):
     token: int
 
     @classmethod
-    def parse(cls, args: str) -> "FederationAckCommand":
+    def parse(cls, args: str) -> FederationAckCommand:
         instance, token = _split(args, 2, "FEDERATION_ACK <instance> <token>")
         return cls(_word(instance, "instance"), _token(token, "token"))
 
@@ -407,7 +408,7 @@ class RemovePusherCommand(Command):
     user_id: str
 
     @classmethod
-    def parse(cls, args: str) -> "RemovePusherCommand":
+    def parse(cls, args: str) -> RemovePusherCommand:
         usage = "REMOVE_PUSHER <app_id> <push_key> <user_id>"
         app_id, _, rest = args.partition(" ")
         push_key, _, user_id = rest.rpartition(" ")
@@ -427,7 +428,7 @@ class RemoteServerUpCommand(Command):
     server: str
 
     @classmethod
-    def parse(cls, args: str) -> "RemoteServerUpCommand":
+    def parse(cls, args: str) -> RemoteServerUpCommand:
         (server,) = _split(args, 1, "REMOTE_SERVER_UP <server>")
         return cls(_word(server, "server"))
 
@@ -443,7 +444,7 @@ class AuthCommand(Command):
     secret: str
 
     @classmethod
-    def parse(cls, args: str) -> "AuthCommand":
+    def parse(cls, args: str) -> AuthCommand:
         if not args:
             raise MalformedCommand("expected AUTH <secret>")
         return cls(args)
@@ -472,15 +473,13 @@ class OptionsCommand(Command):
     options: frozenset[str]
 
     @classmethod
-    def parse(cls, args: str) -> "OptionsCommand":
+    def parse(cls, args: str) -> OptionsCommand:
         words = args.split()
         if not words:
             raise MalformedCommand("expected OPTIONS <option>...")
         unknown = sorted(set(words) - KNOWN_OPTIONS)
         if unknown:
-            raise MalformedCommand(
-                f"unknown option {unknown[0]!r} (known: {', '.join(sorted(KNOWN_OPTIONS))})"
-            )
+            raise MalformedCommand(f"unknown option {unknown[0]!r} (known: {', '.join(sorted(KNOWN_OPTIONS))})")
         return cls(frozenset(words))
 
     def to_args(self) -> str:
@@ -506,9 +505,7 @@ _ALL: Iterable[type[Command]] = (
 COMMAND_CLASSES: dict[str, type[Command]] = {cls.NAME: cls for cls in _ALL}
 
 # Which side may send which command.
-SERVER_COMMANDS: frozenset[str] = frozenset(
-    {"SERVER", "PING", "POSITION", "RDATA", "ERROR", "REMOTE_SERVER_UP"}
-)
+SERVER_COMMANDS: frozenset[str] = frozenset({"SERVER", "PING", "POSITION", "RDATA", "ERROR", "REMOTE_SERVER_UP"})
 CLIENT_COMMANDS: frozenset[str] = frozenset(
     {
         "PING",

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from twisted.internet import defer, threads
 from twisted.python.threadpool import ThreadPool
@@ -27,5 +28,5 @@ class DatabaseThreads:
             self._started = False
             self._pool.stop()
 
-    def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> "defer.Deferred[T]":
+    def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> defer.Deferred[T]:
         return threads.deferToThreadPool(self._reactor, self._pool, fn, *args, **kwargs)

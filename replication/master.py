@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from twisted.internet import defer, task
 from twisted.internet.error import ConnectionLost
@@ -24,9 +25,9 @@ from replication.client_commands import ClientCommandHandlers
 from replication.commands import PositionCommand
 from replication.dbthreads import DatabaseThreads
 from replication.protocol import ProtocolConfig
-from replication.settings import MasterConfig
 from replication.rows import RowEncoder, encode_json_rows, encode_rows, row_encoder
 from replication.server import ServerProtocol, Subscription
+from replication.settings import MasterConfig
 from replication.streams import cache_invalidation_row
 from storage.schema import StreamSchema
 from storage.store import TOKEN, StorageError
@@ -57,15 +58,15 @@ class Master:
         self.connections: set[ServerProtocol] = set()
         self.client_commands = ClientCommandHandlers(self)
         self.counters: dict[str, int] = {"catchup_rows": 0, "live_rows": 0}
-        self._poller: Optional[task.LoopingCall] = None
+        self._poller: task.LoopingCall | None = None
         self._following = False
         self._follow_again = False
         self._expire_writers = True
         self._follow_waiters: list[defer.Deferred[None]] = []
-        self._notifications: Optional[NotificationReader] = None
+        self._notifications: NotificationReader | None = None
         self._relistening = False
-        self._db_error: Optional[str] = None
-        self.port: Optional[IListeningPort] = None
+        self._db_error: str | None = None
+        self.port: IListeningPort | None = None
 
     # -- start and stop ------------------------------------------------------------
 
@@ -91,9 +92,7 @@ class Master:
             lambda f: logger.error("following stream heads stopped: %s", f.getTraceback())
         )
         factory = Factory.forProtocol(lambda: ServerProtocol(self, self.protocol_config, self.reactor))
-        self.port = self.reactor.listenTCP(
-            self.config.listen_port, factory, interface=self.config.listen_host
-        )
+        self.port = self.reactor.listenTCP(self.config.listen_port, factory, interface=self.config.listen_host)
         address = self.port.getHost()
         logger.info(
             "master %s listening on %s:%s with streams %s",
@@ -149,7 +148,7 @@ class Master:
 
     def read_encoded(
         self, stream: str, after: int, upto: int, limit: int, with_ts: bool
-    ) -> "defer.Deferred[tuple[bytes, int, int]]":
+    ) -> defer.Deferred[tuple[bytes, int, int]]:
         """RDATA bytes for rows in ``(after, upto]`` (about ``limit`` rows), off the reactor."""
         d = self.db.run(self._read_encoded, stream, after, upto, limit, (with_ts,))
         d.addCallback(lambda result: (result[0].get(with_ts, b""), result[1], result[2]))
@@ -179,7 +178,7 @@ class Master:
         if self._poller is not None and self._poller.running:
             self.reactor.callLater(0, self._follow_heads)
 
-    def _slow_tick(self) -> Optional["defer.Deferred[None]"]:
+    def _slow_tick(self) -> defer.Deferred[None] | None:
         # The periodic pass also looks for writers that went silent; wake-ups
         # by notification skip that sweep to keep commit -> RDATA short.
         self._expire_writers = True
@@ -203,16 +202,16 @@ class Master:
         self._relistening = False
         logger.warning("cannot listen for database notifications yet: %s", failure.getErrorMessage())
 
-    def _follow_heads(self) -> Optional["defer.Deferred[None]"]:
+    def _follow_heads(self) -> defer.Deferred[None] | None:
         if self._following:
             self._follow_again = True
             return None
         self._following = True
         return defer.ensureDeferred(self._follow_loop())
 
-    def followed(self) -> "defer.Deferred[None]":
+    def followed(self) -> defer.Deferred[None]:
         """Fires once the master has looked at the store's heads after this call."""
-        d: "defer.Deferred[None]" = defer.Deferred()
+        d: defer.Deferred[None] = defer.Deferred()
         self._follow_waiters.append(d)
         self._follow_heads()
         return d
@@ -293,9 +292,7 @@ class Master:
                 self.unsubscribe_live(conn, sub)
                 conn.pump(sub)
 
-    def invalidate_cache(
-        self, cache_name: str, keys: Optional[list[Any]] = None
-    ) -> "defer.Deferred[int]":
+    def invalidate_cache(self, cache_name: str, keys: list[Any] | None = None) -> defer.Deferred[int]:
         """Record a cache invalidation on the ``caches`` stream; fires with its token."""
         row = cache_invalidation_row(cache_name, keys, int(self.reactor.seconds() * 1000))
         d = self.db.run(self.store.append, "caches", [row], self.config.instance_name)
@@ -329,7 +326,6 @@ class Master:
         self.counters["catchup_rows"] += count
 
 
-
 @implementer(IReadDescriptor)
 class NotificationReader:
     """Watches the store's notification connection on the reactor (non-blocking)."""
@@ -345,7 +341,7 @@ class NotificationReader:
     def fileno(self) -> int:
         return self._fd
 
-    def doRead(self) -> Optional[Exception]:
+    def doRead(self) -> Exception | None:
         try:
             if self._notifier.drain():
                 self._wake()

@@ -19,7 +19,8 @@ from __future__ import annotations
 import logging
 import socket
 import struct
-from typing import Callable, ClassVar, Optional
+from collections.abc import Callable
+from typing import ClassVar
 
 from twisted.internet import task
 from twisted.internet.interfaces import IHalfCloseableProtocol, IReactorTime
@@ -27,8 +28,6 @@ from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from replication.settings import ProtocolConfig
-from replication.stats import STATS
 from replication.commands import (
     Command,
     ErrorCommand,
@@ -37,6 +36,8 @@ from replication.commands import (
     UnknownCommand,
     parse_line,
 )
+from replication.settings import ProtocolConfig
+from replication.stats import STATS
 
 logger = logging.getLogger(__name__)
 _TCP_INFO_RTT = struct.Struct("I")  # tcpi_rtt: microseconds, at offset 68 of struct tcp_info
@@ -60,12 +61,12 @@ class LineCommandProtocol(Protocol):
         self._peer_pinged = False
         self._last_received = 0.0
         self._last_sent = 0.0
-        self._keepalive: Optional[task.LoopingCall] = None
+        self._keepalive: task.LoopingCall | None = None
         self._tick = 1.0
         self._abort_call = None
         self.read_closed = False
-        self.rtt_ms: Optional[float] = None  # kernel's smoothed TCP round trip
-        self.clock_offset_ms: Optional[float] = None  # peer's clock minus ours, from its PINGs
+        self.rtt_ms: float | None = None  # kernel's smoothed TCP round trip
+        self.clock_offset_ms: float | None = None  # peer's clock minus ours, from its PINGs
 
     # -- connection lifecycle --------------------------------------------------
 
@@ -222,7 +223,7 @@ class LineCommandProtocol(Protocol):
         logger.warning("[%s] %s sent ERROR %s", self.conn_name, self.peer_side, command.message)
 
 
-def tcp_rtt_ms(transport: object) -> Optional[float]:
+def tcp_rtt_ms(transport: object) -> float | None:
     """The kernel's smoothed round-trip time of a TCP connection (Linux), or None."""
     get_handle = getattr(transport, "getHandle", None)
     if get_handle is None or not hasattr(socket, "TCP_INFO"):

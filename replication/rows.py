@@ -8,7 +8,7 @@ more element. JSON columns are stored as JSON text and embedded as they are
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import orjson
 
@@ -53,9 +53,7 @@ def row_encoder(schema: StreamSchema) -> RowEncoder:
     return encode_typed
 
 
-def encode_rows(
-    stream: str, rows: list[StoredRow], encode: RowEncoder, with_ts: bool
-) -> tuple[bytes, int]:
+def encode_rows(stream: str, rows: list[StoredRow], encode: RowEncoder, with_ts: bool) -> tuple[bytes, int]:
     """RDATA lines for rows in token order; returns (bytes, last token).
 
     Rows that share a token are sent as ``batch`` lines with the real token on
@@ -110,7 +108,7 @@ def encode_json_rows(stream: str, rows: list[tuple], with_ts: bool) -> tuple[byt
     return b"".join(lines), rows[-1][TOKEN]
 
 
-def split_ts(row: list, with_ts: bool) -> tuple[list, Optional[int]]:
+def split_ts(row: list, with_ts: bool) -> tuple[list, int | None]:
     """A received row and its timestamp (``None`` without the ``ts`` option)."""
     if with_ts and row:
         return row[:-1], row[-1]

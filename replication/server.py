@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hmac
 import logging
-from typing import TYPE_CHECKING, ClassVar, Optional
+from typing import TYPE_CHECKING, ClassVar
 
 from twisted.internet.interfaces import IPushProducer, IReactorTime
 from twisted.python.failure import Failure
@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 class Subscription:
     """One stream on one connection."""
 
-    __slots__ = ("stream", "sent_token", "live", "reading", "generation", "announce_live")
+    __slots__ = ("announce_live", "generation", "live", "reading", "sent_token", "stream")
 
     def __init__(self, stream: str, sent_token: int, announce_live: bool = False) -> None:
         self.stream = stream
@@ -64,10 +64,10 @@ class ServerProtocol(LineCommandProtocol):
     INBOUND: ClassVar[frozenset[str]] = CLIENT_COMMANDS
     SIDE: ClassVar[str] = "server"
 
-    def __init__(self, master: "Master", config: ProtocolConfig, clock: IReactorTime) -> None:
+    def __init__(self, master: Master, config: ProtocolConfig, clock: IReactorTime) -> None:
         super().__init__(config, clock)
         self.master = master
-        self.client_name: Optional[str] = None
+        self.client_name: str | None = None
         self.with_ts = False
         self.announce_live = False  # OPTIONS live
         self.authenticated = master.config.secret is None
@@ -125,9 +125,9 @@ class ServerProtocol(LineCommandProtocol):
         return False
 
     def on_AUTH(self, command: AuthCommand) -> None:
-        if self.master.config.secret is None:
-            self.authenticated = True
-        elif hmac.compare_digest(command.secret.encode(), self.master.config.secret.encode()):
+        if self.master.config.secret is None or hmac.compare_digest(
+            command.secret.encode(), self.master.config.secret.encode()
+        ):
             self.authenticated = True
         else:
             self.close_with_error("authentication failed: wrong secret")
@@ -183,9 +183,7 @@ class ServerProtocol(LineCommandProtocol):
         stream, token = command.stream, command.token
         assert token is not None
         if not master.has_stream(stream):
-            self.send_error(
-                f"unknown stream {stream!r} (streams: {', '.join(master.stream_names())})"
-            )
+            self.send_error(f"unknown stream {stream!r} (streams: {', '.join(master.stream_names())})")
             return
         head = master.live_token(stream)
         if token > head:
@@ -272,7 +270,9 @@ class ServerProtocol(LineCommandProtocol):
 
         d.addCallbacks(got, failed)
 
-    def send_live(self, sub: Subscription, data: bytes, last_token: int, command: str = "RDATA", count: int = 1) -> None:
+    def send_live(
+        self, sub: Subscription, data: bytes, last_token: int, command: str = "RDATA", count: int = 1
+    ) -> None:
         """Called by the master's fan-out with ``count`` lines just after ``sub.sent_token``."""
         if self.paused:
             # Don't buffer for a client that is not reading: it catches up later.
@@ -304,6 +304,4 @@ class ServerProtocol(LineCommandProtocol):
         self._closing = True
 
     def _paused_too_long(self) -> None:
-        self.close_with_error(
-            f"client stopped reading: paused for more than {self.config.max_pause:g} s"
-        )
+        self.close_with_error(f"client stopped reading: paused for more than {self.config.max_pause:g} s")

@@ -7,8 +7,6 @@ that tools which only read the configuration (``tickline write``) start fast.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import attr
 
 
@@ -32,7 +30,7 @@ class MasterConfig:
     instance_name: str = "master"
     listen_host: str = "127.0.0.1"
     listen_port: int = 9322
-    secret: Optional[str] = None
+    secret: str | None = None
     poll_interval: float = 0.05  # seconds between looks at the store's heads (SQLite)
     writer_timeout: float = 5.0  # drop a writer silent this long from the safe position (PostgreSQL)
     fanout_rows: int = 10000  # rows per storage read for live fan-out

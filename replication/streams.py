@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from storage.schema import Column, SchemaError, StreamSchema
 
@@ -29,7 +30,7 @@ CACHES = StreamSchema(
 BUILTIN_STREAMS: tuple[StreamSchema, ...] = (EVENTS, CACHES)
 
 
-def cache_invalidation_row(cache_name: str, keys: Optional[Sequence[Any]], now_ms: int) -> list[Any]:
+def cache_invalidation_row(cache_name: str, keys: Sequence[Any] | None, now_ms: int) -> list[Any]:
     """A ``caches`` row: invalidate one key (its parts as a list) or, with None, the whole cache."""
     if not isinstance(cache_name, str) or not cache_name:
         raise SchemaError(f"cache name must be a non-empty string, got {cache_name!r}")

@@ -25,7 +25,7 @@ from __future__ import annotations
 import io
 import os
 import time
-from typing import Any, Optional
+from typing import Any
 
 from scripts.benchmark import BenchError, _fmt, make_rows
 
@@ -43,11 +43,12 @@ def fill_worker_database(url: str, rows: int) -> int:
     store = open_worker_store(url)
     store.create_replicated_table(EVENTS)
     sqlite = store.dialect == "sqlite"
-    columns = ", ".join(("token", "instance_name", "ts") + EVENTS.column_names)
+    columns = ", ".join(("token", "instance_name", "ts", *EVENTS.column_names))
     for start in range(0, rows, FILL_CHUNK):
         count = min(FILL_CHUNK, rows - start)
         values = [(start + i + 1, "master", TS_BASE + start + i, *row) for i, row in enumerate(make_rows(start, count))]
         if sqlite:
+
             def effects(conn: Any, values: list = values) -> None:
                 conn.executemany(EVENTS.insert_replicated_sql("?"), values)
         else:
@@ -55,6 +56,7 @@ def fill_worker_database(url: str, rows: int) -> int:
 
             def effects(cur: Any, text: str = text) -> None:  # COPY: the fastest load PostgreSQL has
                 cur.cursor.copy_expert(f"COPY {EVENTS.replicated_table} ({columns}) FROM STDIN", io.StringIO(text))
+
         store.apply("events", start + count, effects)
     store.close()
     if not sqlite:
@@ -68,7 +70,7 @@ def fill_worker_database(url: str, rows: int) -> int:
     return rows
 
 
-def _java_peak_kib(spark: Any) -> Optional[int]:
+def _java_peak_kib(spark: Any) -> int | None:
     try:
         pid = spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid()
         with open(f"/proc/{pid}/status") as f:
@@ -90,8 +92,15 @@ def measure_backend(spark: Any, url: str, rows: int, repeat: int, log: Any) -> d
     properties = dict(options, customSchema=custom_schema(EVENTS), fetchsize=str(settings_fetchsize))
 
     def bare() -> int:
-        df = spark.read.jdbc(jdbc_url, EVENTS.replicated_table, column="token", lowerBound=1,
-                             upperBound=rows + 1, numPartitions=PARTITIONS, properties=properties)
+        df = spark.read.jdbc(
+            jdbc_url,
+            EVENTS.replicated_table,
+            column="token",
+            lowerBound=1,
+            upperBound=rows + 1,
+            numPartitions=PARTITIONS,
+            properties=properties,
+        )
         df.write.format("noop").mode("overwrite").save()
         return rows
 
@@ -103,12 +112,14 @@ def measure_backend(spark: Any, url: str, rows: int, repeat: int, log: Any) -> d
     # Both read the same rows: check once, untimed.
     check = snapshot(spark, url, "events", num_partitions=PARTITIONS)
     if check.token != rows or check.dataframe.count() != rows:
-        raise BenchError(f"snapshot of {url} holds {check.dataframe.count()} rows at token {check.token}, "
-                         f"expected {rows}")
+        raise BenchError(
+            f"snapshot of {url} holds {check.dataframe.count()} rows at token {check.token}, expected {rows}"
+        )
     runs: dict[str, list[float]] = {"baseline": [], "tickline": []}
     for i in range(repeat):
-        for name, fn in (("baseline", bare), ("tickline", tickline)) if i % 2 == 0 else (
-                ("tickline", tickline), ("baseline", bare)):
+        for name, fn in (
+            (("baseline", bare), ("tickline", tickline)) if i % 2 == 0 else (("tickline", tickline), ("baseline", bare))
+        ):
             started = time.perf_counter()
             count = fn()
             rate = count / (time.perf_counter() - started)
@@ -117,8 +128,14 @@ def measure_backend(spark: Any, url: str, rows: int, repeat: int, log: Any) -> d
     return {"tickline": max(runs["tickline"]), "baseline": max(runs["baseline"]), "runs": runs}
 
 
-def run_snapshot_bench(rows: Optional[int], repeat: int, workdir: str, verbose: bool = False,
-                       spark: Any = None, backends: tuple[str, ...] = ("sqlite", "postgresql")) -> dict[str, Any]:
+def run_snapshot_bench(
+    rows: int | None,
+    repeat: int,
+    workdir: str,
+    verbose: bool = False,
+    spark: Any = None,
+    backends: tuple[str, ...] = ("sqlite", "postgresql"),
+) -> dict[str, Any]:
     """Fill, measure and return ``{"snapshot-<backend>": {...}}``; uses ``spark`` if given, else starts one."""
     rows = DEFAULT_SNAPSHOT_ROWS if rows is None else rows
 
@@ -164,8 +181,14 @@ def run_snapshot_bench(rows: Optional[int], repeat: int, workdir: str, verbose: 
 
 def print_results(results: dict[str, Any]) -> None:
     for name, r in results.items():
-        print(f"{name}: tickline {_fmt(r['tickline'])} rows/s, baseline {_fmt(r['baseline'])} rows/s, "
-              f"ratio {r['tickline'] / r['baseline']:.2f}", flush=True)
+        print(
+            f"{name}: tickline {_fmt(r['tickline'])} rows/s, baseline {_fmt(r['baseline'])} rows/s, "
+            f"ratio {r['tickline'] / r['baseline']:.2f}",
+            flush=True,
+        )
         peak = f", Spark JVM peak {r['java_peak_kib'] // 1024:,} MiB" if r.get("java_peak_kib") else ""
-        print(f"  {r['rows']:,} rows, {PARTITIONS} partitions, local[2]; baseline: bare spark.read.jdbc of the "
-              f"same table{peak}", flush=True)
+        print(
+            f"  {r['rows']:,} rows, {PARTITIONS} partitions, local[2]; baseline: bare spark.read.jdbc of the "
+            f"same table{peak}",
+            flush=True,
+        )

@@ -20,15 +20,16 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
 from scripts.benchmark import ROOT, BenchError, Server, _env, _fmt, _free_port, fill_database, make_rows
+
 
 def _tickline(*args: str) -> list[str]:
     return [sys.executable, "-m", "scripts.cli", *args]
 
 
-def _peak_kib(pid: int) -> Optional[int]:
+def _peak_kib(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
@@ -43,9 +44,22 @@ class Worker:
     def __init__(self, workdir: str, port: int, database: str, log_name: str = "worker.log") -> None:
         self._log = open(os.path.join(workdir, log_name), "wb")
         self.proc = subprocess.Popen(
-            _tickline("worker", "--name", "bench", "--master", f"127.0.0.1:{port}", "--database", database,
-                      "--replicate", "events"),
-            cwd=ROOT, env=_env(), stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+            _tickline(
+                "worker",
+                "--name",
+                "bench",
+                "--master",
+                f"127.0.0.1:{port}",
+                "--database",
+                database,
+                "--replicate",
+                "events",
+            ),
+            cwd=ROOT,
+            env=_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
         )
 
     def stop(self) -> None:
@@ -83,7 +97,9 @@ def _master(workdir: str, database: str, log_name: str = "master.log") -> tuple[
     port = _free_port()
     server = Server(
         _tickline("master", "--database", database, "--listen", f"127.0.0.1:{port}"),
-        os.path.join(workdir, log_name), "listening on", "master",
+        os.path.join(workdir, log_name),
+        "listening on",
+        "master",
     )
     return server, port
 
@@ -99,11 +115,15 @@ def run_catch_up(rows: int, workdir: str) -> dict[str, Any]:
     dst = sqlite3.connect(copy_db, isolation_level=None)
     dst.execute("PRAGMA journal_mode = WAL")
     dst.execute("PRAGMA synchronous = NORMAL")
-    dst.execute("CREATE TABLE copy (token BIGINT, instance_name TEXT, ts BIGINT, event_id TEXT, room_id TEXT, "
-                "type TEXT, state_key TEXT, redacts TEXT)")
+    dst.execute(
+        "CREATE TABLE copy (token BIGINT, instance_name TEXT, ts BIGINT, event_id TEXT, room_id TEXT, "
+        "type TEXT, state_key TEXT, redacts TEXT)"
+    )
     started = time.perf_counter()
-    cursor = src.execute("SELECT token, instance_name, ts, event_id, room_id, type, state_key, redacts "
-                         "FROM stream_events ORDER BY token, seq")
+    cursor = src.execute(
+        "SELECT token, instance_name, ts, event_id, room_id, type, state_key, redacts "
+        "FROM stream_events ORDER BY token, seq"
+    )
     while chunk := cursor.fetchmany(5000):
         dst.execute("BEGIN")
         dst.executemany("INSERT INTO copy VALUES (?, ?, ?, ?, ?, ?, ?, ?)", chunk)
@@ -231,9 +251,9 @@ def _percentile(values: list[float], p: float) -> float:
 
 
 def run_end_to_end(rows: int, workdir: str, latency_seconds: float = 10.0) -> dict[str, Any]:
-    from scripts.pg_local import PostgresServer
-
     import psycopg2
+
+    from scripts.pg_local import PostgresServer
 
     pg = PostgresServer()
     pg.start()
@@ -267,9 +287,14 @@ def run_end_to_end(rows: int, workdir: str, latency_seconds: float = 10.0) -> di
     finally:
         pg.stop()
     return {
-        "tickline": through, "baseline": alone, "writer_with_master": rate,
-        "p50": statistics.median(delays), "p99": _percentile(delays, 99), "samples": len(delays),
-        "notify_p50": statistics.median(floor), "notify_p99": _percentile(floor, 99),
+        "tickline": through,
+        "baseline": alone,
+        "writer_with_master": rate,
+        "p50": statistics.median(delays),
+        "p99": _percentile(delays, 99),
+        "samples": len(delays),
+        "notify_p50": statistics.median(floor),
+        "notify_p99": _percentile(floor, 99),
     }
 
 
@@ -283,16 +308,31 @@ def run_worker_scenarios(chosen: list[str], rows: int, workdir: str) -> None:
     """Run and print the chosen worker scenarios."""
     if "catch-up" in chosen:
         r = run_catch_up(rows, workdir)
-        print(f"catch-up: tickline {_fmt(r['tickline'])} rows/s, baseline {_fmt(r['baseline'])} rows/s, "
-              f"ratio {r['tickline'] / r['baseline']:.2f}", flush=True)
-        print(f"  peak memory: master {r['master_kib'] or 0:,} KiB, worker {r['worker_kib'] or 0:,} KiB "
-              f"(baseline: direct SQLite-to-SQLite copy)", flush=True)
+        print(
+            f"catch-up: tickline {_fmt(r['tickline'])} rows/s, baseline {_fmt(r['baseline'])} rows/s, "
+            f"ratio {r['tickline'] / r['baseline']:.2f}",
+            flush=True,
+        )
+        print(
+            f"  peak memory: master {r['master_kib'] or 0:,} KiB, worker {r['worker_kib'] or 0:,} KiB "
+            f"(baseline: direct SQLite-to-SQLite copy)",
+            flush=True,
+        )
     if "end-to-end" in chosen:
         r = run_end_to_end(rows, workdir)
-        print(f"end-to-end: tickline {_fmt(r['tickline'])} rows/s, baseline {_fmt(r['baseline'])} rows/s, "
-              f"ratio {r['tickline'] / r['baseline']:.2f}", flush=True)
-        print(f"  (baseline: the same writer with no master or worker; with them it wrote "
-              f"{_fmt(r['writer_with_master'])} rows/s)", flush=True)
-        print(f"end-to-end latency at 1,000 rows/s: p50 {r['p50']:.1f} ms, p99 {r['p99']:.1f} ms "
-              f"({r['samples']:,} rows); baseline commit->NOTIFY p50 {r['notify_p50']:.2f} ms, "
-              f"p99 {r['notify_p99']:.2f} ms; ratio p99 {r['p99'] / max(r['notify_p99'], 1e-3):.1f}", flush=True)
+        print(
+            f"end-to-end: tickline {_fmt(r['tickline'])} rows/s, baseline {_fmt(r['baseline'])} rows/s, "
+            f"ratio {r['tickline'] / r['baseline']:.2f}",
+            flush=True,
+        )
+        print(
+            f"  (baseline: the same writer with no master or worker; with them it wrote "
+            f"{_fmt(r['writer_with_master'])} rows/s)",
+            flush=True,
+        )
+        print(
+            f"end-to-end latency at 1,000 rows/s: p50 {r['p50']:.1f} ms, p99 {r['p99']:.1f} ms "
+            f"({r['samples']:,} rows); baseline commit->NOTIFY p50 {r['notify_p50']:.2f} ms, "
+            f"p99 {r['notify_p99']:.2f} ms; ratio p99 {r['p99'] / max(r['notify_p99'], 1e-3):.1f}",
+            flush=True,
+        )

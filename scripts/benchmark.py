@@ -51,7 +51,8 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 if __package__ in (None, ""):
     # Run as a file (python scripts/benchmark.py): make the project importable.
@@ -61,7 +62,7 @@ import orjson
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIRE_SCENARIOS = ("wire", "wire-live")
-SCENARIOS = WIRE_SCENARIOS + ("catch-up", "end-to-end")  # the last two: scripts/bench_workers.py
+SCENARIOS = (*WIRE_SCENARIOS, "catch-up", "end-to-end")  # the last two: scripts/bench_workers.py
 SCENARIOS += ("snapshot",)  # Spark JDBC snapshots: scripts/bench_snapshot.py
 DEFAULT_ROWS = 200_000
 DEFAULT_REPEAT = 5
@@ -72,6 +73,7 @@ BASELINE_CHUNK_LINES = 5_000
 CLIENT_NAME = "bench"
 
 # -- the rows ------------------------------------------------------------------
+
 
 def _ident(n: int, length: int) -> str:
     """A deterministic, random-looking identifier (like Matrix event ids)."""
@@ -199,9 +201,22 @@ class Profiler:
     def __init__(self, pyspy: str, pid: int, out: str) -> None:
         self.out = out
         self.proc = subprocess.Popen(
-            [pyspy, "record", "--pid", str(pid), "--format", "raw", "--rate", "500", "--threads",
-             "--nonblocking", "--output", out],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                pyspy,
+                "record",
+                "--pid",
+                str(pid),
+                "--format",
+                "raw",
+                "--rate",
+                "500",
+                "--threads",
+                "--nonblocking",
+                "--output",
+                out,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         time.sleep(0.5)  # let it attach
 
@@ -215,15 +230,21 @@ class Profiler:
                 self.proc.wait()
 
 
-def run_client(args: list[str], timeout: float, on_ready=None, profile: Optional[tuple[str, str]] = None) -> dict[str, Any]:
+def run_client(
+    args: list[str], timeout: float, on_ready=None, profile: tuple[str, str] | None = None
+) -> dict[str, Any]:
     """Run a client subprocess; it prints ``READY`` (live mode) and then one JSON result.
 
     The client stops itself after its own timeout; a watchdog kills it if it does not.
     """
     with tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(
-            _self_command(*args), cwd=ROOT, env=_env(), stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=err,
+            _self_command(*args),
+            cwd=ROOT,
+            env=_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=err,
         )
         watchdog = threading.Timer(timeout, proc.kill)
         watchdog.start()
@@ -333,7 +354,7 @@ def role_tickline_client(port: int, rows: int, mode: str, timeout: float, profil
     return 0 if "error" not in result else 1
 
 
-def role_baseline_client(port: int, rows: int, timeout: float, profiled: bool, send: Optional[str] = None) -> int:
+def role_baseline_client(port: int, rows: int, timeout: float, profiled: bool, send: str | None = None) -> int:
     """A bare ``LineOnlyReceiver`` counting ``RDATA`` lines; with ``send``, it first sends that line
     (``REPLICATE events 0`` makes it a client of the master that parses nothing)."""
     from twisted.internet import reactor
@@ -395,7 +416,7 @@ def role_baseline_server(port: int, rows: int) -> int:
     from zope.interface import implementer
 
     lines = rdata_lines(0, rows)
-    chunks = [b"".join(lines[i:i + BASELINE_CHUNK_LINES]) for i in range(0, rows, BASELINE_CHUNK_LINES)]
+    chunks = [b"".join(lines[i : i + BASELINE_CHUNK_LINES]) for i in range(0, rows, BASELINE_CHUNK_LINES)]
     del lines
 
     @implementer(IPushProducer)
@@ -441,7 +462,7 @@ def _client_timeout(rows: int) -> float:
 
 
 def run_wire(
-    scenarios: Sequence[str], rows: int, repeat: int, workdir: str, profile_dir: Optional[str], verbose: bool
+    scenarios: Sequence[str], rows: int, repeat: int, workdir: str, profile_dir: str | None, verbose: bool
 ) -> dict[str, dict[str, Any]]:
     """Baseline and tickline runs interleaved, so that both see the same load."""
     from storage.store import open_store
@@ -468,11 +489,17 @@ def run_wire(
     profilers: list[Profiler] = []
     store = None
 
-    def measure(kind: str, server: Server, args: list[str], start: str = "t_start", on_ready=None,
-                profile: Optional[tuple[str, str]] = None) -> dict[str, float]:
+    def measure(
+        kind: str,
+        server: Server,
+        args: list[str],
+        start: str = "t_start",
+        on_ready=None,
+        profile: tuple[str, str] | None = None,
+    ) -> dict[str, float]:
         """One client run: rows/s and CPU microseconds per row of server and client."""
         cpu_before = _cpu_seconds(server.proc.pid)
-        r = run_client(args + ["--timeout", str(timeout)], timeout + 30, on_ready=on_ready, profile=profile)
+        r = run_client([*args, "--timeout", str(timeout)], timeout + 30, on_ready=on_ready, profile=profile)
         server_cpu = _cpu_seconds(server.proc.pid) - cpu_before
         if "error" in r:
             raise BenchError(f"{kind} client: {r['error']}\n{server.log_tail()}")
@@ -481,21 +508,24 @@ def run_wire(
             "server_us": 1e6 * server_cpu / r["rows"],
             "client_us": 1e6 * r["cpu"] / r["rows"],
         }
-        log(f"{kind}: {_fmt(run['rate'])} rows/s, CPU per row: server {run['server_us']:.2f} us, "
-            f"client {run['client_us']:.2f} us")
+        log(
+            f"{kind}: {_fmt(run['rate'])} rows/s, CPU per row: server {run['server_us']:.2f} us, "
+            f"client {run['client_us']:.2f} us"
+        )
         return run
 
     try:
         base_port = _free_port()
         baseline = Server(
             _self_command("_baseline-server", "--port", str(base_port), "--rows", str(rows)),
-            os.path.join(workdir, "baseline.log"), "baseline listening", "baseline server",
+            os.path.join(workdir, "baseline.log"),
+            "baseline listening",
+            "baseline server",
             timeout=30.0 + rows / 20_000,
         )
         servers.append(baseline)
         port = _free_port()
-        master_cmd = [sys.executable, "-m", "scripts.cli", "master", "--database", url,
-                      "--listen", f"127.0.0.1:{port}"]
+        master_cmd = [sys.executable, "-m", "scripts.cli", "master", "--database", url, "--listen", f"127.0.0.1:{port}"]
         master = Server(master_cmd, os.path.join(workdir, "master.log"), "listening on", "master")
         servers.append(master)
         store = open_store(url)
@@ -504,14 +534,27 @@ def run_wire(
 
         for i in range(repeat):
             log(f"run {i + 1} of {repeat}")
-            runs["baseline"].append(measure(
-                "baseline", baseline, ["_baseline-client", "--port", str(base_port), "--rows", str(rows)]))
+            runs["baseline"].append(
+                measure("baseline", baseline, ["_baseline-client", "--port", str(base_port), "--rows", str(rows)])
+            )
             if "wire" in scenarios:
                 runs["wire"].append(measure("tickline replay", master, replay_args))
                 # The master alone: the same replay read by the bare line client, which parses nothing.
-                runs["master-alone"].append(measure(
-                    "master to bare client", master,
-                    ["_baseline-client", "--port", str(port), "--rows", str(head), "--send", f"REPLICATE {STREAM} 0"]))
+                runs["master-alone"].append(
+                    measure(
+                        "master to bare client",
+                        master,
+                        [
+                            "_baseline-client",
+                            "--port",
+                            str(port),
+                            "--rows",
+                            str(head),
+                            "--send",
+                            f"REPLICATE {STREAM} 0",
+                        ],
+                    )
+                )
             if "wire-live" in scenarios:
                 new_rows = make_rows(next_row, rows)
                 next_row += rows
@@ -527,7 +570,7 @@ def run_wire(
             # One more replay run under py-spy; sampling takes a core, so it does not count.
             profilers.append(Profiler(pyspy, master.proc.pid, os.path.join(profile_dir, "master-wire.txt")))
             profile = (pyspy, os.path.join(profile_dir, "client-wire.txt"))
-            measure("profiled tickline replay", master, replay_args + ["--profiled"], profile=profile)
+            measure("profiled tickline replay", master, [*replay_args, "--profiled"], profile=profile)
             while profilers:
                 profilers.pop().stop()
     finally:
@@ -548,13 +591,15 @@ def run_wire(
     for name in scenarios:
         best = max(runs[name], key=lambda r: r["rate"])
         results[name] = {
-            "tickline": best["rate"], "baseline": best_baseline["rate"],
+            "tickline": best["rate"],
+            "baseline": best_baseline["rate"],
             # CPU per row (median of the runs) is steadier than wall time on a busy machine.
             "master_us": statistics.median(r["server_us"] for r in runs[name]),
             "client_us": statistics.median(r["client_us"] for r in runs[name]),
             "baseline_server_us": statistics.median(r["server_us"] for r in runs["baseline"]),
             "baseline_client_us": statistics.median(r["client_us"] for r in runs["baseline"]),
-            "runs": runs[name], "baseline_runs": runs["baseline"],
+            "runs": runs[name],
+            "baseline_runs": runs["baseline"],
         }
         if name == "wire":
             results[name]["master_alone"] = max(r["rate"] for r in runs["master-alone"])
@@ -593,14 +638,33 @@ def summarize_profile(path: str, top: int = 12) -> str:
                 total[frame] += count
     if not samples:
         return "  no samples"
-    out = [f"  {samples} samples; by thread: "
-           + ", ".join(f"{name} {100 * n / samples:.0f}%" for name, n in threads.most_common())]
+    out = [
+        f"  {samples} samples; by thread: "
+        + ", ".join(f"{name} {100 * n / samples:.0f}%" for name, n in threads.most_common())
+    ]
     out.append("  self (the function itself):")
     out += [f"    {100 * n / samples:5.1f}%  {name}" for name, n in own.most_common(top)]
     out.append("  total (the function and what it calls), below the event loop:")
-    skip = ("<module>", "_cli", "role_", "Thread.", "ThreadWorker", "Team.", "ThreadPool.", "ReactorBase.",
-            "EPollReactor.doPoll", "callWithLogger", "callWithContext", "ThreadedContextTracker",
-            "ContextTracker", "_PollLikeMixin", "run (", "main (", "_run_module", "_run_code")
+    skip = (
+        "<module>",
+        "_cli",
+        "role_",
+        "Thread.",
+        "ThreadWorker",
+        "Team.",
+        "ThreadPool.",
+        "ReactorBase.",
+        "EPollReactor.doPoll",
+        "callWithLogger",
+        "callWithContext",
+        "ThreadedContextTracker",
+        "ContextTracker",
+        "_PollLikeMixin",
+        "run (",
+        "main (",
+        "_run_module",
+        "_run_code",
+    )
     shown = [(name, n) for name, n in total.most_common() if not name.startswith(skip)]
     out += [f"    {100 * n / samples:5.1f}%  {name}" for name, n in shown[:top]]
     return "\n".join(out)
@@ -609,14 +673,20 @@ def summarize_profile(path: str, top: int = 12) -> str:
 # -- entry points --------------------------------------------------------------------
 
 
-def main(scenarios: Optional[list[str]] = None, rows: Optional[int] = None,
-         repeat: int = DEFAULT_REPEAT, profile_dir: Optional[str] = None, verbose: bool = False) -> int:
+def main(
+    scenarios: list[str] | None = None,
+    rows: int | None = None,
+    repeat: int = DEFAULT_REPEAT,
+    profile_dir: str | None = None,
+    verbose: bool = False,
+) -> int:
     """Run the scenarios (default: all); print one result line each. Returns an exit code."""
     chosen = list(scenarios or SCENARIOS)
     unknown = [s for s in chosen if s not in SCENARIOS]
     if unknown:
-        print(f"tickline bench: error: unknown scenario {unknown[0]!r} (known: {', '.join(SCENARIOS)})",
-              file=sys.stderr)
+        print(
+            f"tickline bench: error: unknown scenario {unknown[0]!r} (known: {', '.join(SCENARIOS)})", file=sys.stderr
+        )
         return 2
     requested_rows = rows  # the snapshot scenario's default is its own (1,000,000)
     rows = DEFAULT_ROWS if rows is None else rows
@@ -628,7 +698,7 @@ def main(scenarios: Optional[list[str]] = None, rows: Optional[int] = None,
     wire = [s for s in chosen if s in WIRE_SCENARIOS]
     try:
         results = run_wire(wire, rows, repeat, workdir, profile_dir, verbose) if wire else {}
-        if any(s not in WIRE_SCENARIOS + ("snapshot",) for s in chosen):
+        if any(s not in (*WIRE_SCENARIOS, "snapshot") for s in chosen):
             from scripts.bench_workers import run_worker_scenarios
 
             run_worker_scenarios(chosen, rows, workdir)
@@ -643,18 +713,25 @@ def main(scenarios: Optional[list[str]] = None, rows: Optional[int] = None,
         shutil.rmtree(workdir, ignore_errors=True)
     for name in wire:
         r = results[name]
-        print(f"{name}: tickline {_fmt(r['tickline'])} rows/s, baseline {_fmt(r['baseline'])} rows/s, "
-              f"ratio {r['tickline'] / r['baseline']:.2f}", flush=True)
-        print(f"  CPU per row: master {r['master_us']:.2f} us, client {r['client_us']:.2f} us; "
-              f"baseline server {r['baseline_server_us']:.2f} us, client {r['baseline_client_us']:.2f} us",
-              flush=True)
+        print(
+            f"{name}: tickline {_fmt(r['tickline'])} rows/s, baseline {_fmt(r['baseline'])} rows/s, "
+            f"ratio {r['tickline'] / r['baseline']:.2f}",
+            flush=True,
+        )
+        print(
+            f"  CPU per row: master {r['master_us']:.2f} us, client {r['client_us']:.2f} us; "
+            f"baseline server {r['baseline_server_us']:.2f} us, client {r['baseline_client_us']:.2f} us",
+            flush=True,
+        )
         if "master_alone" in r:
-            print(f"  master alone (its replay read by the bare line client): {_fmt(r['master_alone'])} rows/s",
-                  flush=True)
+            print(
+                f"  master alone (its replay read by the bare line client): {_fmt(r['master_alone'])} rows/s",
+                flush=True,
+            )
     return 0
 
 
-def _cli(argv: Optional[Sequence[str]] = None) -> int:
+def _cli(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0].startswith("_"):
         role = argv.pop(0)
@@ -677,7 +754,11 @@ def _cli(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("scenarios", nargs="*", metavar="SCENARIO", help=f"default: all ({', '.join(SCENARIOS)})")
     p.add_argument("--rows", type=int, default=None, help=f"rows per scenario (default {DEFAULT_ROWS:,})")
     p.add_argument("--repeat", type=int, default=DEFAULT_REPEAT, help="runs per measurement; the best is reported")
-    p.add_argument("--profile", metavar="DIR", help="after the timed runs, one more replay sampled by py-spy (master and client); print where time goes")
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="after the timed runs, one more replay sampled by py-spy (master and client); print where time goes",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="print each run")
     a = p.parse_args(argv)
     return main(a.scenarios, a.rows, a.repeat, a.profile, a.verbose)

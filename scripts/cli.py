@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
-
+from collections.abc import Sequence
 
 from scripts.config import Config, ConfigError, load_config, setup_logging
 from storage.schema import RowError, SchemaError
@@ -40,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     write.add_argument("--batch", action="store_true", help="all rows share one token")
     write.add_argument("stream", metavar="STREAM")
     write.add_argument(
-        "rows", metavar="ROW_JSON", nargs="+",
+        "rows",
+        metavar="ROW_JSON",
+        nargs="+",
         help="a JSON array (columns in order) or object (by column name); '-' reads one row per line from stdin",
     )
 
@@ -49,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     tail.add_argument("--master", metavar="HOST:PORT", help="master address (default: the config's listen)")
     tail.add_argument("--from", dest="from_token", metavar="TOKEN", type=int, help="replay rows after TOKEN first")
     tail.add_argument("--count", metavar="N", type=int, help="exit after N rows")
-    tail.add_argument("--ts", action="store_true", help="add each row's timestamp as \"ts\"")
+    tail.add_argument("--ts", action="store_true", help='add each row\'s timestamp as "ts"')
     tail.add_argument("--name", default="tail", help="client name sent in NAME (default: tail)")
     tail.add_argument("streams", metavar="STREAM", nargs="+")
 
@@ -60,20 +61,33 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--database", metavar="URL", help="the worker's own database URL")
     worker.add_argument("--server-name", metavar="NAME", help="expected SERVER name of the master")
     worker.add_argument(
-        "--replicate", metavar="STREAM", action="append", default=[],
+        "--replicate",
+        metavar="STREAM",
+        action="append",
+        default=[],
         help="copy STREAM into table replicated_STREAM (repeatable)",
     )
     worker.add_argument("--metrics-listen", metavar="HOST:PORT", help="serve Prometheus /metrics here (or PORT)")
 
     snapshot = commands.add_parser("snapshot", help="read a worker's replicated stream with Spark as of one token")
     _add_config(snapshot)
-    snapshot.add_argument("--database", metavar="URL", help="the worker's database (default: the config's worker.database)")
+    snapshot.add_argument(
+        "--database", metavar="URL", help="the worker's database (default: the config's worker.database)"
+    )
     snapshot.add_argument("--stream", metavar="NAME", required=True, help="the stream (table replicated_NAME)")
-    snapshot.add_argument("--partitions", metavar="N", type=int, help="token ranges read in parallel (default: spark.num_partitions)")
+    snapshot.add_argument(
+        "--partitions", metavar="N", type=int, help="token ranges read in parallel (default: spark.num_partitions)"
+    )
     snapshot_range = snapshot.add_mutually_exclusive_group()
-    snapshot_range.add_argument("--as-of", metavar="TOKEN", type=int, help="rows with token <= TOKEN (default: the applied token)")
-    snapshot_range.add_argument("--after", metavar="TOKEN", type=int, help="incremental: rows with TOKEN < token <= the applied token")
-    snapshot.add_argument("--out", metavar="DIR", help="write Parquet and a manifest into DIR/<stream>_<after>_<token>/")
+    snapshot_range.add_argument(
+        "--as-of", metavar="TOKEN", type=int, help="rows with token <= TOKEN (default: the applied token)"
+    )
+    snapshot_range.add_argument(
+        "--after", metavar="TOKEN", type=int, help="incremental: rows with TOKEN < token <= the applied token"
+    )
+    snapshot.add_argument(
+        "--out", metavar="DIR", help="write Parquet and a manifest into DIR/<stream>_<after>_<token>/"
+    )
 
     check = commands.add_parser("check-config", help="validate a configuration file")
     check.add_argument("-c", "--config", metavar="FILE", required=True)
@@ -84,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -163,7 +177,7 @@ def run_write(args: argparse.Namespace, config: Config) -> int:
     out = []
     try:
         for start in range(0, len(rows), chunk):
-            tokens = store.append(args.stream, rows[start:start + chunk], args.instance, batch=args.batch)
+            tokens = store.append(args.stream, rows[start : start + chunk], args.instance, batch=args.batch)
             out.append("\n".join(map(str, tokens)))
     finally:
         store.close()  # a PostgreSQL writer stops holding the stream back

@@ -11,17 +11,18 @@ from __future__ import annotations
 import logging
 import os
 import typing
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any, Optional
 
 import attr
 import yaml
 
 from replication.settings import MasterConfig, ProtocolConfig
 from replication.streams import all_streams, schema_from_config
-from workers.settings import ApplySettings, WorkerConfig
-from workers.snapshot import SparkSettings
 from storage.schema import NAME_WORD, SchemaError, StreamSchema
 from storage.urls import BadDatabaseUrl, parse_database_url
+from workers.settings import ApplySettings, WorkerConfig
+from workers.snapshot import SparkSettings
 
 DEFAULT_DATABASE = "sqlite:///tickline.db"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -35,7 +36,7 @@ class ConfigError(ValueError):
 class CacheSettings:
     """The worker's cache registry; these defaults are the configuration's defaults."""
 
-    max_size: Optional[int] = None  # entries per cache; None: unbounded
+    max_size: int | None = None  # entries per cache; None: unbounded
     special: dict[str, tuple[str, ...]] = attr.Factory(dict)  # name -> the caches it stands for
 
 
@@ -46,11 +47,11 @@ class Config:
     database: str = DEFAULT_DATABASE
     log_level: str = "INFO"
     streams: dict[str, StreamSchema] = attr.Factory(all_streams)
-    source: Optional[str] = None
+    source: str | None = None
     worker: WorkerConfig = WorkerConfig()
     caches: CacheSettings = CacheSettings()
-    metrics_listen: Optional[tuple[str, int]] = None  # the master's /metrics; None: off
-    worker_metrics_listen: Optional[tuple[str, int]] = None  # a worker's /metrics; None: off
+    metrics_listen: tuple[str, int] | None = None  # the master's /metrics; None: off
+    worker_metrics_listen: tuple[str, int] | None = None  # a worker's /metrics; None: off
     spark: SparkSettings = SparkSettings()  # tickline snapshot and workers.snapshot
 
 
@@ -88,9 +89,9 @@ def _check_type(value: Any, kind: Any, key: str) -> Any:
         if isinstance(value, bool):
             return value
         raise ConfigError(f"{key}: expected true or false, got {value!r}")
-    if kind in ("Optional[int]", Optional[int]):
+    if kind in ("Optional[int]", "int | None", Optional[int]):  # noqa: UP045 (a runtime type to compare)
         return None if value is None else _check_type(value, int, key)
-    if kind in ("Optional[str]", Optional[str]):
+    if kind in ("Optional[str]", "str | None", Optional[str]):  # noqa: UP045 (a runtime type to compare)
         return None if value is None else _check_type(value, str, key)
     raise AssertionError(f"no type check for {kind!r}")
 
@@ -107,12 +108,23 @@ def _checked(cls: type, section: Mapping[str, Any], prefix: str, allowed: tuple[
 
 
 TOP_KEYS = (
-    "server_name", "instance_name", "database", "listen", "secret", "metrics_listen",
-    "master", "protocol", "streams", "logging", "worker", "caches", "spark",
+    "server_name",
+    "instance_name",
+    "database",
+    "listen",
+    "secret",
+    "metrics_listen",
+    "master",
+    "protocol",
+    "streams",
+    "logging",
+    "worker",
+    "caches",
+    "spark",
 )
 
 
-def load_config(path: Optional[str] = None) -> Config:
+def load_config(path: str | None = None) -> Config:
     """Read and check a configuration file; no file means every default."""
     if path is None:
         return Config()
@@ -133,7 +145,7 @@ def _section(raw: Mapping[str, Any], key: str) -> Mapping[str, Any]:
     return value
 
 
-def config_from_mapping(raw: Any, source: Optional[str] = None) -> Config:
+def config_from_mapping(raw: Any, source: str | None = None) -> Config:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"config must be a mapping of keys, got {type(raw).__name__}")
     for key in raw:
@@ -143,7 +155,7 @@ def config_from_mapping(raw: Any, source: Optional[str] = None) -> Config:
     # server_name, instance_name and secret sit at the top, the rest under master:
     top_keys = ("server_name", "instance_name", "secret")
     section_keys = tuple(
-        f.name for f in attr.fields(MasterConfig) if f.name not in top_keys + ("listen_host", "listen_port")
+        f.name for f in attr.fields(MasterConfig) if f.name not in (*top_keys, "listen_host", "listen_port")
     )
     master_values = _checked(MasterConfig, _section(raw, "master"), "master.", section_keys)
     master_values.update(_checked(MasterConfig, {k: raw[k] for k in top_keys if k in raw}, "", top_keys))
@@ -182,11 +194,12 @@ def config_from_mapping(raw: Any, source: Optional[str] = None) -> Config:
     metrics = parse_metrics_address(raw.get("metrics_listen"), "metrics_listen")
     spark_keys = tuple(f.name for f in attr.fields(SparkSettings))
     spark = SparkSettings(**_checked(SparkSettings, _section(raw, "spark"), "spark.", spark_keys))
-    return Config(master, protocol, database, level, streams, source, worker, caches, metrics, worker_metrics,
-                  spark=spark)
+    return Config(
+        master, protocol, database, level, streams, source, worker, caches, metrics, worker_metrics, spark=spark
+    )
 
 
-def parse_metrics_address(value: Any, key: str) -> Optional[tuple[str, int]]:
+def parse_metrics_address(value: Any, key: str) -> tuple[str, int] | None:
     """``HOST:PORT``, or ``PORT`` alone on 127.0.0.1; None (the default) turns /metrics off."""
     if value is None:
         return None
@@ -209,8 +222,7 @@ def _worker_config(
     special = ("master", "replicate", "handlers", "database")
     apply_keys = tuple(f.name for f in attr.fields(ApplySettings))
     plain_keys = tuple(
-        f.name for f in attr.fields(WorkerConfig)
-        if f.name not in special + ("master_host", "master_port", "apply")
+        f.name for f in attr.fields(WorkerConfig) if f.name not in (*special, "master_host", "master_port", "apply")
     )
     plain = {k: v for k, v in section.items() if k not in special and k not in apply_keys}
     values = _checked(WorkerConfig, plain, "worker.", plain_keys)
@@ -250,7 +262,7 @@ def _cache_settings(section: Mapping[str, Any]) -> CacheSettings:
     for key in section:
         if key not in ("max_size", "special"):
             raise ConfigError(f"caches.{key}: unknown key (known: max_size, special)")
-    max_size = _check_type(section.get("max_size"), Optional[int], "caches.max_size")
+    max_size = _check_type(section.get("max_size"), "int | None", "caches.max_size")
     special = section.get("special") or {}
     if not isinstance(special, Mapping):
         raise ConfigError("caches.special: expected a mapping of name to a list of cache names")

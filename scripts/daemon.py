@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-from typing import Any, Awaitable, Callable, Optional
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from twisted.internet import defer, task
 from twisted.logger import STDLibLogObserver, globalLogBeginner
@@ -28,10 +29,10 @@ def run_daemon(
     reactor: Any,
     name: str,
     start: Callable[[], Awaitable[Any]],
-    ready: Callable[[], "defer.Deferred[str]"],
+    ready: Callable[[], defer.Deferred[str]],
     stop: Callable[[], Awaitable[None]],
     status: Callable[[], str],
-    config_path: Optional[str],
+    config_path: str | None,
     status_interval: float = 10.0,
 ) -> int:
     """Run the reactor until stopped; returns the exit code.
@@ -80,7 +81,7 @@ def run_daemon(
     return exit_code[0]
 
 
-def install_log_reload(reactor: Any, config_path: Optional[str]) -> None:
+def install_log_reload(reactor: Any, config_path: str | None) -> None:
     """SIGHUP reads the config file again and applies its logging section.
 
     Without a config file there is nothing to reload, but SIGHUP must still

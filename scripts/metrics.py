@@ -7,11 +7,12 @@ the hot path only bumps plain counters (``replication.stats``).
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import choose_encoder
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
 from twisted.internet import task
 from twisted.web.resource import Resource
 from twisted.web.server import Site
@@ -25,7 +26,9 @@ def _protocol_metrics(stats: Any) -> Iterable[Metric]:
     for name, count in sorted(stats.sent.items()):
         sent.add_metric([name], count)
     yield sent
-    received = CounterMetricFamily("tickline_commands_received", "Commands received, by command name", labels=["command"])
+    received = CounterMetricFamily(
+        "tickline_commands_received", "Commands received, by command name", labels=["command"]
+    )
     for name, count in sorted(stats.received.items()):
         received.add_metric([name], count)
     yield received
@@ -61,12 +64,18 @@ class MasterCollector:
 
     def collect(self) -> Iterable[Metric]:
         master = self.master
-        head = GaugeMetricFamily("tickline_stream_head_token", "Highest token allocated in the stream", labels=["stream"])
+        head = GaugeMetricFamily(
+            "tickline_stream_head_token", "Highest token allocated in the stream", labels=["stream"]
+        )
         safe = GaugeMetricFamily(
             "tickline_stream_safe_token", "Token up to which every row has committed (the timetick)", labels=["stream"]
         )
-        sent = GaugeMetricFamily("tickline_stream_sent_token", "Token up to which rows went out live", labels=["stream"])
-        lag = GaugeMetricFamily("tickline_stream_lag_tokens", "Safe position minus what went out live", labels=["stream"])
+        sent = GaugeMetricFamily(
+            "tickline_stream_sent_token", "Token up to which rows went out live", labels=["stream"]
+        )
+        lag = GaugeMetricFamily(
+            "tickline_stream_lag_tokens", "Safe position minus what went out live", labels=["stream"]
+        )
         for stream in master.stream_names():
             live = master.live_token(stream)
             position = master.safe_position(stream)
@@ -82,10 +91,13 @@ class MasterCollector:
             value=sum(_pending_bytes(c.transport) for c in master.connections if c.transport is not None),
         )
         yield GaugeMetricFamily(
-            "tickline_paused_connections", "Connections whose client is not reading",
+            "tickline_paused_connections",
+            "Connections whose client is not reading",
             value=sum(1 for c in master.connections if c.paused),
         )
-        yield CounterMetricFamily("tickline_catchup_rows", "Rows sent from replays", value=master.counters["catchup_rows"])
+        yield CounterMetricFamily(
+            "tickline_catchup_rows", "Rows sent from replays", value=master.counters["catchup_rows"]
+        )
         yield CounterMetricFamily("tickline_live_rows", "Rows fanned out live", value=master.counters["live_rows"])
         yield from _protocol_metrics(STATS)
         yield from _peer_metrics(list(master.connections))
@@ -98,8 +110,12 @@ class WorkerCollector:
     def collect(self) -> Iterable[Metric]:
         worker = self.worker
         now_ms = int(time.time() * 1000)
-        applied = GaugeMetricFamily("tickline_worker_applied_token", "Token applied in the worker's database", labels=["stream"])
-        received = GaugeMetricFamily("tickline_worker_received_token", "Highest token received from the master", labels=["stream"])
+        applied = GaugeMetricFamily(
+            "tickline_worker_applied_token", "Token applied in the worker's database", labels=["stream"]
+        )
+        received = GaugeMetricFamily(
+            "tickline_worker_received_token", "Highest token received from the master", labels=["stream"]
+        )
         lag_tokens = GaugeMetricFamily("tickline_worker_lag_tokens", "Received but not yet applied", labels=["stream"])
         lag_seconds = GaugeMetricFamily(
             "tickline_worker_lag_seconds", "Age of the applied data while rows wait to be applied", labels=["stream"]
@@ -118,7 +134,9 @@ class WorkerCollector:
             rows.add_metric([stream], consumer.rows_applied)
         yield from (applied, received, lag_tokens, lag_seconds, pending, rows)
         yield CounterMetricFamily("tickline_reconnects", "Connections to the master lost", value=worker.reconnects)
-        yield GaugeMetricFamily("tickline_connections", "Open replication connections", value=int(worker.client is not None))
+        yield GaugeMetricFamily(
+            "tickline_connections", "Open replication connections", value=int(worker.client is not None)
+        )
         yield from _protocol_metrics(STATS)
         yield from _peer_metrics([worker.client] if worker.client is not None else [])
 

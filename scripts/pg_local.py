@@ -17,13 +17,12 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
 
 PG_BIN_DIRS = sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True)
 START_TIMEOUT = 30.0
 
 
-def pg_bin(name: str) -> Optional[str]:
+def pg_bin(name: str) -> str | None:
     for directory in PG_BIN_DIRS:
         candidate = directory / name
         if candidate.exists():
@@ -78,7 +77,9 @@ class PostgresServer:
 
     def _launch(self) -> None:
         pg_ctl, data, options = pg_bin("pg_ctl"), str(self.datadir / "data"), self._options
-        result = self._run(pg_ctl, "-D", data, "-o", options, "-l", str(self.datadir / "log"), "-w", "-t", "30", "start")
+        result = self._run(
+            pg_ctl, "-D", data, "-o", options, "-l", str(self.datadir / "log"), "-w", "-t", "30", "start"
+        )
         if result.returncode != 0:
             log = (self.datadir / "log").read_text(errors="replace") if (self.datadir / "log").exists() else ""
             raise RuntimeError(f"pg_ctl start failed: {result.stderr}\n{log}")
@@ -89,7 +90,7 @@ class PostgresServer:
                 break
             except OSError:
                 if time.monotonic() > deadline:
-                    raise RuntimeError("PostgreSQL did not accept connections")
+                    raise RuntimeError("PostgreSQL did not accept connections") from None
                 time.sleep(0.05)
 
     def stop(self) -> None:

@@ -27,7 +27,9 @@ def run_master(args: argparse.Namespace, config: Config) -> int:
         if not NAME_WORD.fullmatch(args.server_name):
             raise UsageError("--server-name must be one word of printable ASCII")
         master_config = attr.evolve(master_config, server_name=args.server_name)
-    metrics = parse_metrics_address(args.metrics_listen, "--metrics-listen") if args.metrics_listen else config.metrics_listen
+    metrics = (
+        parse_metrics_address(args.metrics_listen, "--metrics-listen") if args.metrics_listen else config.metrics_listen
+    )
     store = open_store(database_url(args, config), writer_timeout=master_config.writer_timeout)
     master = Master(master_config, config.protocol, store, config.streams, reactor)
     heads: dict[str, int] = {}
@@ -38,7 +40,7 @@ def run_master(args: argparse.Namespace, config: Config) -> int:
             serve_metrics(reactor, MasterCollector(master, heads), *metrics)
             follow_heads(reactor, master, heads)
 
-    def ready() -> "defer.Deferred[str]":
+    def ready() -> defer.Deferred[str]:
         address = master.port.getHost()
         return defer.succeed(f"listening on {address.host}:{address.port}; {status()}")
 

@@ -72,7 +72,7 @@ def run_worker(args: argparse.Namespace, config: Config) -> int:
             serve_metrics(reactor, WorkerCollector(worker), *metrics)
         worker.start()
 
-    def ready() -> "defer.Deferred[str]":
+    def ready() -> defer.Deferred[str]:
         # READY=1 once connected and caught up with every stream.
         return worker.when_caught_up().addCallback(lambda _: f"caught up; {status()}")
 

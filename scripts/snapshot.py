@@ -30,7 +30,7 @@ import shutil
 import sys
 import threading
 import time
-from typing import Any, Optional, TextIO
+from typing import Any, TextIO
 
 from scripts.config import Config
 from storage.urls import parse_database_url
@@ -62,7 +62,7 @@ def _range_text(bounds: SnapshotBounds) -> str:
     return f"({bounds.after or 0}, {bounds.token}]"
 
 
-def take_snapshot(args: argparse.Namespace, config: Config, err: Optional[TextIO] = None) -> dict[str, Any]:
+def take_snapshot(args: argparse.Namespace, config: Config, err: TextIO | None = None) -> dict[str, Any]:
     started = time.monotonic()
     err = err or sys.stderr
     schema = resolve_schema(args.stream, streams=config.streams)
@@ -78,8 +78,12 @@ def take_snapshot(args: argparse.Namespace, config: Config, err: Optional[TextIO
         if os.path.exists(target):
             raise SnapshotError(f"{target} already exists (it holds the same rows if a snapshot wrote it)")
 
-    print(f"tickline snapshot: {schema.name} {_range_text(bounds)} (applied token {bounds.applied}), "
-          f"{partitions} partition(s); starting Spark", file=err, flush=True)
+    print(
+        f"tickline snapshot: {schema.name} {_range_text(bounds)} (applied token {bounds.applied}), "
+        f"{partitions} partition(s); starting Spark",
+        file=err,
+        flush=True,
+    )
     logging.getLogger("py4j").setLevel(logging.WARNING)  # its connection chatter at INFO
     from pyspark.sql import SparkSession
 
@@ -107,8 +111,9 @@ def take_snapshot(args: argparse.Namespace, config: Config, err: Optional[TextIO
     result: dict[str, Any] = {"stream": schema.name, "token": bounds.token}
     if bounds.after is not None:
         result["after"] = bounds.after
-    result.update(rows=rows, partitions=snap.partitions, applied=bounds.applied,
-                  seconds=round(time.monotonic() - started, 3))
+    result.update(
+        rows=rows, partitions=snap.partitions, applied=bounds.applied, seconds=round(time.monotonic() - started, 3)
+    )
     if target is not None:
         result["out"] = target
     return result
@@ -143,7 +148,7 @@ def _write_parquet(spark: Any, snap: Any, target: str, database: str, started: f
                 *[c.to_json() for c in bounds.schema.columns],
             ],
             "spark_schema": json.loads(snap.dataframe.schema.json()),
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "seconds": round(time.monotonic() - started, 3),
         }
         with open(os.path.join(temporary, MANIFEST), "w", encoding="utf-8") as f:
@@ -176,7 +181,7 @@ class Progress:
         self._thread = threading.Thread(target=self._run, name="snapshot-progress", daemon=True)
         self._started = 0.0
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         self._started = time.monotonic()
         self._thread.start()
         return self
@@ -185,13 +190,13 @@ class Progress:
         self._stop.set()
         self._thread.join(timeout=5)
 
-    def tasks(self) -> Optional[tuple[int, int, int]]:
+    def tasks(self) -> tuple[int, int, int] | None:
         """(done, running, total) over the snapshot's Spark jobs so far."""
         tracker = self.sc.statusTracker()
         done = running = total = 0
         for job_id in tracker.getJobIdsForGroup(JOB_GROUP):
             job = tracker.getJobInfo(job_id)
-            for stage_id in (job.stageIds if job else ()):
+            for stage_id in job.stageIds if job else ():
                 stage = tracker.getStageInfo(stage_id)
                 if stage is not None:
                     done += stage.numCompletedTasks

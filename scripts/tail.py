@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Optional
+from typing import Any
 
 import orjson
 from twisted.internet.protocol import ClientFactory
@@ -20,7 +20,9 @@ POSITIONS_GRACE = 1.0
 
 
 class TailHandler(ReplicationHandler):
-    def __init__(self, reactor: Any, streams: list[str], from_token: Optional[int], count: Optional[int], with_ts: bool) -> None:
+    def __init__(
+        self, reactor: Any, streams: list[str], from_token: int | None, count: int | None, with_ts: bool
+    ) -> None:
         self.reactor = reactor
         self.streams = streams
         self.from_token = from_token
@@ -109,12 +111,18 @@ class TailFactory(ClientFactory):
 
     def buildProtocol(self, addr: Any) -> ClientProtocol:
         return ClientProtocol(
-            self.handler, self.name, self.config.protocol, self.reactor,
-            with_ts=self.with_ts, secret=self.config.master.secret,
+            self.handler,
+            self.name,
+            self.config.protocol,
+            self.reactor,
+            with_ts=self.with_ts,
+            secret=self.config.master.secret,
         )
 
     def clientConnectionFailed(self, connector: Any, reason: Failure) -> None:
-        self.handler.fail(f"cannot connect to the master at {connector.host}:{connector.port}: {reason.getErrorMessage()}")
+        self.handler.fail(
+            f"cannot connect to the master at {connector.host}:{connector.port}: {reason.getErrorMessage()}"
+        )
 
 
 def run_tail(args: argparse.Namespace, config: Config) -> int:

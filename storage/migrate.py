@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from importlib import resources
-from typing import Any, Callable
+from typing import Any
 
 MIGRATION_FILE = re.compile(r"(\d{4})_[a-z0-9_]+\.sql")
 
@@ -35,8 +36,7 @@ def apply_migrations(
     Returns the versions applied.
     """
     execute(
-        "CREATE TABLE IF NOT EXISTS tickline_schema_version "
-        "(version INTEGER PRIMARY KEY, name TEXT NOT NULL)",
+        "CREATE TABLE IF NOT EXISTS tickline_schema_version (version INTEGER PRIMARY KEY, name TEXT NOT NULL)",
         (),
     )
     done = {row[0] for row in execute("SELECT version FROM tickline_schema_version", ())}

@@ -8,7 +8,8 @@ processes starting together apply each migration once.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import psycopg2
 import psycopg2.extensions

@@ -31,7 +31,8 @@ import threading
 import time
 import uuid
 import weakref
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import psycopg2
 import psycopg2.extensions
@@ -42,7 +43,7 @@ from storage.store import DatabaseUnavailable, StoredRow, StreamCatalog
 
 logger = logging.getLogger(__name__)
 
-Row = Union[Sequence[Any], Mapping[str, Any]]
+Row = Sequence[Any] | Mapping[str, Any]
 CHANNEL = "tickline"
 NOW_MS = "(extract(epoch from clock_timestamp()) * 1000)::bigint"
 
@@ -52,7 +53,7 @@ class Fenced(Exception):
 
 
 class _WriterState:
-    __slots__ = ("writer_id", "epoch", "inflight", "reported")
+    __slots__ = ("epoch", "inflight", "reported", "writer_id")
 
     def __init__(self, writer_id: str, epoch: int) -> None:
         self.writer_id = writer_id  # "<instance>/<host>:<pid>:<nonce>": one per process
@@ -81,7 +82,7 @@ class PgStreamStore(StreamCatalog, PgDatabase):
         self._lock = threading.Lock()
         self._writers: dict[tuple[str, str], _WriterState] = {}
         self._next_txn = 0
-        self._reporter: Optional[threading.Thread] = None
+        self._reporter: threading.Thread | None = None
         self._stop_reporting = threading.Event()
         self._side = threading.local()
         self._process_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"  # autocommit connections for the oracle and reports
@@ -181,19 +182,20 @@ class PgStreamStore(StreamCatalog, PgDatabase):
         with new tokens, so its rows still arrive, in token order.
         """
         rows = list(rows)
-        for attempt in range(5):
+        for _attempt in range(5):
             try:
                 with self.writing(stream, instance_name) as txn:
                     return txn.append(rows, batch)
             except Fenced:
                 logger.warning(
                     "writer %s of %s was declared dead; registering again and retrying with new tokens",
-                    instance_name, stream,
+                    instance_name,
+                    stream,
                 )
         raise Fenced(f"writer {instance_name} of {stream} was fenced off 5 times in a row")
 
     @contextlib.contextmanager
-    def writing(self, stream: str, instance_name: str) -> Iterator["WriteTransaction"]:
+    def writing(self, stream: str, instance_name: str) -> Iterator[WriteTransaction]:
         """One write transaction of a writer: ``append`` any number of times, commit on exit.
 
         While it is open its first token holds the stream's safe position back.
@@ -235,8 +237,10 @@ class PgStreamStore(StreamCatalog, PgDatabase):
             if self._reporter is not None:
                 return
             self._reporter = threading.Thread(
-                target=_report_loop, args=(weakref.ref(self), self._stop_reporting, self.report_interval),
-                name="tickline-writer-reports", daemon=True,
+                target=_report_loop,
+                args=(weakref.ref(self), self._stop_reporting, self.report_interval),
+                name="tickline-writer-reports",
+                daemon=True,
             )
             self._reporter.start()
 
@@ -273,7 +277,7 @@ class PgStreamStore(StreamCatalog, PgDatabase):
         with self._lock:
             writers = list(self._writers.items())
             self._writers.clear()
-        for (stream, instance), state in writers:
+        for (stream, _instance), state in writers:
             with self._side_cursor() as cur:
                 cur.execute(
                     "UPDATE tickline_writers SET alive = FALSE WHERE stream = %s AND instance_name = %s AND epoch = %s",
@@ -308,7 +312,9 @@ class PgStreamStore(StreamCatalog, PgDatabase):
                     (timeout_ms,),
                 ).fetchall()
             for stream, instance in dead:
-                logger.warning("writer %s of stream %s stopped reporting: dropped from the safe position", instance, stream)
+                logger.warning(
+                    "writer %s of stream %s stopped reporting: dropped from the safe position", instance, stream
+                )
             alive = dict(
                 cur.execute("SELECT stream, MIN(position) FROM tickline_writers WHERE alive GROUP BY stream").fetchall()
             )
@@ -351,13 +357,9 @@ class PgStreamStore(StreamCatalog, PgDatabase):
 
     def read_rows(self, stream: str, after: int, upto: int, limit: int) -> list[StoredRow]:
         schema = self.schema(stream)
-        selected = ", ".join(
-            f"{c.name}::text" if c.type == "json" else c.name for c in schema.columns
-        )
+        selected = ", ".join(f"{c.name}::text" if c.type == "json" else c.name for c in schema.columns)
         columns = f"seq, token, instance_name, ts, {selected}"
-        first = (
-            f"SELECT {columns} FROM {schema.table} WHERE token > %s AND token <= %s ORDER BY token, seq LIMIT %s"
-        )
+        first = f"SELECT {columns} FROM {schema.table} WHERE token > %s AND token <= %s ORDER BY token, seq LIMIT %s"
         rest = f"SELECT {columns} FROM {schema.table} WHERE token = %s AND seq > %s ORDER BY seq"
 
         # No transaction needed: a token's rows commit together and never change,
@@ -373,7 +375,7 @@ class PgStreamStore(StreamCatalog, PgDatabase):
 
     # -- change notification -----------------------------------------------------------------
 
-    def notifier(self) -> "PgNotifier":
+    def notifier(self) -> PgNotifier:
         return PgNotifier(self)
 
 
@@ -390,7 +392,7 @@ class WriteTransaction:
         self._id = txn_id
         self._cur = cur
         self._last_token = 0
-        names = ", ".join(("token", "instance_name", "ts") + schema.column_names)
+        names = ", ".join(("token", "instance_name", "ts", *schema.column_names))
         self._insert = f"INSERT INTO {schema.table} ({names}) VALUES %s"
 
     def append(self, rows: Iterable[Row], batch: bool = False) -> list[int]:
@@ -413,7 +415,10 @@ class WriteTransaction:
         tokens = [allocated[0]] * count if batch else allocated
         cur.execute_values(
             self._insert,
-            [(token, self._instance, first_ts + i, *row) for i, (token, row) in enumerate(zip(tokens, values))],
+            [
+                (token, self._instance, first_ts + i, *row)
+                for i, (token, row) in enumerate(zip(tokens, values, strict=False))
+            ],
         )
         self._last_token = tokens[-1]
         return tokens
@@ -436,7 +441,7 @@ class WriteTransaction:
         self._cur.execute("SELECT pg_notify(%s, %s)", (CHANNEL, self._schema.name))
 
 
-def _report_loop(store_ref: "weakref.ref[PgStreamStore]", stop: threading.Event, interval: float) -> None:
+def _report_loop(store_ref: weakref.ref[PgStreamStore], stop: threading.Event, interval: float) -> None:
     """The reporter thread; it holds the store weakly and ends with it."""
     while not stop.wait(interval):
         store = store_ref()

@@ -8,7 +8,8 @@ order, which orders the rows of one token), ``token``, ``instance_name``,
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping, Sequence, Union
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attr
 import orjson
@@ -59,9 +60,7 @@ class Column:
         if self.name in RESERVED_COLUMNS:
             raise SchemaError(f"column name {self.name!r} is reserved")
         if self.type not in COLUMN_TYPES:
-            raise SchemaError(
-                f"column {self.name!r} has unknown type {self.type!r} (known: {', '.join(COLUMN_TYPES)})"
-            )
+            raise SchemaError(f"column {self.name!r} has unknown type {self.type!r} (known: {', '.join(COLUMN_TYPES)})")
         if not isinstance(self.nullable, bool):
             raise SchemaError(f"column {self.name!r}: nullable must be true or false")
 
@@ -91,9 +90,7 @@ class Column:
                 return value
         elif kind == "json":
             return orjson.dumps(value).decode("utf-8")
-        raise RowError(
-            f"stream {stream!r}: column {self.name!r} expects {kind}, got {type(value).__name__} {value!r}"
-        )
+        raise RowError(f"stream {stream!r}: column {self.name!r} expects {kind}, got {type(value).__name__} {value!r}")
 
 
 @attr.s(slots=True, frozen=True, auto_attribs=True)
@@ -134,10 +131,10 @@ class StreamSchema:
         return orjson.dumps([c.to_json() for c in self.columns]).decode("utf-8")
 
     @classmethod
-    def from_columns_json(cls, name: str, text: str) -> "StreamSchema":
+    def from_columns_json(cls, name: str, text: str) -> StreamSchema:
         return cls(name, tuple(Column(**c) for c in orjson.loads(text)))
 
-    def check_row(self, row: Union[Sequence[Any], Mapping[str, Any]]) -> tuple[Any, ...]:
+    def check_row(self, row: Sequence[Any] | Mapping[str, Any]) -> tuple[Any, ...]:
         """Validate one row (a list in column order, or an object by column name)."""
         if isinstance(row, Mapping):
             unknown = sorted(set(row) - set(self.column_names))
@@ -152,10 +149,8 @@ class StreamSchema:
                 )
             values = row
         else:
-            raise RowError(
-                f"stream {self.name!r}: a row must be a JSON array or object, got {type(row).__name__}"
-            )
-        return tuple(c.check(v, self.name) for c, v in zip(self.columns, values))
+            raise RowError(f"stream {self.name!r}: a row must be a JSON array or object, got {type(row).__name__}")
+        return tuple(c.check(v, self.name) for c, v in zip(self.columns, values, strict=False))
 
     @property
     def replicated_table(self) -> str:
@@ -164,8 +159,7 @@ class StreamSchema:
     def _column_ddl(self, dialect: str) -> str:
         index = 0 if dialect == "sqlite" else 1
         return ",\n    ".join(
-            f"{c.name} {COLUMN_TYPES[c.type][index]}{'' if c.nullable else ' NOT NULL'}"
-            for c in self.columns
+            f"{c.name} {COLUMN_TYPES[c.type][index]}{'' if c.nullable else ' NOT NULL'}" for c in self.columns
         )
 
     def create_replicated_table_sql(self, dialect: str) -> list[str]:
@@ -178,13 +172,13 @@ class StreamSchema:
         ]
 
     def insert_replicated_sql(self, placeholder: str) -> str:
-        names = ", ".join(("token", "instance_name", "ts") + self.column_names)
+        names = ", ".join(("token", "instance_name", "ts", *self.column_names))
         marks = ", ".join([placeholder] * (3 + len(self.columns)))
         return f"INSERT INTO {self.replicated_table} ({names}) VALUES ({marks})"
 
     def insert_replicated_values_sql(self) -> str:
         """For psycopg2's ``execute_values``: one ``VALUES %s`` for many rows."""
-        names = ", ".join(("token", "instance_name", "ts") + self.column_names)
+        names = ", ".join(("token", "instance_name", "ts", *self.column_names))
         return f"INSERT INTO {self.replicated_table} ({names}) VALUES %s"
 
     def create_table_sql(self, dialect: str) -> list[str]:

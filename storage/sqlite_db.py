@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from storage.migrate import apply_migrations
 from storage.store import DatabaseUnavailable

@@ -10,14 +10,15 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
-from typing import Any, Callable, Iterable, Mapping, Sequence, Union
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from storage import tso
 from storage.schema import StreamSchema, check_instance_name
 from storage.sqlite_db import SqliteDatabase
 from storage.store import StoredRow, StreamCatalog
 
-Row = Union[Sequence[Any], Mapping[str, Any]]
+Row = Sequence[Any] | Mapping[str, Any]
 
 
 class SqliteStreamStore(StreamCatalog, SqliteDatabase):
@@ -54,9 +55,7 @@ class SqliteStreamStore(StreamCatalog, SqliteDatabase):
 
     # -- writing ----------------------------------------------------------------
 
-    def append(
-        self, stream: str, rows: Iterable[Row], instance_name: str, batch: bool = False
-    ) -> list[int]:
+    def append(self, stream: str, rows: Iterable[Row], instance_name: str, batch: bool = False) -> list[int]:
         """Append rows in one transaction; returns the token of each row.
 
         Each row gets its own token, or with ``batch`` all rows share one.
@@ -89,7 +88,7 @@ class SqliteStreamStore(StreamCatalog, SqliteDatabase):
                 insert,
                 [
                     (token, instance_name, first_ts + i, *row)
-                    for i, (token, row) in enumerate(zip(tokens, values))
+                    for i, (token, row) in enumerate(zip(tokens, values, strict=False))
                 ],
             )
             return tokens
@@ -135,8 +134,9 @@ class SqliteStreamStore(StreamCatalog, SqliteDatabase):
         of that token's rows are read too.
         """
         schema = self.schema(stream)
-        return self._read_range(schema, f"seq, token, instance_name, ts, {', '.join(schema.column_names)}",
-                                after, upto, limit)
+        return self._read_range(
+            schema, f"seq, token, instance_name, ts, {', '.join(schema.column_names)}", after, upto, limit
+        )
 
     def read_rows_json(self, stream: str, after: int, upto: int, limit: int) -> list[tuple]:
         """Like :meth:`read_rows`, but each row is ``(seq, token, instance_name, ts, json)``.
@@ -162,15 +162,15 @@ class SqliteStreamStore(StreamCatalog, SqliteDatabase):
             else:
                 values.append(column.name)
         return self._read_range(
-            schema, f"seq, token, CAST(instance_name AS BLOB), ts, CAST(json_array({', '.join(values)}) AS BLOB)",
-            after, upto, limit,
+            schema,
+            f"seq, token, CAST(instance_name AS BLOB), ts, CAST(json_array({', '.join(values)}) AS BLOB)",
+            after,
+            upto,
+            limit,
         )
 
     def _read_range(self, schema: StreamSchema, columns: str, after: int, upto: int, limit: int) -> list[tuple]:
-        first = (
-            f"SELECT {columns} FROM {schema.table} WHERE token > ? AND token <= ? "
-            "ORDER BY token, seq LIMIT ?"
-        )
+        first = f"SELECT {columns} FROM {schema.table} WHERE token > ? AND token <= ? ORDER BY token, seq LIMIT ?"
         rest = f"SELECT {columns} FROM {schema.table} WHERE token = ? AND seq > ? ORDER BY seq"
 
         def run(conn: sqlite3.Connection) -> list[StoredRow]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from storage.schema import StreamSchema
 from storage.urls import DatabaseUrl, parse_database_url
@@ -76,7 +77,7 @@ class StreamCatalog:
 def open_store(
     url: str | DatabaseUrl,
     clock: Callable[[], float] = time.time,
-    base_dir: Optional[str] = None,
+    base_dir: str | None = None,
     **pg_options: Any,
 ):
     """Open (and migrate) the stream store behind a database URL."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from typing import Optional
 from urllib.parse import urlsplit
 
 import attr
@@ -16,8 +15,8 @@ class BadDatabaseUrl(ValueError):
 @attr.s(slots=True, frozen=True, auto_attribs=True)
 class DatabaseUrl:
     scheme: str  # "sqlite" or "postgresql"
-    path: Optional[str] = None  # sqlite: absolute path of the file
-    dsn: Optional[str] = None  # postgresql: the URL as libpq takes it
+    path: str | None = None  # sqlite: absolute path of the file
+    dsn: str | None = None  # postgresql: the URL as libpq takes it
     text: str = ""
 
     @property
@@ -25,7 +24,7 @@ class DatabaseUrl:
         return self.scheme == "sqlite"
 
 
-def parse_database_url(url: str, base_dir: Optional[str] = None) -> DatabaseUrl:
+def parse_database_url(url: str, base_dir: str | None = None) -> DatabaseUrl:
     """Parse ``url``; relative SQLite paths are taken from ``base_dir`` (default: cwd)."""
     if not isinstance(url, str) or not url:
         raise BadDatabaseUrl(f"database URL must be a non-empty string, got {url!r}")
@@ -34,7 +33,7 @@ def parse_database_url(url: str, base_dir: Optional[str] = None) -> DatabaseUrl:
             raise BadDatabaseUrl(
                 f"bad SQLite URL {url!r}: use sqlite:///relative/path.db or sqlite:////absolute/path.db"
             )
-        rest = url[len("sqlite:///"):]
+        rest = url[len("sqlite:///") :]
         path = rest if rest.startswith("/") else os.path.join(base_dir or os.getcwd(), rest)
         return DatabaseUrl("sqlite", path=os.path.normpath(path), text=url)
     parts = urlsplit(url)

@@ -7,7 +7,8 @@ neither did, so a resumed worker neither loses nor repeats a row.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from storage.pg_db import PgDatabase
 from storage.schema import StreamSchema

@@ -14,8 +14,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
 
 import pytest
 
@@ -52,7 +52,7 @@ def _env() -> dict[str, str]:
 
 
 def run_tickline(
-    *args: str, input: Optional[str | bytes] = None, timeout: float = CLI_TIMEOUT, cwd: Optional[Path] = None
+    *args: str, input: str | bytes | None = None, timeout: float = CLI_TIMEOUT, cwd: Path | None = None
 ) -> subprocess.CompletedProcess:
     """Run ``tickline ARGS...`` to completion; stdout and stderr as text."""
     if isinstance(input, str):
@@ -104,7 +104,7 @@ class LineClient:
         self.sock.settimeout(remaining)
         try:
             data = self.sock.recv(1 << 20)
-        except socket.timeout:
+        except TimeoutError:
             return False
         except (ConnectionResetError, BrokenPipeError):
             data = b""
@@ -114,7 +114,7 @@ class LineClient:
         self._buffer += data
         return True
 
-    def read_line(self, timeout: Optional[float] = None) -> str:
+    def read_line(self, timeout: float | None = None) -> str:
         """The next line without its ``\\n``; AssertionError after ``timeout``."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         while b"\n" not in self._buffer:
@@ -123,7 +123,7 @@ class LineClient:
         line, _, self._buffer = self._buffer.partition(b"\n")
         return line.decode("utf-8")
 
-    def try_line(self, timeout: float) -> Optional[str]:
+    def try_line(self, timeout: float) -> str | None:
         """The next line, or ``None`` if none arrives within ``timeout``."""
         deadline = time.monotonic() + timeout
         while b"\n" not in self._buffer:
@@ -132,7 +132,9 @@ class LineClient:
         line, _, self._buffer = self._buffer.partition(b"\n")
         return line.decode("utf-8")
 
-    def read_until(self, predicate: Callable[[str], bool], timeout: Optional[float] = None, limit: int = 1_000_000) -> list[str]:
+    def read_until(
+        self, predicate: Callable[[str], bool], timeout: float | None = None, limit: int = 1_000_000
+    ) -> list[str]:
         """Lines up to and including the first matching ``predicate``."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         lines = []
@@ -143,7 +145,7 @@ class LineClient:
                 return lines
         raise AssertionError(f"no matching line among {limit} lines")
 
-    def expect(self, prefix: str, timeout: Optional[float] = None, skip_pings: bool = True) -> str:
+    def expect(self, prefix: str, timeout: float | None = None, skip_pings: bool = True) -> str:
         """The next line that is not a PING (unless asked) must start with ``prefix``."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         for _ in range(10_000):
@@ -154,7 +156,7 @@ class LineClient:
             return line
         raise AssertionError("only PINGs arrived")
 
-    def next_command(self, timeout: Optional[float] = None) -> str:
+    def next_command(self, timeout: float | None = None) -> str:
         """The next line that is not a PING."""
         return self.expect("", timeout)
 
@@ -190,7 +192,9 @@ class LineClient:
             pass
 
 
-def wait_for_port(host: str, port: int, timeout: float = START_TIMEOUT, process: Optional[subprocess.Popen] = None) -> None:
+def wait_for_port(
+    host: str, port: int, timeout: float = START_TIMEOUT, process: subprocess.Popen | None = None
+) -> None:
     """Poll connect until something accepts on ``host:port`` (bounded)."""
     deadline = time.monotonic() + timeout
     while True:
@@ -214,17 +218,17 @@ class MasterProcess:
     def __init__(
         self,
         workdir: Path,
-        config: Optional[str],
+        config: str | None,
         args: Sequence[str],
-        database: Optional[str],
-        server_name: Optional[str],
+        database: str | None,
+        server_name: str | None,
         options: bool = True,
     ) -> None:
         self.host = HOST
         self.port = free_port()
         self.workdir = workdir
         self.database = database or sqlite_url(workdir / "tickline.db")
-        self.config_path: Optional[Path] = None
+        self.config_path: Path | None = None
         if config is not None:
             # $PORT and $DATABASE in the config stand for this master's own.
             config = config.replace("$PORT", str(self.port)).replace("$DATABASE", self.database)
@@ -280,7 +284,9 @@ class MasterProcess:
         self._clients.append(client)
         return client
 
-    def write(self, stream: str, *rows: str, batch: bool = False, instance: Optional[str] = None, input: Optional[str] = None) -> list[int]:
+    def write(
+        self, stream: str, *rows: str, batch: bool = False, instance: str | None = None, input: str | None = None
+    ) -> list[int]:
         """``tickline write`` into this master's database; returns the printed tokens."""
         args = [*self.config_args(), "--database", self.database]
         if batch:
@@ -340,10 +346,10 @@ def master(tmp_path: Path) -> Iterator[Callable[..., MasterProcess]]:
     started: list[MasterProcess] = []
 
     def start(
-        config: Optional[str] = None,
+        config: str | None = None,
         *args: str,
-        database: Optional[str] = None,
-        server_name: Optional[str] = None,
+        database: str | None = None,
+        server_name: str | None = None,
         options: bool = True,
     ) -> MasterProcess:
         workdir = tmp_path / f"master{len(started)}"
@@ -392,7 +398,7 @@ def unused_port() -> int:
 def write() -> Callable[..., subprocess.CompletedProcess]:
     """``write(*args, input=None)`` runs ``tickline write ARGS...`` and returns the result."""
 
-    def write(*args: str, input: Optional[str] = None) -> subprocess.CompletedProcess:
+    def write(*args: str, input: str | None = None) -> subprocess.CompletedProcess:
         return run_tickline("write", *args, input=input)
 
     return write
@@ -403,7 +409,7 @@ def connect() -> Iterator[Callable[..., LineClient]]:
     """Factory ``connect(master_or_host, port=None)`` for line clients closed at teardown."""
     clients: list[LineClient] = []
 
-    def open_client(target, port: Optional[int] = None, timeout: float = LINE_TIMEOUT) -> LineClient:
+    def open_client(target, port: int | None = None, timeout: float = LINE_TIMEOUT) -> LineClient:
         if port is None:
             host, port = target.host, target.port
         else:

@@ -5,7 +5,7 @@ Each test that asks for ``pg_url`` gets a database of its own.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 

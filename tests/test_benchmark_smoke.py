@@ -16,8 +16,21 @@ RATIO_LINE = r"^{name}: tickline [\d,]+ rows/s, baseline [\d,]+ rows/s, ratio \d
 
 def test_wire_scenarios_print_a_ratio_line_each() -> None:
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "wire", "wire-live", "--rows", "2000", "--repeat", "1"],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180,
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "benchmark.py"),
+            "wire",
+            "wire-live",
+            "--rows",
+            "2000",
+            "--repeat",
+            "1",
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for name in ("wire", "wire-live"):

@@ -17,7 +17,8 @@ import functools
 import logging
 import threading
 from collections import OrderedDict
-from typing import Any, Callable, Hashable, Iterable, Mapping, Optional, Sequence, TypeVar
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
 
@@ -28,12 +29,12 @@ _MISSING = object()
 class LruCache:
     """A thread-safe LRU mapping with an optional maximum size."""
 
-    def __init__(self, name: str, max_size: Optional[int] = None) -> None:
+    def __init__(self, name: str, max_size: int | None = None) -> None:
         if max_size is not None and max_size < 1:
             raise ValueError(f"cache {name!r}: max_size must be at least 1")
         self.name = name
         self.max_size = max_size
-        self._data: "OrderedDict[Hashable, Any]" = OrderedDict()
+        self._data: OrderedDict[Hashable, Any] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -84,15 +85,15 @@ def key_from_json(keys: Sequence[Any]) -> Hashable:
 class CacheRegistry:
     def __init__(
         self,
-        special_names: Optional[Mapping[str, Iterable[str]]] = None,
-        default_max_size: Optional[int] = None,
+        special_names: Mapping[str, Iterable[str]] | None = None,
+        default_max_size: int | None = None,
     ) -> None:
         self._caches: dict[str, LruCache] = {}
         self._special = {name: tuple(caches) for name, caches in (special_names or {}).items()}
         self._default_max_size = default_max_size
         self._lock = threading.Lock()
 
-    def cache(self, name: str, max_size: Optional[int] = None) -> LruCache:
+    def cache(self, name: str, max_size: int | None = None) -> LruCache:
         """The cache of that name, created on first use."""
         with self._lock:
             found = self._caches.get(name)
@@ -106,7 +107,9 @@ class CacheRegistry:
         with self._lock:
             return sorted(self._caches)
 
-    def cached(self, name: Optional[str] = None, max_size: Optional[int] = None) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    def cached(
+        self, name: str | None = None, max_size: int | None = None
+    ) -> Callable[[Callable[..., T]], Callable[..., T]]:
         """Decorator: cache a function's results by its positional arguments.
 
         Invalidate one result with ``keys`` = the arguments as a JSON list.
@@ -133,7 +136,7 @@ class CacheRegistry:
         """The caches a name stands for: itself, or a special name's caches."""
         return self._special.get(name, (name,))
 
-    def invalidate(self, name: str, keys: Optional[Sequence[Any]]) -> None:
+    def invalidate(self, name: str, keys: Sequence[Any] | None) -> None:
         """Apply one ``caches`` row: one key, or the whole cache when ``keys`` is None."""
         for cache_name in self.expand(name):
             with self._lock:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import attr
 from twisted.internet import defer
@@ -27,8 +28,8 @@ from twisted.python.failure import Failure
 
 from storage.schema import StreamSchema
 from storage.tso import physical_ms
-from workers.settings import ApplySettings
 from workers.handlers import ApplyContext, Handler, ReplicatedRow
+from workers.settings import ApplySettings
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +47,12 @@ class StreamConsumer:
         schema: StreamSchema,
         applied: int,
         handlers: list[Handler],
-        apply_in_db: Callable[[str, int, Callable[[Any], None]], "defer.Deferred[None]"],
+        apply_in_db: Callable[[str, int, Callable[[Any], None]], defer.Deferred[None]],
         placeholder: str,
         worker_name: str,
         clock: IReactorTime,
         settings: ApplySettings = ApplySettings(),
-        on_progress: Optional[Callable[["StreamConsumer"], None]] = None,
+        on_progress: Callable[[StreamConsumer], None] | None = None,
     ) -> None:
         self.stream = stream
         self.schema = schema
@@ -64,13 +65,13 @@ class StreamConsumer:
         self._clock = clock
         self.settings = settings
         self._on_progress = on_progress
-        self._queue: "collections.deque[_Item]" = collections.deque()
+        self._queue: collections.deque[_Item] = collections.deque()
         self.queued_rows = 0
         self._applying = False
         self._generation = 0
         self._failures = 0
         self._retry_call: Any = None
-        self.applied_ts: Optional[int] = None
+        self.applied_ts: int | None = None
         self.rows_applied = 0
         self.rows_dropped = 0
 
@@ -94,20 +95,17 @@ class StreamConsumer:
             logger.debug("%s: dropped stale rows at token %s (known %s)", self.stream, token, self.known)
             return
         replicated = [
-            ReplicatedRow(self.stream, token, instance, row[-1] if row else None, tuple(row[:-1]))
-            for row in rows
+            ReplicatedRow(self.stream, token, instance, row[-1] if row else None, tuple(row[:-1])) for row in rows
         ]
         self._queue.append(_Item(token, replicated))
         self.queued_rows += len(replicated)
         self.known = token
         self.kick()
 
-    def position(self, prev_token: int, new_token: int) -> Optional[int]:
+    def position(self, prev_token: int, new_token: int) -> int | None:
         """Handle ``POSITION``; returns the token to replay after if rows were missed."""
         if prev_token > self.known:
-            logger.info(
-                "%s: rows missed in (%s, %s]; catching up", self.stream, self.known, prev_token
-            )
+            logger.info("%s: rows missed in (%s, %s]; catching up", self.stream, self.known, prev_token)
             return self.known
         if new_token > self.known:
             self._queue.append(_Item(new_token, []))
@@ -147,7 +145,9 @@ class StreamConsumer:
         generation = self._generation
         self._applying = True
         d = self._apply_in_db(self.stream, token, lambda conn: self._run_handlers(conn, rows))
-        d.addCallbacks(self._applied, self._failed, callbackArgs=(group, token, rows, generation), errbackArgs=(group, rows))
+        d.addCallbacks(
+            self._applied, self._failed, callbackArgs=(group, token, rows, generation), errbackArgs=(group, rows)
+        )
 
     def _run_handlers(self, connection: Any, rows: list[ReplicatedRow]) -> None:
         """On the database thread, inside the apply transaction."""
@@ -181,14 +181,21 @@ class StreamConsumer:
         if len(group) == 1:
             logger.error(
                 "%s: applying token %s failed (attempt %d), retrying in %.1f s: %s; rows: %s",
-                self.stream, group[0].token, self._failures, delay,
-                failure.getErrorMessage() or failure.type.__name__, [list(r.values) for r in rows][:20],
+                self.stream,
+                group[0].token,
+                self._failures,
+                delay,
+                failure.getErrorMessage() or failure.type.__name__,
+                [list(r.values) for r in rows][:20],
             )
         else:
             # Retried one token at a time, so the next failure names the row.
             logger.warning(
                 "%s: applying tokens %s..%s failed, retrying token by token: %s",
-                self.stream, group[0].token, group[-1].token, failure.getErrorMessage(),
+                self.stream,
+                group[0].token,
+                group[-1].token,
+                failure.getErrorMessage(),
             )
             delay = 0
         self._retry_call = self._clock.callLater(delay, self._retry)
@@ -202,7 +209,7 @@ class StreamConsumer:
             self._retry_call.cancel()
         self._retry_call = None
 
-    def lag_ms(self, now_ms: int) -> Optional[int]:
+    def lag_ms(self, now_ms: int) -> int | None:
         """How far the applied data is behind ``now_ms`` (None before any row)."""
         if self.applied_ts is None:
             return None

@@ -16,7 +16,8 @@ the order they were registered.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Iterable, Optional, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import attr
 
@@ -28,11 +29,11 @@ class ReplicatedRow:
     stream: str
     token: int
     instance_name: str
-    ts: Optional[int]
+    ts: int | None
     values: tuple[Any, ...]  # the stream's columns in declared order (JSON columns parsed)
 
     def as_dict(self, schema: StreamSchema) -> dict[str, Any]:
-        return dict(zip(schema.column_names, self.values))
+        return dict(zip(schema.column_names, self.values, strict=False))
 
 
 @attr.s(slots=True, auto_attribs=True)

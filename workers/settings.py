@@ -6,8 +6,6 @@ defaults.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import attr
 
 
@@ -26,7 +24,7 @@ class WorkerConfig:
     master_host: str = "127.0.0.1"
     master_port: int = 9322
     database: str = "sqlite:///worker.db"
-    server_name: Optional[str] = None  # expected SERVER name; None accepts any
+    server_name: str | None = None  # expected SERVER name; None accepts any
     replicate: tuple[str, ...] = ()  # streams copied into replicated_<stream>
     handlers: tuple[tuple[str, str], ...] = ()  # (stream, dotted path)
     invalidate_caches: bool = True  # follow the caches stream into the registry

@@ -40,7 +40,8 @@ from __future__ import annotations
 import os
 import sqlite3
 import tempfile
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Union
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import attr
@@ -93,10 +94,10 @@ class SnapshotBounds:
     url: DatabaseUrl
     schema: StreamSchema
     token: int  # the upper bound, inclusive
-    after: Optional[int]  # the lower bound, exclusive; None: from the start (a full snapshot)
+    after: int | None  # the lower bound, exclusive; None: from the start (a full snapshot)
     applied: int  # the worker's applied token for the stream when the bounds were read
-    min_token: Optional[int]  # lowest token of the rows in range; None: no rows
-    max_token: Optional[int]
+    min_token: int | None  # lowest token of the rows in range; None: no rows
+    max_token: int | None
 
     @property
     def stream(self) -> str:
@@ -112,8 +113,9 @@ class SnapshotBounds:
         return upper if self.after is None else f"token > {int(self.after)} AND {upper}"
 
 
-def resolve_schema(stream: str, schema: Optional[StreamSchema] = None,
-                   streams: Optional[Mapping[str, StreamSchema]] = None) -> StreamSchema:
+def resolve_schema(
+    stream: str, schema: StreamSchema | None = None, streams: Mapping[str, StreamSchema] | None = None
+) -> StreamSchema:
     """The stream's schema: given, else from ``streams``, else a built-in stream."""
     if schema is not None:
         if schema.name != stream:
@@ -132,12 +134,12 @@ def resolve_schema(stream: str, schema: Optional[StreamSchema] = None,
 
 
 def read_bounds(
-    url: Union[str, DatabaseUrl],
+    url: str | DatabaseUrl,
     schema: StreamSchema,
     *,
-    as_of: Optional[int] = None,
-    after: Optional[int] = None,
-    base_dir: Optional[str] = None,
+    as_of: int | None = None,
+    after: int | None = None,
+    base_dir: str | None = None,
 ) -> SnapshotBounds:
     """Read the stream's applied token and token range in one read transaction.
 
@@ -151,7 +153,7 @@ def read_bounds(
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise SnapshotError(f"{name} must be a token (a whole number >= 0), got {value!r}")
     table = schema.replicated_table
-    wanted = ("token", "instance_name", "ts") + schema.column_names
+    wanted = ("token", "instance_name", "ts", *schema.column_names)
 
     def run(execute: Any, table_exists: Any, table_columns: Any, p: str) -> SnapshotBounds:
         if not table_exists("tickline_applied"):
@@ -182,8 +184,9 @@ def read_bounds(
             )
         bounds = SnapshotBounds(parsed, schema, upper, after, applied, None, None)
         low, high = execute(f"SELECT min(token), max(token) FROM {table} WHERE {bounds.where()}", ())[0]
-        return attr.evolve(bounds, min_token=None if low is None else int(low),
-                           max_token=None if high is None else int(high))
+        return attr.evolve(
+            bounds, min_token=None if low is None else int(low), max_token=None if high is None else int(high)
+        )
 
     if parsed.is_sqlite:
         return _read_sqlite(parsed, run)
@@ -203,6 +206,7 @@ def _read_sqlite(url: DatabaseUrl, run: Any) -> SnapshotBounds:
     except sqlite3.Error as e:
         raise SnapshotError(f"cannot open SQLite database {path}: {e}") from None
     try:
+
         def execute(sql: str, params: tuple) -> list:
             return conn.execute(sql, params).fetchall()
 
@@ -237,6 +241,7 @@ def _read_postgresql(url: DatabaseUrl, run: Any) -> SnapshotBounds:
         # REPEATABLE READ: every statement below sees the same snapshot.
         conn.set_session(isolation_level=psycopg2.extensions.ISOLATION_LEVEL_REPEATABLE_READ, readonly=True)
         with conn.cursor() as cur:
+
             def execute(sql: str, params: tuple) -> list:
                 cur.execute(sql, params)
                 return cur.fetchall()
@@ -282,14 +287,13 @@ def spark_schema(schema: StreamSchema) -> Any:
     """The DataFrame's schema as a ``StructType`` (nullable as declared; JSON as strings)."""
     from pyspark.sql import types as T
 
-    kinds = {"STRING": T.StringType(), "BIGINT": T.LongType(), "DOUBLE": T.DoubleType(),
-             "BOOLEAN": T.BooleanType()}
+    kinds = {"STRING": T.StringType(), "BIGINT": T.LongType(), "DOUBLE": T.DoubleType(), "BOOLEAN": T.BooleanType()}
     fields = [T.StructField(name, kinds[kind], False) for name, kind in META_COLUMNS]
     fields += [T.StructField(c.name, kinds[SPARK_TYPES[c.type]], c.nullable) for c in schema.columns]
     return T.StructType(fields)
 
 
-def jdbc_options(url: Union[str, DatabaseUrl], base_dir: Optional[str] = None) -> dict[str, str]:
+def jdbc_options(url: str | DatabaseUrl, base_dir: str | None = None) -> dict[str, str]:
     """JDBC ``url``, ``driver`` and connection properties for a tickline database URL.
 
     ``postgresql://user:password@host:port/db?sslmode=...`` becomes
@@ -311,18 +315,25 @@ def jdbc_options(url: Union[str, DatabaseUrl], base_dir: Optional[str] = None) -
         options["user"] = unquote(parts.username)
     if parts.password:
         options["password"] = unquote(parts.password)
-    carried = {"sslmode": "sslmode", "connect_timeout": "connectTimeout", "application_name": "ApplicationName",
-               "user": "user", "password": "password"}
+    carried = {
+        "sslmode": "sslmode",
+        "connect_timeout": "connectTimeout",
+        "application_name": "ApplicationName",
+        "user": "user",
+        "password": "password",
+    }
     for key, value in parse_qsl(parts.query):
         if key in ("dbname", "host", "port"):
-            raise SnapshotError(f"PostgreSQL URL parameter {key!r} is not supported for Spark: put it in the URL itself")
+            raise SnapshotError(
+                f"PostgreSQL URL parameter {key!r} is not supported for Spark: put it in the URL itself"
+            )
         if key in carried:
             options[carried[key]] = value
     return options
 
 
 def _range_query(bounds: SnapshotBounds) -> str:
-    names = ", ".join(("token", "instance_name", "ts") + bounds.schema.column_names)
+    names = ", ".join(("token", "instance_name", "ts", *bounds.schema.column_names))
     return f"(SELECT {names} FROM {bounds.schema.replicated_table} WHERE {bounds.where()}) AS snap"
 
 
@@ -354,7 +365,7 @@ def jdbc_read_options(bounds: SnapshotBounds, num_partitions: int, fetchsize: in
 class Snapshot:
     """A DataFrame of one stream's rows in ``(after, token]``; unpacks as ``df, token``."""
 
-    dataframe: "DataFrame"
+    dataframe: DataFrame
     bounds: SnapshotBounds
     partitions: int  # the DataFrame's partitions (token ranges)
 
@@ -363,7 +374,7 @@ class Snapshot:
         return self.bounds.token
 
     @property
-    def after(self) -> Optional[int]:
+    def after(self) -> int | None:
         return self.bounds.after
 
     @property
@@ -376,10 +387,10 @@ class Snapshot:
 
 
 def load(
-    spark: "SparkSession",
+    spark: SparkSession,
     bounds: SnapshotBounds,
-    num_partitions: Optional[int] = None,
-    settings: Optional[SparkSettings] = None,
+    num_partitions: int | None = None,
+    settings: SparkSettings | None = None,
 ) -> Snapshot:
     """Read the rows the bounds describe through Spark's JDBC source (lazily: Spark reads on an action)."""
     settings = settings or SparkSettings()
@@ -417,16 +428,16 @@ def _explain(error: Exception, bounds: SnapshotBounds, settings: SparkSettings) 
 
 
 def snapshot(
-    spark: "SparkSession",
-    url: Union[str, DatabaseUrl],
+    spark: SparkSession,
+    url: str | DatabaseUrl,
     stream: str,
-    schema: Optional[StreamSchema] = None,
+    schema: StreamSchema | None = None,
     *,
-    as_of: Optional[int] = None,
-    num_partitions: Optional[int] = None,
-    settings: Optional[SparkSettings] = None,
-    streams: Optional[Mapping[str, StreamSchema]] = None,
-    base_dir: Optional[str] = None,
+    as_of: int | None = None,
+    num_partitions: int | None = None,
+    settings: SparkSettings | None = None,
+    streams: Mapping[str, StreamSchema] | None = None,
+    base_dir: str | None = None,
 ) -> Snapshot:
     """The stream's rows with ``token <= T``, T the worker's applied token (or ``as_of``).
 
@@ -439,17 +450,17 @@ def snapshot(
 
 
 def incremental(
-    spark: "SparkSession",
-    url: Union[str, DatabaseUrl],
+    spark: SparkSession,
+    url: str | DatabaseUrl,
     stream: str,
     after: int,
-    schema: Optional[StreamSchema] = None,
+    schema: StreamSchema | None = None,
     *,
-    upto: Optional[int] = None,
-    num_partitions: Optional[int] = None,
-    settings: Optional[SparkSettings] = None,
-    streams: Optional[Mapping[str, StreamSchema]] = None,
-    base_dir: Optional[str] = None,
+    upto: int | None = None,
+    num_partitions: int | None = None,
+    settings: SparkSettings | None = None,
+    streams: Mapping[str, StreamSchema] | None = None,
+    base_dir: str | None = None,
 ) -> Snapshot:
     """The rows with ``after < token <= T``, T the applied token (or ``upto``).
 
@@ -465,7 +476,7 @@ def incremental(
 # -- JSON columns ---------------------------------------------------------------------------------
 
 
-def parse_json(df: "DataFrame", column: str, json_schema: Any, alias: Optional[str] = None) -> "DataFrame":
+def parse_json(df: DataFrame, column: str, json_schema: Any, alias: str | None = None) -> DataFrame:
     """Replace the JSON text of ``column`` by its parsed value (``from_json`` with ``json_schema``).
 
     ``json_schema`` is a ``DataType`` or a DDL string such as ``"array<string>"``
@@ -509,10 +520,10 @@ def _quiet_log_config() -> str:
 def spark_session(
     master: str = "local[2]",
     app_name: str = "tickline",
-    settings: Optional[SparkSettings] = None,
-    conf: Optional[Mapping[str, str]] = None,
+    settings: SparkSettings | None = None,
+    conf: Mapping[str, str] | None = None,
     quiet: bool = False,
-) -> "SparkSession":
+) -> SparkSession:
     """A local SparkSession bound to 127.0.0.1 with the system's JDBC jars (``spark.jars``).
 
     Nothing is downloaded: the jars are Debian's (``scripts/setup.sh`` installs
@@ -551,7 +562,6 @@ def spark_session(
     return spark
 
 
-
-def output_name(stream: str, after: Optional[int], token: int) -> str:
+def output_name(stream: str, after: int | None, token: int) -> str:
     """The directory name of a written snapshot: ``<stream>_<after>_<token>`` (rows in ``(after, token]``)."""
     return f"{stream}_{after or 0}_{token}"

@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 from twisted.internet import task
 
@@ -24,11 +25,11 @@ class SystemdNotifier:
     def __init__(self, environ: Mapping[str, str] = os.environ) -> None:
         self._address = self._socket_address(environ.get("NOTIFY_SOCKET"))
         self._watchdog_interval = self._watchdog_seconds(environ)
-        self._socket: Optional[socket.socket] = None
-        self._watchdog: Optional[task.LoopingCall] = None
+        self._socket: socket.socket | None = None
+        self._watchdog: task.LoopingCall | None = None
 
     @staticmethod
-    def _socket_address(name: Optional[str]) -> Optional[str | bytes]:
+    def _socket_address(name: str | None) -> str | bytes | None:
         if not name:
             return None
         if name.startswith("@"):
@@ -36,7 +37,7 @@ class SystemdNotifier:
         return name
 
     @staticmethod
-    def _watchdog_seconds(environ: Mapping[str, str]) -> Optional[float]:
+    def _watchdog_seconds(environ: Mapping[str, str]) -> float | None:
         usec = environ.get("WATCHDOG_USEC")
         pid = environ.get("WATCHDOG_PID")
         if not usec:

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from twisted.internet import defer
 from twisted.internet.protocol import ReconnectingClientFactory
@@ -36,9 +37,9 @@ from replication.protocol import ProtocolConfig
 from storage.schema import StreamSchema
 from workers.caches import CacheRegistry
 from workers.consumer import StreamConsumer
-from workers.settings import WorkerConfig
 from workers.handlers import HandlerRegistry
 from workers.replicator import cache_invalidator, table_replicator
+from workers.settings import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +52,9 @@ class Worker(ReplicationHandler):
         store: Any,
         streams: dict[str, StreamSchema],
         reactor: Any,
-        handlers: Optional[HandlerRegistry] = None,
-        caches: Optional[CacheRegistry] = None,
-        secret: Optional[str] = None,
+        handlers: HandlerRegistry | None = None,
+        caches: CacheRegistry | None = None,
+        secret: str | None = None,
     ) -> None:
         self.config = config
         self.secret = secret  # sent in AUTH when the master requires it
@@ -65,12 +66,12 @@ class Worker(ReplicationHandler):
         self.streams = streams
         self.db = DatabaseThreads(reactor, max_threads=1, name=f"tickline-worker-{config.name}-db")
         self.consumers: dict[str, StreamConsumer] = {}
-        self.client: Optional[ClientProtocol] = None
-        self.factory: Optional[WorkerFactory] = None
+        self.client: ClientProtocol | None = None
+        self.factory: WorkerFactory | None = None
         self.connected_once = defer.Deferred()
         self.reconnects = 0
         self.syncing_users: dict[str, int] = {}
-        self._federation_ack: Optional[int] = None
+        self._federation_ack: int | None = None
         self._reading_paused = False
         self._retry_calls: dict[str, Any] = {}
         self._caught_up_waiters: list[defer.Deferred] = []
@@ -155,11 +156,16 @@ class Worker(ReplicationHandler):
         # ts: rows carry their timestamps; live: a replay ends with a POSITION,
         # so the worker knows when it has caught up.
         return ClientProtocol(
-            self, self.config.name, self.protocol_config, self.reactor,
-            with_ts=True, secret=self.secret, options=frozenset({"live"}),
+            self,
+            self.config.name,
+            self.protocol_config,
+            self.reactor,
+            with_ts=True,
+            secret=self.secret,
+            options=frozenset({"live"}),
         )
 
-    def _apply_in_db(self, stream: str, token: int, effects: Callable[[Any], None]) -> "defer.Deferred[None]":
+    def _apply_in_db(self, stream: str, token: int, effects: Callable[[Any], None]) -> defer.Deferred[None]:
         return self.db.run(self.store.apply, stream, token, effects)
 
     # -- connection events --------------------------------------------------------------
@@ -173,7 +179,10 @@ class Worker(ReplicationHandler):
         if expected is not None and server_name != expected:
             logger.error(
                 "master at %s:%s is %r, expected %r: refusing it, will retry",
-                self.config.master_host, self.config.master_port, server_name, expected,
+                self.config.master_host,
+                self.config.master_port,
+                server_name,
+                expected,
             )
             client.close_with_error(f"wrong server: expected {expected!r}, got {server_name!r}")
             return
@@ -270,7 +279,7 @@ class Worker(ReplicationHandler):
             and not any(c.busy for c in self.consumers.values())
         )
 
-    def when_caught_up(self) -> "defer.Deferred[None]":
+    def when_caught_up(self) -> defer.Deferred[None]:
         d: defer.Deferred = defer.Deferred()
         self._caught_up_waiters.append(d)
         self._check_caught_up()
@@ -282,7 +291,7 @@ class Worker(ReplicationHandler):
             for d in waiters:
                 d.callback(None)
 
-    def lag_ms(self) -> dict[str, Optional[int]]:
+    def lag_ms(self) -> dict[str, int | None]:
         now = int(time.time() * 1000)
         return {s: c.lag_ms(now) for s, c in self.consumers.items()}
 
@@ -294,7 +303,7 @@ class Worker(ReplicationHandler):
         self.client.send(command)
         return True
 
-    def user_sync(self, user_id: str, syncing: bool, last_sync_ms: Optional[int] = None) -> None:
+    def user_sync(self, user_id: str, syncing: bool, last_sync_ms: int | None = None) -> None:
         """Tell the master a user started or stopped syncing here (re-sent after reconnects)."""
         last = int(time.time() * 1000) if last_sync_ms is None else last_sync_ms
         if syncing:
@@ -337,12 +346,15 @@ class WorkerFactory(ReconnectingClientFactory):
         if not self.worker.stopping:
             logger.warning(
                 "cannot connect to the master at %s:%s: %s (retrying in about %.1f s)",
-                connector.host, connector.port, reason.getErrorMessage(), self.delay,
+                connector.host,
+                connector.port,
+                reason.getErrorMessage(),
+                self.delay,
             )
         super().clientConnectionFailed(connector, reason)
 
 
-def _sleep(reactor: Any, seconds: float) -> "defer.Deferred[None]":
+def _sleep(reactor: Any, seconds: float) -> defer.Deferred[None]:
     from twisted.internet import task
 
     return task.deferLater(reactor, seconds, lambda: None)

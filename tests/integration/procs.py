@@ -8,12 +8,12 @@ import socket
 import sqlite3
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 from tests.conftest import ROOT, free_port, sqlite_url, tickline_command
 
-__all__ = ["Proc", "free_port", "sqlite_url", "wait_for", "query_one", "peak_rss_kb"]
+__all__ = ["Proc", "free_port", "peak_rss_kb", "query_one", "sqlite_url", "wait_for"]
 
 
 def _env() -> dict[str, str]:
@@ -87,7 +87,7 @@ def query_one(db: Path, sql: str, default=None):
     return default if row is None or row[0] is None else row[0]
 
 
-def peak_rss_kb(pid: int) -> Optional[int]:
+def peak_rss_kb(pid: int) -> int | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmHWM:"):

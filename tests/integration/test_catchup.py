@@ -22,17 +22,28 @@ def test_late_worker_catches_up_100k_rows_in_bounded_memory(tmp_path) -> None:
     assert written.stdout.split()[-1] == str(ROWS)
 
     port = free_port()
-    master = Proc(tmp_path / "master.log", "master", "--database", sqlite_url(master_db), "--listen", f"127.0.0.1:{port}")
+    master = Proc(
+        tmp_path / "master.log", "master", "--database", sqlite_url(master_db), "--listen", f"127.0.0.1:{port}"
+    )
     worker = None
     try:
         wait_for(lambda: accepts(port), 15, "the master to listen")
         worker = Proc(
-            tmp_path / "worker.log", "worker", "--name", "late", "--master", f"127.0.0.1:{port}",
-            "--database", sqlite_url(worker_db), "--replicate", "events",
+            tmp_path / "worker.log",
+            "worker",
+            "--name",
+            "late",
+            "--master",
+            f"127.0.0.1:{port}",
+            "--database",
+            sqlite_url(worker_db),
+            "--replicate",
+            "events",
         )
         wait_for(
             lambda: query_one(worker_db, "SELECT token FROM tickline_applied WHERE stream = 'events'", 0) == ROWS,
-            180, f"the worker to apply {ROWS} rows",
+            180,
+            f"the worker to apply {ROWS} rows",
         )
         master_peak, worker_peak = peak_rss_kb(master.pid), peak_rss_kb(worker.pid)
     finally:

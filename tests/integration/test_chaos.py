@@ -32,7 +32,9 @@ class SteadyWriter(threading.Thread):
             for _ in range(rng.choice((1, 1, 3, 20))):
                 n += 1
                 state_key = None if n % 4 else f"@u{n}:x"
-                rows.append(f'["$chaos{n}", "!room{n % 7}", "m.room.message", {"null" if state_key is None else chr(34) + state_key + chr(34)}, null]')
+                rows.append(
+                    f'["$chaos{n}", "!room{n % 7}", "m.room.message", {"null" if state_key is None else chr(34) + state_key + chr(34)}, null]'
+                )
             args = ["write", "--database", self.database, "--instance", f"writer{n % 2}"]
             if len(rows) > 1 and rng.random() < 0.5:
                 args.append("--batch")
@@ -63,8 +65,15 @@ def test_worker_killed_and_master_restarted_replicates_exactly_once(tmp_path) ->
     port = free_port()
     master_args = ("master", "--database", sqlite_url(master_db), "--listen", f"127.0.0.1:{port}")
     worker_args = (
-        "worker", "--name", "chaos", "--master", f"127.0.0.1:{port}",
-        "--database", sqlite_url(worker_db), "--replicate", "events",
+        "worker",
+        "--name",
+        "chaos",
+        "--master",
+        f"127.0.0.1:{port}",
+        "--database",
+        sqlite_url(worker_db),
+        "--replicate",
+        "events",
     )
     master = Proc(tmp_path / "master.log", *master_args)
     wait_for(lambda: accepts(port), 15, "the master to listen")
@@ -75,7 +84,9 @@ def test_worker_killed_and_master_restarted_replicates_exactly_once(tmp_path) ->
         kills = 0
         for round_ in range(4):
             before = query_one(worker_db, APPLIED, 0)
-            wait_for(lambda: query_one(worker_db, APPLIED, 0) > before, 60, f"the worker to apply more (round {round_})")
+            wait_for(
+                lambda: query_one(worker_db, APPLIED, 0) > before, 60, f"the worker to apply more (round {round_})"
+            )
             worker.kill()
             kills += 1
             if round_ == 1:

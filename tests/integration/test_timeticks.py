@@ -21,7 +21,11 @@ CONFIG = f"master:\n  writer_timeout: {WRITER_TIMEOUT}\n"
 def writer(url: str, instance: str, mode: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "tests.integration.writer_proc", url, instance, mode],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=_env(),
     )
 
 
@@ -110,15 +114,39 @@ def test_a_fenced_writer_retries_with_new_tokens_and_loses_nothing(pg_url, caplo
     other.close()
 
 
-def test_four_writers_5000_rows_each_reach_a_worker_and_a_tail_once_in_order(master, pg_url, pg_server, tmp_path) -> None:
+def test_four_writers_5000_rows_each_reach_a_worker_and_a_tail_once_in_order(
+    master, pg_url, pg_server, tmp_path
+) -> None:
     m = master(CONFIG, database=pg_url)
     worker_db = pg_server.new_database()
-    worker = Proc(tmp_path / "worker.log", "worker", "--name", "w", "--master", m.address,
-                  "--database", worker_db, "--replicate", "events")
+    worker = Proc(
+        tmp_path / "worker.log",
+        "worker",
+        "--name",
+        "w",
+        "--master",
+        m.address,
+        "--database",
+        worker_db,
+        "--replicate",
+        "events",
+    )
     tail = subprocess.Popen(
-        [*__import__("tests.conftest", fromlist=["tickline_command"]).tickline_command(),
-         "tail", "--master", m.address, "--from", "0", "--count", "20000", "events"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=_env(),
+        [
+            *__import__("tests.conftest", fromlist=["tickline_command"]).tickline_command(),
+            "tail",
+            "--master",
+            m.address,
+            "--from",
+            "0",
+            "--count",
+            "20000",
+            "events",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+        env=_env(),
     )
     writers = [writer(pg_url, f"w{i}", "5000") for i in range(4)]
     try:

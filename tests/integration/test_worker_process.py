@@ -30,12 +30,30 @@ def test_config_handlers_and_cache_rows_reach_the_worker(tmp_path) -> None:
         wait_for(lambda: accepts(port), 15, "the master to listen")
         worker = Proc(tmp_path / "worker.log", "worker", "-c", str(config), "--replicate", "events")
         assert run_tickline("write", "-c", str(config), "events", '["$a", "!r1", "t", null, null]').returncode == 0
-        assert run_tickline(
-            "write", "-c", str(config), "--batch", "events", '["$b", "!r1", "t", null, null]', '["$c", "!r2", "t", null, null]'
-        ).returncode == 0
-        assert run_tickline("write", "-c", str(config), "caches", '["members", ["!r1"], 1]', '["state", null, 2]').returncode == 0
+        assert (
+            run_tickline(
+                "write",
+                "-c",
+                str(config),
+                "--batch",
+                "events",
+                '["$b", "!r1", "t", null, null]',
+                '["$c", "!r2", "t", null, null]',
+            ).returncode
+            == 0
+        )
+        assert (
+            run_tickline(
+                "write", "-c", str(config), "caches", '["members", ["!r1"], 1]', '["state", null, 2]'
+            ).returncode
+            == 0
+        )
         wait_for(lambda: query_one(worker_db, "SELECT COUNT(*) FROM seen_invalidations", 0) == 2, 30, "invalidations")
-        wait_for(lambda: query_one(worker_db, "SELECT token FROM tickline_applied WHERE stream='events'", 0) == 2, 30, "events")
+        wait_for(
+            lambda: query_one(worker_db, "SELECT token FROM tickline_applied WHERE stream='events'", 0) == 2,
+            30,
+            "events",
+        )
     finally:
         code = worker.stop() if worker is not None else None
         master.stop()
@@ -51,13 +69,33 @@ def test_config_handlers_and_cache_rows_reach_the_worker(tmp_path) -> None:
 
 def test_worker_refuses_a_master_with_another_name_and_keeps_retrying(tmp_path) -> None:
     port = free_port()
-    master = Proc(tmp_path / "master.log", "master", "--database", sqlite_url(tmp_path / "m.db"),
-                  "--listen", f"127.0.0.1:{port}", "--server-name", "staging")
+    master = Proc(
+        tmp_path / "master.log",
+        "master",
+        "--database",
+        sqlite_url(tmp_path / "m.db"),
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--server-name",
+        "staging",
+    )
     worker = None
     try:
         wait_for(lambda: accepts(port), 15, "the master to listen")
-        worker = Proc(tmp_path / "worker.log", "worker", "--name", "w1", "--master", f"127.0.0.1:{port}",
-                      "--database", sqlite_url(tmp_path / "w.db"), "--server-name", "prod", "--replicate", "events")
+        worker = Proc(
+            tmp_path / "worker.log",
+            "worker",
+            "--name",
+            "w1",
+            "--master",
+            f"127.0.0.1:{port}",
+            "--database",
+            sqlite_url(tmp_path / "w.db"),
+            "--server-name",
+            "prod",
+            "--replicate",
+            "events",
+        )
         wait_for(lambda: worker.output().count("expected 'prod'") >= 2, 30, "two refused connections in the log")
         assert "wrong server" in master.output()
         assert query_one(tmp_path / "w.db", "SELECT COUNT(*) FROM tickline_applied", 0) == 0
@@ -69,12 +107,31 @@ def test_worker_refuses_a_master_with_another_name_and_keeps_retrying(tmp_path) 
 
 def test_worker_waits_for_an_unreachable_master_then_connects(tmp_path) -> None:
     port = free_port()
-    worker = Proc(tmp_path / "worker.log", "worker", "--name", "w1", "--master", f"127.0.0.1:{port}",
-                  "--database", sqlite_url(tmp_path / "w.db"), "--replicate", "events")
+    worker = Proc(
+        tmp_path / "worker.log",
+        "worker",
+        "--name",
+        "w1",
+        "--master",
+        f"127.0.0.1:{port}",
+        "--database",
+        sqlite_url(tmp_path / "w.db"),
+        "--replicate",
+        "events",
+    )
     master = None
     try:
-        wait_for(lambda: "cannot connect to the master" in worker.output(), 15, "the worker to report the refused connection")
-        master = Proc(tmp_path / "master.log", "master", "--database", sqlite_url(tmp_path / "m.db"), "--listen", f"127.0.0.1:{port}")
+        wait_for(
+            lambda: "cannot connect to the master" in worker.output(), 15, "the worker to report the refused connection"
+        )
+        master = Proc(
+            tmp_path / "master.log",
+            "master",
+            "--database",
+            sqlite_url(tmp_path / "m.db"),
+            "--listen",
+            f"127.0.0.1:{port}",
+        )
         wait_for(lambda: "connected to master" in worker.output(), 30, "the worker to connect")
     finally:
         assert worker.stop() == 0
@@ -83,7 +140,9 @@ def test_worker_waits_for_an_unreachable_master_then_connects(tmp_path) -> None:
 
 
 def test_worker_bad_config_and_unknown_stream_are_clear_errors(tmp_path) -> None:
-    result = run_tickline("worker", "--name", "w1", "--database", sqlite_url(tmp_path / "w.db"), "--replicate", "nosuch")
+    result = run_tickline(
+        "worker", "--name", "w1", "--database", sqlite_url(tmp_path / "w.db"), "--replicate", "nosuch"
+    )
     assert result.returncode == 2 and "unknown stream 'nosuch'" in result.stderr
     config = tmp_path / "c.yaml"
     config.write_text("worker:\n  handlers:\n    events: [no.such.module:fn]\n")
@@ -112,7 +171,9 @@ def test_tail_and_worker_authenticate_with_the_configured_secret(tmp_path) -> No
         assert '"$a"' in tail.stdout
         wait_for(lambda: query_one(worker_db, "SELECT COUNT(*) FROM replicated_events", 0) == 1, 30, "the worker")
         # Without the secret the master refuses.
-        plain = run_tickline("tail", "--master", f"127.0.0.1:{port}", "--from", "0", "--count", "1", "events", timeout=30)
+        plain = run_tickline(
+            "tail", "--master", f"127.0.0.1:{port}", "--from", "0", "--count", "1", "events", timeout=30
+        )
         assert plain.returncode == 1 and "authentication required" in plain.stderr
     finally:
         if worker is not None:

@@ -1,10 +1,10 @@
 """A writer process for the multi-writer tests (run with ``python -m``).
 
-    python -m tests.integration.writer_proc URL INSTANCE COUNT
-        append COUNT events rows in small transactions, some of them batches
-    python -m tests.integration.writer_proc URL INSTANCE hold
-        open a transaction, append one row, print "HOLDING <token>", and commit
-        only when a line arrives on stdin (then print "COMMITTED")
+python -m tests.integration.writer_proc URL INSTANCE COUNT
+    append COUNT events rows in small transactions, some of them batches
+python -m tests.integration.writer_proc URL INSTANCE hold
+    open a transaction, append one row, print "HOLDING <token>", and commit
+    only when a line arrives on stdin (then print "COMMITTED")
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ def main() -> int:
     n = 0
     while n < count:
         size = min(rng.choice((1, 1, 2, 5)), count - n)
-        store.append("events", [row(instance, n + i) for i in range(size)], instance, batch=size > 1 and rng.random() < 0.3)
+        store.append(
+            "events", [row(instance, n + i) for i in range(size)], instance, batch=size > 1 and rng.random() < 0.3
+        )
         n += size
     store.close()
     print("DONE", flush=True)

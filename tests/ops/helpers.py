@@ -14,14 +14,14 @@ import struct
 import tempfile
 import time
 import urllib.request
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import HOST, LineClient
 from tests.integration.procs import Proc, wait_for
 
-__all__ = ["NotifySocket", "FakeMaster", "Proc", "wait_for", "scrape", "sample", "wait_for_log", "EVENT_ROW"]
+__all__ = ["EVENT_ROW", "FakeMaster", "NotifySocket", "Proc", "sample", "scrape", "wait_for", "wait_for_log"]
 
 EVENT_ROW = '["$e{n}", "!room", "m.room.message", null, null]'  # a row of the built-in events stream
 
@@ -36,7 +36,7 @@ class NotifySocket:
     """
 
     def __init__(self, abstract: bool = False) -> None:
-        self._dir: Optional[str] = None
+        self._dir: str | None = None
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         if abstract:
@@ -49,7 +49,7 @@ class NotifySocket:
             self.address = os.path.join(self._dir, "notify.sock")
             self.sock.bind(self.address)
         self.messages: list[dict[str, str]] = []
-        self.pids: list[Optional[int]] = []
+        self.pids: list[int | None] = []
         self.times: list[float] = []  # time.monotonic() when each message was read
 
     def _read_one(self) -> None:
@@ -67,7 +67,7 @@ class NotifySocket:
         self.sock.settimeout(max(timeout, 0.001))
         try:
             self._read_one()
-        except socket.timeout:
+        except TimeoutError:
             return False
         return True
 
@@ -76,8 +76,15 @@ class NotifySocket:
         while self._receive(0.001):
             pass
 
-    def wait(self, key: str, value: Optional[str] = None, timeout: float = 15.0, after: int = 0,
-             pid: Optional[int] = None, alive: Optional[Callable[[], bool]] = None) -> tuple[int, dict[str, str]]:
+    def wait(
+        self,
+        key: str,
+        value: str | None = None,
+        timeout: float = 15.0,
+        after: int = 0,
+        pid: int | None = None,
+        alive: Callable[[], bool] | None = None,
+    ) -> tuple[int, dict[str, str]]:
         """The first message from index ``after`` on with ``key`` (and ``value``, and sender ``pid``).
 
         Returns (index, message); fails after ``timeout`` s, or at once when
@@ -93,16 +100,18 @@ class NotifySocket:
                 index += 1
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise AssertionError(f"no {key}={value or '*'} notification within {timeout} s; got {self.messages[-10:]!r}")
+                raise AssertionError(
+                    f"no {key}={value or '*'} notification within {timeout} s; got {self.messages[-10:]!r}"
+                )
             if alive is not None and not alive():
                 self.drain()
                 if index >= len(self.messages):
                     raise AssertionError(f"the process exited before {key}={value or '*'}; got {self.messages[-10:]!r}")
             self._receive(min(remaining, 0.1))
 
-    def of(self, pid: int, start: int = 0, end: Optional[int] = None) -> list[dict[str, str]]:
+    def of(self, pid: int, start: int = 0, end: int | None = None) -> list[dict[str, str]]:
         """The messages that ``pid`` sent, from index ``start`` to ``end``."""
-        return [m for m, p in zip(self.messages[start:end], self.pids[start:end]) if p == pid]
+        return [m for m, p in zip(self.messages[start:end], self.pids[start:end], strict=False) if p == pid]
 
     def close(self) -> None:
         self.sock.close()
@@ -113,7 +122,7 @@ class NotifySocket:
 class AcceptedConnection(LineClient):
     """The server side of one connection, with ``LineClient``'s bounded reads."""
 
-    def __init__(self, sock: socket.socket, timeout: float) -> None:  # noqa: super not called on purpose
+    def __init__(self, sock: socket.socket, timeout: float) -> None:  # super().__init__ not called on purpose
         self.sock = sock
         self.timeout = timeout
         self._buffer = b""
@@ -135,7 +144,7 @@ class FakeMaster:
     def address(self) -> str:
         return f"{HOST}:{self.port}"
 
-    def accept(self, timeout: Optional[float] = None) -> AcceptedConnection:
+    def accept(self, timeout: float | None = None) -> AcceptedConnection:
         self.listener.settimeout(self.timeout if timeout is None else timeout)
         sock, _ = self.listener.accept()
         conn = AcceptedConnection(sock, self.timeout)
@@ -182,7 +191,7 @@ def families(text: str) -> dict:
     return {f.name: f for f in text_string_to_metric_families(text)}
 
 
-def sample(text: str, name: str, **labels: str) -> Optional[float]:
+def sample(text: str, name: str, **labels: str) -> float | None:
     """The value of one sample (by its exposed name and labels), or None."""
     for family in text_string_to_metric_families(text):
         for s in family.samples:

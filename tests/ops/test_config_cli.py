@@ -16,7 +16,6 @@ from scripts.config import ConfigError, config_from_mapping
 from tests.conftest import ROOT, run_tickline
 from tests.integration.procs import free_port, sqlite_url
 
-
 # -- classes not covered by tests/unit/test_config.py -----------------------------------
 
 
@@ -164,11 +163,23 @@ def test_worker_with_a_bad_config_exits_2_naming_the_key(tmp_path, text, message
 
 
 def test_bad_metrics_listen_flags_exit_2(tmp_path) -> None:
-    master = run_tickline("master", "--listen", f"127.0.0.1:{free_port()}", "--database", sqlite_url(tmp_path / "m.db"),
-                          "--metrics-listen", "nowhere", timeout=20)
+    master = run_tickline(
+        "master",
+        "--listen",
+        f"127.0.0.1:{free_port()}",
+        "--database",
+        sqlite_url(tmp_path / "m.db"),
+        "--metrics-listen",
+        "nowhere",
+        timeout=20,
+    )
     assert master.returncode == 2
-    assert "--metrics-listen: expected HOST:PORT, got 'nowhere'" in one_error_line(master.stderr, "tickline master: error: ")
-    worker = run_tickline("worker", "--database", sqlite_url(tmp_path / "w.db"), "--metrics-listen", "99999", timeout=20)
+    assert "--metrics-listen: expected HOST:PORT, got 'nowhere'" in one_error_line(
+        master.stderr, "tickline master: error: "
+    )
+    worker = run_tickline(
+        "worker", "--database", sqlite_url(tmp_path / "w.db"), "--metrics-listen", "99999", timeout=20
+    )
     assert worker.returncode == 2
     assert "--metrics-listen: port 99999 is out of range" in one_error_line(worker.stderr, "tickline worker: error: ")
 
@@ -178,7 +189,15 @@ def test_master_whose_metrics_port_is_taken_exits_1_with_a_message(tmp_path) -> 
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         busy = taken.getsockname()[1]
-        result = run_tickline("master", "--listen", f"127.0.0.1:{free_port()}", "--database", sqlite_url(tmp_path / "m.db"),
-                              "--metrics-listen", f"127.0.0.1:{busy}", timeout=20)
+        result = run_tickline(
+            "master",
+            "--listen",
+            f"127.0.0.1:{free_port()}",
+            "--database",
+            sqlite_url(tmp_path / "m.db"),
+            "--metrics-listen",
+            f"127.0.0.1:{busy}",
+            timeout=20,
+        )
     assert result.returncode == 1
     assert f"tickline master: error: Couldn't listen on 127.0.0.1:{busy}" in result.stderr

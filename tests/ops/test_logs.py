@@ -18,7 +18,9 @@ JOURNAL_LINE = re.compile(r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) [\w.]+: .+")
 
 def master_config(tmp_path, port: int, level: str) -> str:
     path = tmp_path / "master.yaml"
-    path.write_text(f"database: {sqlite_url(tmp_path / 'm.db')}\nlisten: 127.0.0.1:{port}\nlogging:\n  level: {level}\n")
+    path.write_text(
+        f"database: {sqlite_url(tmp_path / 'm.db')}\nlisten: 127.0.0.1:{port}\nlogging:\n  level: {level}\n"
+    )
     return str(path)
 
 
@@ -43,7 +45,9 @@ def test_master_logs_one_line_per_event_with_the_connection_name(tmp_path, procs
 
 def test_worker_log_lines_name_its_connection(tmp_path, procs, fake_master) -> None:
     config = tmp_path / "worker.yaml"
-    config.write_text(f"worker:\n  name: w1\n  master: {fake_master.address}\n  database: {sqlite_url(tmp_path / 'w.db')}\n")
+    config.write_text(
+        f"worker:\n  name: w1\n  master: {fake_master.address}\n  database: {sqlite_url(tmp_path / 'w.db')}\n"
+    )
     worker = procs("worker", "worker", "-c", str(config))
     conn = fake_master.accept()
     fake_master.handshake(conn, ["caches"])
@@ -74,8 +78,13 @@ def test_logs_go_to_stderr_and_leave_the_time_to_journald(tmp_path) -> None:
     port = free_port()
     # Under systemd, JOURNAL_STREAM tells the process its stderr is the journal.
     env = dict(os.environ, PYTHONPATH=str(ROOT), JOURNAL_STREAM="8:12345")
-    proc = subprocess.Popen([*tickline_command(), "master", "-c", master_config(tmp_path, port, "INFO")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path, env=env)
+    proc = subprocess.Popen(
+        [*tickline_command(), "master", "-c", master_config(tmp_path, port, "INFO")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=tmp_path,
+        env=env,
+    )
     try:
         wait_for(lambda: accepts(port) or proc.poll() is not None, 15, "the master to listen")
         proc.send_signal(signal.SIGTERM)

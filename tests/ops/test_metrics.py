@@ -80,12 +80,27 @@ def test_master_and_worker_metrics_move_while_rows_flow(master, procs, tmp_path)
     worker_config = tmp_path / "worker.yaml"
     worker_config.write_text(FAST_PINGS)
     worker = procs(
-        "worker", "worker", "-c", str(worker_config), "--name", "w1", "--master", m.address,
-        "--database", sqlite_url(tmp_path / "w.db"), "--replicate", "events", "--metrics-listen", str(worker_metrics),
+        "worker",
+        "worker",
+        "-c",
+        str(worker_config),
+        "--name",
+        "w1",
+        "--master",
+        m.address,
+        "--database",
+        sqlite_url(tmp_path / "w.db"),
+        "--replicate",
+        "events",
+        "--metrics-listen",
+        str(worker_metrics),
     )
     first_token = m.write("events", EVENT_ROW.format(n=0))[-1]
-    wait_for(lambda: polled(worker_metrics, "tickline_worker_applied_token", stream="events") == first_token,
-             30, "the worker to apply the first row")
+    wait_for(
+        lambda: polled(worker_metrics, "tickline_worker_applied_token", stream="events") == first_token,
+        30,
+        "the worker to apply the first row",
+    )
     before_m, before_w = scrape(master_metrics), scrape(worker_metrics)
 
     # More rows, one `tickline write` after another, until both sides moved.
@@ -152,7 +167,9 @@ def test_metrics_listen_from_the_config_file_and_off_by_default(master, procs, t
     # PORT alone means 127.0.0.1:PORT.
     m = master(f"metrics_listen: {master_metrics}\nworker:\n  metrics_listen: 127.0.0.1:{worker_metrics}\n")
     wait_for(lambda: polled(master_metrics, "tickline_connections") is not None, 10, "the master's /metrics")
-    worker = procs("worker", "worker", *m.config_args(), "--master", m.address, "--database", sqlite_url(tmp_path / "w.db"))
+    worker = procs(
+        "worker", "worker", *m.config_args(), "--master", m.address, "--database", sqlite_url(tmp_path / "w.db")
+    )
     wait_for(lambda: polled(worker_metrics, "tickline_connections") == 1, 15, "the worker's /metrics and connection")
     assert sample(scrape(worker_metrics), "tickline_worker_applied_token", stream="caches") == 0
     assert worker.stop() == 0

@@ -296,7 +296,9 @@ def test_unit_files_pass_systemd_analyze_verify(systemd_analyze) -> None:
         [UNITS / "tickline-master.service", UNITS / "tickline.target", UNITS / "tickline-worker@a.service"],
         [UNITS / "tickline-worker@.service"],
     ):
-        result = subprocess.run([systemd_analyze, "verify", *map(str, files)], capture_output=True, text=True, timeout=60)
+        result = subprocess.run(
+            [systemd_analyze, "verify", *map(str, files)], capture_output=True, text=True, timeout=60
+        )
         assert result.returncode == 0, result.stderr
         assert result.stderr == "", result.stderr  # unknown keys only warn, on stderr
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import pytest
 
@@ -81,8 +82,9 @@ def as_tuples(rows: list[Any]) -> list[tuple[Any, ...]]:
     out = []
     for r in rows:
         payload = None if r["payload"] is None else json.loads(r["payload"])
-        out.append((r["token"], r["instance_name"], r["ts"], r["name"], r["amount"], r["score"], r["flag"],
-                    payload, r["note"]))
+        out.append(
+            (r["token"], r["instance_name"], r["ts"], r["name"], r["amount"], r["score"], r["flag"], payload, r["note"])
+        )
     return sorted(out, key=lambda t: (t[0], t[2]))
 
 
@@ -98,10 +100,10 @@ class SimulatedWorker:
         self.handler = table_replicator(schema)
         self.applied = 0
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-        self.error: Optional[BaseException] = None
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
 
-    def apply(self, token: int, rows: Optional[list[ReplicatedRow]] = None) -> None:
+    def apply(self, token: int, rows: list[ReplicatedRow] | None = None) -> None:
         rows = rows_for(token) if rows is None else rows
         store = self.store
 
@@ -115,7 +117,7 @@ class SimulatedWorker:
         for token in range(self.applied + 1, last + 1):
             self.apply(token)
 
-    def start(self, pause: float = 0.002) -> "SimulatedWorker":
+    def start(self, pause: float = 0.002) -> SimulatedWorker:
         """Keep applying the next token in a thread until :meth:`stop`."""
 
         def run() -> None:

@@ -11,7 +11,9 @@ from scripts.bench_snapshot import print_results, run_snapshot_bench
 from scripts.benchmark import SCENARIOS
 
 
-def test_snapshot_scenario_prints_a_ratio_line_per_backend(spark, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_snapshot_scenario_prints_a_ratio_line_per_backend(
+    spark, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     assert "snapshot" in SCENARIOS
     results = run_snapshot_bench(2000, 1, str(tmp_path), spark=spark)
     assert set(results) == {"snapshot-sqlite", "snapshot-postgresql"}

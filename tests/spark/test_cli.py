@@ -35,11 +35,18 @@ def run_in_process(args: list[str], capsys: pytest.CaptureFixture) -> subprocess
 
 # The real program (its own JVM, ~10-20 s) once; the incremental case in-process (seconds).
 @pytest.mark.parametrize(
-    "worker_url, incremental, separate_process", [("sqlite", False, True), ("postgresql", True, False)],
-    ids=["sqlite-snapshot-program", "postgresql-incremental-in-process"], indirect=["worker_url"],
+    "worker_url, incremental, separate_process",
+    [("sqlite", False, True), ("postgresql", True, False)],
+    ids=["sqlite-snapshot-program", "postgresql-incremental-in-process"],
+    indirect=["worker_url"],
 )
 def test_out_writes_parquet_that_reads_back_as_the_snapshot(
-    spark, worker: SimulatedWorker, config_file: Path, tmp_path: Path, incremental: bool, separate_process: bool,
+    spark,
+    worker: SimulatedWorker,
+    config_file: Path,
+    tmp_path: Path,
+    incremental: bool,
+    separate_process: bool,
     capsys: pytest.CaptureFixture,
 ) -> None:
     worker.fill(400)
@@ -74,19 +81,31 @@ def test_out_writes_parquet_that_reads_back_as_the_snapshot(
 
     manifest = json.loads((directory / "_manifest.json").read_text())
     assert (manifest["stream"], manifest["after"], manifest["token"], manifest["rows"]) == (
-        "sample", after, token, len(rows))
+        "sample",
+        after,
+        token,
+        len(rows),
+    )
     assert manifest["incremental"] is incremental
     assert [c["name"] for c in manifest["columns"]] == ["token", "instance_name", "ts", *SAMPLE.column_names]
     assert len(manifest["files"]) == 3 and all((directory / f).exists() for f in manifest["files"])
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary left behind
 
 
-
 def test_existing_output_is_refused(worker: SimulatedWorker, config_file: Path, tmp_path: Path) -> None:
     worker.fill(5)
     (tmp_path / "out" / "sample_0_5").mkdir(parents=True)
-    proc = run_tickline("snapshot", "-c", str(config_file), "--database", worker.url, "--stream", "sample",
-                        "--out", str(tmp_path / "out"))
+    proc = run_tickline(
+        "snapshot",
+        "-c",
+        str(config_file),
+        "--database",
+        worker.url,
+        "--stream",
+        "sample",
+        "--out",
+        str(tmp_path / "out"),
+    )
     assert proc.returncode == 2
     assert "sample_0_5 already exists" in proc.stderr
 
@@ -103,15 +122,21 @@ def test_errors_are_clear_and_need_no_spark(pg_server, config_file: Path, tmp_pa
     base = ["snapshot", "-c", str(config_file)]
     cases = [
         ([*base, "--database", url, "--stream", "nosuch"], "unknown stream 'nosuch'"),
-        ([*base, "--database", url, "--stream", "sample", "--as-of", "21"],
-         "token 21 is above the worker's applied token 20"),
+        (
+            [*base, "--database", url, "--stream", "sample", "--as-of", "21"],
+            "token 21 is above the worker's applied token 20",
+        ),
         ([*base, "--database", url, "--stream", "sample", "--after", "25"], "after token 25 is above"),
         ([*base, "--database", url, "--stream", "sample", "--partitions", "0"], "--partitions must be at least 1"),
         ([*base, "--database", f"sqlite:///{tmp_path}/absent.db", "--stream", "sample"], "no SQLite database at"),
-        ([*base, "--database", f"sqlite:///{tmp_path}/bare.db", "--stream", "sample"],
-         "has no table replicated_sample: the worker does not replicate stream 'sample'"),
-        ([*base, "--database", f"postgresql://postgres@127.0.0.1:{free_port()}/nope", "--stream", "sample"],
-         "cannot connect to PostgreSQL at"),
+        (
+            [*base, "--database", f"sqlite:///{tmp_path}/bare.db", "--stream", "sample"],
+            "has no table replicated_sample: the worker does not replicate stream 'sample'",
+        ),
+        (
+            [*base, "--database", f"postgresql://postgres@127.0.0.1:{free_port()}/nope", "--stream", "sample"],
+            "cannot connect to PostgreSQL at",
+        ),
         ([*base, "--database", pg_server.url("postgres"), "--stream", "sample"], "is not a worker's database"),
         ([*base, "--database", "mysql://x/y", "--stream", "sample"], "unsupported database URL"),
     ]

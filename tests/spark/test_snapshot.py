@@ -19,12 +19,21 @@ from workers.snapshot import (
 )
 
 SAMPLE_TYPES = {
-    "token": "bigint", "instance_name": "string", "ts": "bigint", "name": "string", "amount": "bigint",
-    "score": "double", "flag": "boolean", "payload": "string", "note": "string",
+    "token": "bigint",
+    "instance_name": "string",
+    "ts": "bigint",
+    "name": "string",
+    "amount": "bigint",
+    "score": "double",
+    "flag": "boolean",
+    "payload": "string",
+    "note": "string",
 }
 
 
-def test_snapshot_holds_exactly_the_rows_up_to_its_token_while_the_worker_writes(spark, worker: SimulatedWorker) -> None:
+def test_snapshot_holds_exactly_the_rows_up_to_its_token_while_the_worker_writes(
+    spark, worker: SimulatedWorker
+) -> None:
     from pyspark.sql.functions import spark_partition_id
 
     worker.fill(1500)
@@ -51,7 +60,7 @@ def test_snapshot_holds_exactly_the_rows_up_to_its_token_while_the_worker_writes
         ranges[r["pid"]] = (min(low, r["token"]), max(high, r["token"]))
     assert sorted(ranges) == [0, 1, 2, 3]
     spans = [ranges[p] for p in sorted(ranges)]
-    assert all(a[1] < b[0] for a, b in zip(spans, spans[1:]))
+    assert all(a[1] < b[0] for a, b in zip(spans, spans[1:], strict=False))
 
     # Unpacks as (DataFrame, token); a later snapshot as of T reads the same rows.
     again, again_token = snapshot(spark, worker.url, "sample", SAMPLE, as_of=token, num_partitions=3)
@@ -135,11 +144,18 @@ def test_schema_helpers() -> None:
     )
     struct = spark_schema(SAMPLE)
     assert [(f.name, f.nullable) for f in struct.fields][:4] == [
-        ("token", False), ("instance_name", False), ("ts", False), ("name", False)]
+        ("token", False),
+        ("instance_name", False),
+        ("ts", False),
+        ("name", False),
+    ]
     assert struct["note"].nullable
     assert jdbc_options("postgresql://u%40x:p%3Aw@db.example:5433/work?sslmode=require") == {
-        "url": "jdbc:postgresql://db.example:5433/work", "driver": "org.postgresql.Driver",
-        "user": "u@x", "password": "p:w", "sslmode": "require",
+        "url": "jdbc:postgresql://db.example:5433/work",
+        "driver": "org.postgresql.Driver",
+        "user": "u@x",
+        "password": "p:w",
+        "sslmode": "require",
     }
     assert jdbc_options("sqlite:////var/lib/w.db")["url"] == "jdbc:sqlite:/var/lib/w.db"
 

@@ -40,18 +40,27 @@ ROUND_TRIPS = [
     ("REPLICATE events 0", ReplicateCommand("events", 0)),
     ("POSITION events master 5 9", PositionCommand("events", "master", 5, 9)),
     ("POSITION caches master 7 7", PositionCommand("caches", "master", 7, 7)),
-    ('RDATA events master 12 ["$ev:x","!room:x","m.room.message",null,null]',
-     RdataCommand("events", "master", 12, ["$ev:x", "!room:x", "m.room.message", None, None])),
-    ('RDATA events w1 batch ["a b c",1,2.5,true,{"k":[1,2]}]',
-     RdataCommand("events", "w1", None, ["a b c", 1, 2.5, True, {"k": [1, 2]}])),
+    (
+        'RDATA events master 12 ["$ev:x","!room:x","m.room.message",null,null]',
+        RdataCommand("events", "master", 12, ["$ev:x", "!room:x", "m.room.message", None, None]),
+    ),
+    (
+        'RDATA events w1 batch ["a b c",1,2.5,true,{"k":[1,2]}]',
+        RdataCommand("events", "w1", None, ["a b c", 1, 2.5, True, {"k": [1, 2]}]),
+    ),
     ("RDATA caches master 3 []", RdataCommand("caches", "master", 3, [])),
     ("ERROR unknown command 'FOO'", ErrorCommand("unknown command 'FOO'")),
-    ("USER_SYNC worker1 @alice:example.com start 1700000000000",
-     UserSyncCommand("worker1", "@alice:example.com", True, 1700000000000)),
+    (
+        "USER_SYNC worker1 @alice:example.com start 1700000000000",
+        UserSyncCommand("worker1", "@alice:example.com", True, 1700000000000),
+    ),
     ("USER_SYNC worker1 @bob:example.com end 0", UserSyncCommand("worker1", "@bob:example.com", False, 0)),
     ("CLEAR_USER_SYNC worker1", ClearUserSyncCommand("worker1")),
     ("FEDERATION_ACK federation_sender 1234", FederationAckCommand("federation_sender", 1234)),
-    ("REMOVE_PUSHER m.http some_key @alice:example.com", RemovePusherCommand("m.http", "some_key", "@alice:example.com")),
+    (
+        "REMOVE_PUSHER m.http some_key @alice:example.com",
+        RemovePusherCommand("m.http", "some_key", "@alice:example.com"),
+    ),
     ("REMOVE_PUSHER m.http a key with spaces @alice:x", RemovePusherCommand("m.http", "a key with spaces", "@alice:x")),
     ("REMOTE_SERVER_UP example.org", RemoteServerUpCommand("example.org")),
     ("AUTH s3cret", AuthCommand("s3cret")),
@@ -72,25 +81,46 @@ def test_parse_and_serialize_round_trip(line: str, command: Command) -> None:
 
 def test_every_command_has_a_class_and_a_direction() -> None:
     expected = {
-        "SERVER", "PING", "NAME", "REPLICATE", "POSITION", "RDATA", "ERROR", "USER_SYNC",
-        "CLEAR_USER_SYNC", "FEDERATION_ACK", "REMOVE_PUSHER", "REMOTE_SERVER_UP", "AUTH", "OPTIONS",
+        "SERVER",
+        "PING",
+        "NAME",
+        "REPLICATE",
+        "POSITION",
+        "RDATA",
+        "ERROR",
+        "USER_SYNC",
+        "CLEAR_USER_SYNC",
+        "FEDERATION_ACK",
+        "REMOVE_PUSHER",
+        "REMOTE_SERVER_UP",
+        "AUTH",
+        "OPTIONS",
     }
     assert set(COMMAND_CLASSES) == expected
     for name, cls in COMMAND_CLASSES.items():
-        assert cls.NAME == name
-    assert SERVER_COMMANDS | CLIENT_COMMANDS == expected
+        assert name == cls.NAME
+    assert expected == SERVER_COMMANDS | CLIENT_COMMANDS
     # every class is exercised by a round trip above
     assert {type(c).NAME for _, c in ROUND_TRIPS} == expected
 
 
 def test_direction_sets_follow_the_protocol_table() -> None:
-    assert SERVER_COMMANDS == {"SERVER", "PING", "POSITION", "RDATA", "ERROR", "REMOTE_SERVER_UP"}
-    assert CLIENT_COMMANDS == {
-        "PING", "NAME", "REPLICATE", "ERROR", "USER_SYNC", "CLEAR_USER_SYNC",
-        "FEDERATION_ACK", "REMOVE_PUSHER", "REMOTE_SERVER_UP", "AUTH", "OPTIONS",
-    }
+    assert {"SERVER", "PING", "POSITION", "RDATA", "ERROR", "REMOTE_SERVER_UP"} == SERVER_COMMANDS
+    assert {
+        "PING",
+        "NAME",
+        "REPLICATE",
+        "ERROR",
+        "USER_SYNC",
+        "CLEAR_USER_SYNC",
+        "FEDERATION_ACK",
+        "REMOVE_PUSHER",
+        "REMOTE_SERVER_UP",
+        "AUTH",
+        "OPTIONS",
+    } == CLIENT_COMMANDS
     # Sent by both sides: exactly those marked S,C in the table.
-    assert SERVER_COMMANDS & CLIENT_COMMANDS == {"PING", "ERROR", "REMOTE_SERVER_UP"}
+    assert {"PING", "ERROR", "REMOTE_SERVER_UP"} == SERVER_COMMANDS & CLIENT_COMMANDS
     # A client may never send what only the master sends.
     for name in ("SERVER", "POSITION", "RDATA"):
         assert name not in CLIENT_COMMANDS
@@ -174,7 +204,10 @@ MALFORMED = [
     ("ERROR", ["malformed ERROR", "ERROR <message>"]),
     ("ERROR    ", ["malformed ERROR", "ERROR <message>"]),
     ("USER_SYNC w1 @a:x maybe 5", ["malformed USER_SYNC", "'start' or 'end'", "'maybe'"]),
-    ("USER_SYNC w1 @a:x start", ["malformed USER_SYNC", "USER_SYNC <instance> <user_id> <start or end> <last_sync_ms>"]),
+    (
+        "USER_SYNC w1 @a:x start",
+        ["malformed USER_SYNC", "USER_SYNC <instance> <user_id> <start or end> <last_sync_ms>"],
+    ),
     ("USER_SYNC w1 @a:x start soon", ["malformed USER_SYNC", "last_sync_ms", "'soon'"]),
     ("CLEAR_USER_SYNC", ["malformed CLEAR_USER_SYNC", "CLEAR_USER_SYNC <instance>"]),
     ("CLEAR_USER_SYNC a b", ["malformed CLEAR_USER_SYNC", "instance"]),
@@ -243,7 +276,9 @@ def test_commands_are_immutable_values() -> None:
 
 # -- the receiving fast path ---------------------------------------------------------
 
-from replication.commands import RdataCommand as _Rdata, parse_line as _parse, parse_rdata_fast  # noqa: E402
+from replication.commands import RdataCommand as _Rdata  # noqa: E402
+from replication.commands import parse_line as _parse  # noqa: E402
+from replication.commands import parse_rdata_fast  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -276,7 +311,7 @@ def test_fast_rdata_parse_agrees_with_the_command_class(line: str) -> None:
         b'RDATA events master 99999999999999999999 ["x"]',
         b'RDATA ev\xc3\xa9nts master 1 ["x"]',
         b'RDATA never-seen-name master 1 ["x"]',
-        b'POSITION events master 1 2',
+        b"POSITION events master 1 2",
     ],
 )
 def test_fast_rdata_parse_declines_what_the_full_parser_must_judge(raw: bytes) -> None:

@@ -7,10 +7,10 @@ import pytest
 
 from replication.master import MasterConfig
 from replication.protocol import ProtocolConfig
-from workers.consumer import ApplySettings
-from workers.worker import WorkerConfig
 from scripts.cli import main
 from scripts.config import ConfigError, config_from_mapping, load_config
+from workers.consumer import ApplySettings
+from workers.worker import WorkerConfig
 
 SAMPLE = "sample_config.yaml"
 

@@ -9,8 +9,9 @@ once or holds them until the test releases them (to interleave deterministically
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 import attr
 import orjson
@@ -135,7 +136,7 @@ class Env:
         self.reactor.advance(self.master.config.poll_interval)
 
     def advance_by(self, seconds: float, step: float = 0.1) -> None:
-        for _ in range(int(round(seconds / step))):
+        for _ in range(round(seconds / step)):
             self.reactor.advance(step)
 
 
@@ -143,7 +144,7 @@ class Env:
 def make_env(tmp_path: Path) -> Iterator[Callable[..., Env]]:
     envs: list[Env] = []
 
-    def make(secret: Optional[str] = None, **protocol: Any) -> Env:
+    def make(secret: str | None = None, **protocol: Any) -> Env:
         path = tmp_path / f"env{len(envs)}"
         path.mkdir()
         env = Env(path, ProtocolConfig(**protocol), MasterConfig(server_name="unit", secret=secret))
@@ -163,7 +164,7 @@ def env(make_env: Callable[..., Env]) -> Env:
     return make_env()
 
 
-def rdata(lines: list[str]) -> list[tuple[str, str, Optional[int], list]]:
+def rdata(lines: list[str]) -> list[tuple[str, str, int | None, list]]:
     out = []
     for line in lines:
         if line.startswith("RDATA "):

@@ -41,7 +41,7 @@ def test_sqlite_json_rows_equal_python_encoded_rows(tmp_path, with_ts: bool) -> 
     assert orjson.loads(built.splitlines()[-1].split(b" ", 4)[4])[2] == 0.30000000000000004
     python_lines, built_lines = python.splitlines(), built.splitlines()
     assert len(python_lines) == len(built_lines) == len(ROWS)
-    for a, b in zip(python_lines, built_lines):
+    for a, b in zip(python_lines, built_lines, strict=False):
         head_a, _, json_a = a.partition(b" [")
         head_b, _, json_b = b.partition(b" [")
         assert head_a == head_b  # RDATA mixed <instance> <token or batch>

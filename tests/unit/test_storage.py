@@ -197,7 +197,9 @@ def test_unreachable_postgresql_names_the_server() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nothing listens here once closed
-    with pytest.raises(DatabaseUnavailable, match=f"cannot connect to PostgreSQL at postgresql://u@127.0.0.1:{port}/db"):
+    with pytest.raises(
+        DatabaseUnavailable, match=f"cannot connect to PostgreSQL at postgresql://u@127.0.0.1:{port}/db"
+    ):
         open_store(f"postgresql://u@127.0.0.1:{port}/db")
 
 

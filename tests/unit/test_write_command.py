@@ -75,11 +75,11 @@ def test_bad_database_urls(tmp_path, capsys) -> None:
 
 
 def test_instance_names_must_be_printable_ascii_as_the_wire_needs(db, capsys) -> None:
-    code, out, err = write(capsys, "--database", db, "--instance", "wr\u00efter", "events", EVENT)
+    code, _out, err = write(capsys, "--database", db, "--instance", "wr\u00efter", "events", EVENT)
     assert code == 2 and "bad instance name" in err and "printable ASCII" in err
 
 
 def test_empty_stdin_is_a_clear_error(db, capsys, monkeypatch) -> None:
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
-    code, out, err = write(capsys, "--database", db, "--batch", "events", "-")
+    code, _out, err = write(capsys, "--database", db, "--batch", "events", "-")
     assert code == 2 and "no rows to write" in err

@@ -14,12 +14,18 @@ EVENT_ROW = ["$e", "!room", "m.type", None, None]
 # (bytes sent, the ERROR line that must answer it) — the connection stays open.
 RECOVERABLE = [
     ("unknown command", b"FOO bar\n", "ERROR unknown command 'FOO'"),
-    ("RDATA from a client", b'RDATA events master 1 ["$e","!r","t",null,null]\n',
-     "ERROR RDATA may not be sent by the client"),
+    (
+        "RDATA from a client",
+        b'RDATA events master 1 ["$e","!r","t",null,null]\n',
+        "ERROR RDATA may not be sent by the client",
+    ),
     ("POSITION from a client", b"POSITION events master 0 1\n", "ERROR POSITION may not be sent by the client"),
     ("SERVER from a client", b"SERVER impostor\n", "ERROR SERVER may not be sent by the client"),
-    ("malformed arguments", b"REPLICATE events abc\n",
-     "ERROR malformed REPLICATE: token must be a non-negative integer, got 'abc'"),
+    (
+        "malformed arguments",
+        b"REPLICATE events abc\n",
+        "ERROR malformed REPLICATE: token must be a non-negative integer, got 'abc'",
+    ),
     ("missing arguments", b"PING\n", "ERROR malformed PING: expected PING <unix_ms>"),
     ("bad JSON", b"RDATA events master 1 [1,\n", "ERROR malformed RDATA: bad row JSON"),
     ("JSON that is no array", b'RDATA events master 1 {"a":1}\n', "ERROR malformed RDATA: row JSON must be an array"),
@@ -61,7 +67,7 @@ def test_each_bad_input_gets_error_and_the_connection_stays_open(served) -> None
     m, observer = served
     client = m.connect()
     client.handshake()
-    for i, (what, data, error) in enumerate(RECOVERABLE):
+    for _i, (what, data, error) in enumerate(RECOVERABLE):
         client.send_raw(data)
         line = client.next_command()
         assert line.startswith(error), f"{what}: {line!r}"

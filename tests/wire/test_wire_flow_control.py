@@ -104,7 +104,7 @@ def test_slow_reader_that_keeps_reading_gets_every_row(master) -> None:
             *lines, buffer = buffer.split(b"\n")
             for line in lines:
                 if line.startswith(b"RDATA "):
-                    _, stream, _, token, row = line.split(b" ", 4)
+                    _, _stream, _, token, row = line.split(b" ", 4)
                     assert int(token) == expected
                     assert orjson.loads(row) == [f"{expected:06d}{BODY}"]
                     expected += 1

@@ -39,7 +39,11 @@ def test_nc_replicate_right_after_a_commit_prints_the_new_rows_too(master, nc_pa
     assert "POSITION caches master 0 0" in lines
     assert lines[1:] in (
         ["POSITION caches master 0 0", "POSITION events master 1 1"],
-        ["POSITION caches master 0 0", "POSITION events master 0 0", 'RDATA events writer 1 ["$e1","!r","t",null,null]'],
+        [
+            "POSITION caches master 0 0",
+            "POSITION events master 0 0",
+            'RDATA events writer 1 ["$e1","!r","t",null,null]',
+        ],
     )
 
 

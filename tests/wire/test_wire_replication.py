@@ -36,7 +36,7 @@ def live_client(m):
 
 def test_new_rows_go_out_as_rdata_within_100_ms_of_commit(master) -> None:
     m = master()
-    client, positions = live_client(m)
+    client, _positions = live_client(m)
     latencies = []
     for i in range(1, 11):
         (token,) = m.append("events", [event(i)])
@@ -55,7 +55,7 @@ def test_rows_written_by_tickline_write_reach_live_clients(master) -> None:
     clients = [live_client(m)[0] for _ in range(3)]
     tokens = m.write("events", json.dumps(event(1)), json.dumps(event(2)), instance="writer-b")
     assert tokens == [1, 2]
-    (cache_token,) = m.write("caches", '["room_cache", ["!room"], 12345]')
+    (_cache_token,) = m.write("caches", '["room_cache", ["!room"], 12345]')
     for client in clients:
         got = sorted(client.next_command(timeout=2.0) for _ in range(3))
         assert got == [
@@ -209,7 +209,14 @@ def test_config_declared_stream_behaves_like_a_built_in(master, tickline) -> Non
     ]
     # write (through the CLI, with the same config)
     result = tickline(
-        "write", "-c", str(m.config_path), "--database", m.database, "--instance", "probe", "measurements",
+        "write",
+        "-c",
+        str(m.config_path),
+        "--database",
+        m.database,
+        "--instance",
+        "probe",
+        "measurements",
         '["t1", 9007199254740993, 21.5, true, {"unit": "C", "tags": [1, 2]}, null]',
         '{"sensor": "t2", "reading": -1, "value": 3, "ok": false}',
     )
@@ -232,8 +239,19 @@ def test_config_declared_stream_behaves_like_a_built_in(master, tickline) -> Non
     assert replayer.next_command() == "POSITION measurements master 0 0"
     assert [parse_rdata(replayer.next_command())[3] for _ in range(2)] == expected
     # tail
-    result = tickline("tail", "-c", str(m.config_path), "--master", m.address, "--from", "0", "--count", "2",
-                      "measurements", timeout=20)
+    result = tickline(
+        "tail",
+        "-c",
+        str(m.config_path),
+        "--master",
+        m.address,
+        "--from",
+        "0",
+        "--count",
+        "2",
+        "measurements",
+        timeout=20,
+    )
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in result.stdout.splitlines()]
     assert records == [
@@ -241,8 +259,15 @@ def test_config_declared_stream_behaves_like_a_built_in(master, tickline) -> Non
         {"stream": "measurements", "instance": "probe", "token": 2, "row": expected[1]},
     ]
     # bad rows for the declared types are refused with a clear message
-    result = tickline("write", "-c", str(m.config_path), "--database", m.database, "measurements",
-                      '["t3", "not a number", 1.0, true, null, null]')
+    result = tickline(
+        "write",
+        "-c",
+        str(m.config_path),
+        "--database",
+        m.database,
+        "measurements",
+        '["t3", "not a number", 1.0, true, null, null]',
+    )
     assert result.returncode != 0
     assert "reading" in result.stderr and "bigint" in result.stderr
 

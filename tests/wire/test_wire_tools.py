@@ -6,7 +6,6 @@ import json
 import subprocess
 import time
 
-
 TAIL_TIMEOUT = 20.0
 
 
@@ -20,11 +19,19 @@ def test_write_prints_one_token_per_row(master, write) -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout == "1\n2\n"
     # a JSON object by column name works too; missing nullable columns are null
-    result = write("--database", m.database, "events",
-                   '{"event_id": "$e3", "room_id": "!room", "type": "m.type"}')
+    result = write("--database", m.database, "events", '{"event_id": "$e3", "room_id": "!room", "type": "m.type"}')
     assert result.stdout == "3\n"
-    result = write("--database", m.database, "--batch", "--instance", "w9", "events",
-                   json.dumps(event(4)), json.dumps(event(5)), json.dumps(event(6)))
+    result = write(
+        "--database",
+        m.database,
+        "--batch",
+        "--instance",
+        "w9",
+        "events",
+        json.dumps(event(4)),
+        json.dumps(event(5)),
+        json.dumps(event(6)),
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout == "4\n4\n4\n"
     client = m.connect()
@@ -72,8 +79,9 @@ def test_tail_from_a_token_prints_one_json_object_per_row(master, tickline) -> N
     m.append("caches", [["cache_a", ["k"], 7]])
     m.append("events", [event(3), event(4)], batch=True)
     m.append("caches", [["cache_b", None, 8]], instance="w2")
-    result = tickline("tail", "--master", m.address, "--from", "1", "--count", "4", "events", "caches",
-                      timeout=TAIL_TIMEOUT)
+    result = tickline(
+        "tail", "--master", m.address, "--from", "1", "--count", "4", "events", "caches", timeout=TAIL_TIMEOUT
+    )
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in result.stdout.splitlines()]
     events = [r for r in records if r["stream"] == "events"]
@@ -91,8 +99,9 @@ def test_tail_from_a_token_prints_one_json_object_per_row(master, tickline) -> N
 def test_tail_with_ts_adds_the_timestamp(master, tickline) -> None:
     m = master()
     m.append("events", [event(1)])
-    result = tickline("tail", "--master", m.address, "--from", "0", "--count", "1", "--ts", "events",
-                      timeout=TAIL_TIMEOUT)
+    result = tickline(
+        "tail", "--master", m.address, "--from", "0", "--count", "1", "--ts", "events", timeout=TAIL_TIMEOUT
+    )
     assert result.returncode == 0, result.stderr
     (record,) = [json.loads(line) for line in result.stdout.splitlines()]
     assert record["row"] == event(1) and record["token"] == 1

@@ -10,7 +10,8 @@ deterministic.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from twisted.internet import defer
@@ -31,7 +32,7 @@ TS = 470_000_000_000_000_000
 class SyncWorker(Worker):
     """Applies in the calling thread; ``hold`` keeps applies pending to test flow control."""
 
-    hold: Optional[list] = None
+    hold: list | None = None
 
     def _apply_in_db(self, stream: str, token: int, effects: Callable[[Any], None]) -> defer.Deferred:
         if self.hold is not None:
@@ -273,7 +274,7 @@ def cached(h):
 
 
 def test_one_key_is_invalidated(h, cached) -> None:
-    members, state, calls = cached
+    members, _state, calls = cached
     h.send(cache_row(1, "members", '["!a"]'))
     assert ("!a",) not in members.cache and ("!b",) in members.cache
     members("!a")
@@ -282,13 +283,13 @@ def test_one_key_is_invalidated(h, cached) -> None:
 
 
 def test_null_keys_invalidate_the_whole_cache(h, cached) -> None:
-    members, state, calls = cached
+    members, state, _calls = cached
     h.send(cache_row(1, "members", "null"))
     assert len(members.cache) == 0 and len(state) == 1
 
 
 def test_special_name_invalidates_several_caches(h, cached) -> None:
-    members, state, calls = cached
+    members, state, _calls = cached
     h.send(cache_row(1, "room_caches", '["!a"]'))
     assert ("!a",) not in members.cache and ("!a",) not in state
     assert ("!b",) in members.cache
@@ -297,7 +298,7 @@ def test_special_name_invalidates_several_caches(h, cached) -> None:
 
 
 def test_invalidation_batch_applies_at_its_token(h, cached) -> None:
-    members, state, calls = cached
+    members, state, _calls = cached
     h.send(f'RDATA caches m batch ["members", ["!a"], 1, {TS}]')
     assert ("!a",) in members.cache
     h.send(cache_row(1, "state", "null"))
