@@ -20,6 +20,7 @@ from twisted.internet import defer, task
 from twisted.logger import STDLibLogObserver, globalLogBeginner
 
 from scripts.config import ConfigError, load_config, setup_logging
+from scripts.stopping import stop_reactor
 from workers.systemd import SystemdNotifier
 
 logger = logging.getLogger(__name__)
@@ -53,8 +54,7 @@ def run_daemon(
     def failed(failure: Any) -> None:
         print(f"tickline {name}: error: {failure.getErrorMessage()}", file=sys.stderr)
         exit_code[0] = 1
-        if reactor.running:
-            reactor.stop()
+        stop_reactor(reactor)
 
     async def begin() -> None:
         notifier.status(f"{name} starting")

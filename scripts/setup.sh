@@ -39,9 +39,9 @@ fi
 # Reinstall only when the declared dependencies changed since the last run.
 stamp=.venv/.tickline-setup
 want="$(sha256sum setup.cfg pyproject.toml | sha256sum | cut -d' ' -f1)"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! .venv/bin/python -c "import replication, twisted, orjson, pyspark" 2>/dev/null; then
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! .venv/bin/python -c "import replication, twisted, orjson, psycopg2, pyspark, matplotlib, hypothesis, mypy" 2>/dev/null; then
     echo "setup: installing Python packages into .venv"
     .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
-    .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+    .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[postgres,spark,bench,test]'
     echo "$want" > "$stamp"
 fi

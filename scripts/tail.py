@@ -14,6 +14,7 @@ from replication.client import ClientProtocol, ReplicationHandler
 from replication.commands import PositionCommand
 from replication.rows import split_ts
 from scripts.config import Config, parse_address
+from scripts.stopping import stop_reactor
 
 # How long after the first POSITION every requested stream must have one.
 POSITIONS_GRACE = 1.0
@@ -97,8 +98,7 @@ class TailHandler(ReplicationHandler):
         self.done = True
         self.exit_code = code
         self._out.flush()
-        if self.reactor.running:
-            self.reactor.stop()
+        stop_reactor(self.reactor)
 
 
 class TailFactory(ClientFactory):
