@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any, ClassVar
 
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.error import ConnectionDone
 from twisted.python.failure import Failure
 
 from replication.commands import (
@@ -29,6 +29,7 @@ from replication.commands import (
     parse_rdata_fast,
 )
 from replication.protocol import LineCommandProtocol, ProtocolConfig
+from replication.reactor_types import Clock
 from replication.stats import STATS
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ class ClientProtocol(LineCommandProtocol):
         handler: ReplicationHandler,
         client_name: str,
         config: ProtocolConfig,
-        clock: IReactorTime,
+        clock: Clock,
         with_ts: bool = False,
         secret: str | None = None,
         options: frozenset[str] = frozenset(),
@@ -94,9 +95,9 @@ class ClientProtocol(LineCommandProtocol):
             self.send(OptionsCommand(self.options))
         self.handler.connected(self)
 
-    def connectionLost(self, reason: Failure = None) -> None:
+    def connectionLost(self, reason: Failure | None = None) -> None:
         super().connectionLost(reason)
-        self.handler.disconnected(self, reason)
+        self.handler.disconnected(self, reason or Failure(ConnectionDone()))
 
     def replicate(self, stream: str | None = None, token: int | None = None) -> None:
         """``REPLICATE`` (every stream, live from now) or one stream after a token."""

@@ -17,7 +17,7 @@ from typing import Any
 
 from twisted.internet import defer, task
 from twisted.internet.error import ConnectionLost
-from twisted.internet.interfaces import IListeningPort, IReadDescriptor
+from twisted.internet.interfaces import IReadDescriptor
 from twisted.internet.protocol import Factory
 from zope.interface import implementer
 
@@ -66,11 +66,11 @@ class Master:
         self._notifications: NotificationReader | None = None
         self._relistening = False
         self._db_error: str | None = None
-        self.port: IListeningPort | None = None
+        self.port: Any = None  # the reactor's listening port
 
     # -- start and stop ------------------------------------------------------------
 
-    async def start(self) -> IListeningPort:
+    async def start(self) -> Any:
         """Register the streams, read their heads, start following and listening."""
         self.db.start()
         await self.db.run(self._register_all)
@@ -150,7 +150,7 @@ class Master:
         self, stream: str, after: int, upto: int, limit: int, with_ts: bool
     ) -> defer.Deferred[tuple[bytes, int, int]]:
         """RDATA bytes for rows in ``(after, upto]`` (about ``limit`` rows), off the reactor."""
-        d = self.db.run(self._read_encoded, stream, after, upto, limit, (with_ts,))
+        d: defer.Deferred[Any] = self.db.run(self._read_encoded, stream, after, upto, limit, (with_ts,))
         d.addCallback(lambda result: (result[0].get(with_ts, b""), result[1], result[2]))
         return d
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import ClassVar
 
 from twisted.internet import task
-from twisted.internet.interfaces import IHalfCloseableProtocol, IReactorTime
+from twisted.internet.interfaces import IHalfCloseableProtocol
 from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
 from zope.interface import implementer
@@ -36,6 +36,7 @@ from replication.commands import (
     UnknownCommand,
     parse_line,
 )
+from replication.reactor_types import Clock, DelayedCall, Transport
 from replication.settings import ProtocolConfig
 from replication.stats import STATS
 
@@ -47,12 +48,14 @@ _TCP_INFO_RTT = struct.Struct("I")  # tcpi_rtt: microseconds, at offset 68 of st
 class LineCommandProtocol(Protocol):
     """Base of the server and client protocols."""
 
+    transport: Transport | None  # type: ignore[assignment]
+
     # Commands the peer may send us, by name.
     INBOUND: ClassVar[frozenset[str]]
     # Who we are in log lines.
     SIDE: ClassVar[str] = "peer"
 
-    def __init__(self, config: ProtocolConfig, clock: IReactorTime) -> None:
+    def __init__(self, config: ProtocolConfig, clock: Clock) -> None:
         self.config = config
         self.clock = clock
         self.conn_name = "?"
@@ -63,7 +66,7 @@ class LineCommandProtocol(Protocol):
         self._last_sent = 0.0
         self._keepalive: task.LoopingCall | None = None
         self._tick = 1.0
-        self._abort_call = None
+        self._abort_call: DelayedCall | None = None
         self.read_closed = False
         self.rtt_ms: float | None = None  # kernel's smoothed TCP round trip
         self.clock_offset_ms: float | None = None  # peer's clock minus ours, from its PINGs
@@ -71,17 +74,18 @@ class LineCommandProtocol(Protocol):
     # -- connection lifecycle --------------------------------------------------
 
     def connectionMade(self) -> None:
+        assert self.transport is not None
         peer = self.transport.getPeer()
         self.conn_name = f"{getattr(peer, 'host', '?')}:{getattr(peer, 'port', '?')}"
         now = self.clock.seconds()
         self._last_received = now
         self._keepalive = task.LoopingCall(self._keepalive_tick)
-        self._keepalive.clock = self.clock
+        self._keepalive.clock = self.clock  # type: ignore[assignment]
         tick = min(self.config.ping_interval, self.config.ping_timeout) / 5
         self._tick = max(tick, 0.01)
         self._keepalive.start(self._tick, now=False)
 
-    def connectionLost(self, reason: Failure = None) -> None:
+    def connectionLost(self, reason: Failure | None = None) -> None:
         self._closing = True
         if self._keepalive is not None and self._keepalive.running:
             self._keepalive.stop()
@@ -111,7 +115,7 @@ class LineCommandProtocol(Protocol):
         self.write(command.encode())
 
     def write(self, data: bytes) -> None:
-        if self._closing and self.transport is None:
+        if self.transport is None:
             return
         self._last_sent = self.clock.seconds()
         STATS.bytes_sent += len(data)

@@ -66,7 +66,7 @@ def encode_rows(stream: str, rows: list[StoredRow], encode: RowEncoder, with_ts:
         return b"", 0
     stream_bytes = stream.encode("utf-8")
     prefixes: dict[str, bytes] = {}
-    lines = []
+    lines: list[bytes] = []
     append = lines.append
     last = len(rows) - 1
     for i, row in enumerate(rows):
@@ -92,7 +92,7 @@ def encode_json_rows(stream: str, rows: list[tuple], with_ts: bool) -> tuple[byt
         return b"", 0
     stream_bytes = stream.encode("utf-8")
     prefixes: dict[bytes, bytes] = {}
-    lines = []
+    lines: list[bytes] = []
     append = lines.append
     last = len(rows) - 1
     for i, (_, token, instance, ts, row_json) in enumerate(rows):

@@ -15,7 +15,7 @@ import hmac
 import logging
 from typing import TYPE_CHECKING, ClassVar
 
-from twisted.internet.interfaces import IPushProducer, IReactorTime
+from twisted.internet.interfaces import IPushProducer
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
@@ -35,6 +35,7 @@ from replication.commands import (
     UserSyncCommand,
 )
 from replication.protocol import LineCommandProtocol, ProtocolConfig
+from replication.reactor_types import Clock
 from replication.stats import STATS
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ class ServerProtocol(LineCommandProtocol):
     INBOUND: ClassVar[frozenset[str]] = CLIENT_COMMANDS
     SIDE: ClassVar[str] = "server"
 
-    def __init__(self, master: Master, config: ProtocolConfig, clock: IReactorTime) -> None:
+    def __init__(self, master: Master, config: ProtocolConfig, clock: Clock) -> None:
         super().__init__(config, clock)
         self.master = master
         self.client_name: str | None = None
@@ -81,12 +82,13 @@ class ServerProtocol(LineCommandProtocol):
 
     def connectionMade(self) -> None:
         super().connectionMade()
+        assert self.transport is not None
         self.transport.registerProducer(self, True)
         self.master.connection_made(self)
         self.send(ServerCommand(self.master.config.server_name))
         self.send_ping()
 
-    def connectionLost(self, reason: Failure = None) -> None:
+    def connectionLost(self, reason: Failure | None = None) -> None:
         super().connectionLost(reason)
         if self._pause_timer is not None and self._pause_timer.active():
             self._pause_timer.cancel()
@@ -154,7 +156,9 @@ class ServerProtocol(LineCommandProtocol):
         master = self.master
         stream, token = command.stream, command.token
         if self._pending_replicates or (
-            stream is not None and (not master.has_stream(stream) or token > master.live_token(stream))
+            stream is not None
+            and token is not None
+            and (not master.has_stream(stream) or token > master.live_token(stream))
         ):
             # The stream or the rows may be committed but not yet followed by
             # the master: look at the store once more before refusing. Later

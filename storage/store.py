@@ -74,6 +74,16 @@ class StreamCatalog:
         return schema
 
 
+def require_postgres() -> None:
+    """Fail with one line naming the extra when psycopg2 is not installed."""
+    try:
+        import psycopg2  # noqa: F401
+    except ImportError:
+        raise DatabaseUnavailable(
+            "PostgreSQL support is not installed (psycopg2 is missing): pip install 'tickline[postgres]'"
+        ) from None
+
+
 def open_store(
     url: str | DatabaseUrl,
     clock: Callable[[], float] = time.time,
@@ -82,12 +92,17 @@ def open_store(
 ):
     """Open (and migrate) the stream store behind a database URL."""
     parsed = url if isinstance(url, DatabaseUrl) else parse_database_url(url, base_dir)
+    store: Any
     if parsed.is_sqlite:
         from storage.sqlite_store import SqliteStreamStore
 
+        assert parsed.path is not None
         store = SqliteStreamStore(parsed.path, clock=clock)
     else:
+        require_postgres()
         from storage.pg_store import PgStreamStore
+
+        assert parsed.dsn is not None
 
         store = PgStreamStore(parsed.dsn, clock=clock, **pg_options)
     store.migrate()

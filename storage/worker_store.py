@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from storage.pg_db import PgDatabase
 from storage.schema import StreamSchema
 from storage.sqlite_db import SqliteDatabase
+from storage.store import require_postgres
 from storage.urls import DatabaseUrl, parse_database_url
 
 Effects = Callable[[Any], None]
@@ -69,17 +69,21 @@ class SqliteWorkerStore(WorkerStore, SqliteDatabase):
     placeholder = "?"
 
 
-class PgWorkerStore(WorkerStore, PgDatabase):
-    placeholder = "%s"
-
-
 def open_worker_store(url: str | DatabaseUrl, base_dir: str | None = None) -> WorkerStore:
     """Open (and migrate) a worker's database."""
     parsed = url if isinstance(url, DatabaseUrl) else parse_database_url(url, base_dir)
     store: WorkerStore
     if parsed.is_sqlite:
+        assert parsed.path is not None
         store = SqliteWorkerStore(parsed.path)
     else:
+        require_postgres()
+        from storage.pg_db import PgDatabase
+
+        class PgWorkerStore(WorkerStore, PgDatabase):
+            placeholder = "%s"
+
+        assert parsed.dsn is not None
         store = PgWorkerStore(parsed.dsn)
     store.migrate()
     return store

@@ -23,9 +23,9 @@ from typing import Any
 
 import attr
 from twisted.internet import defer
-from twisted.internet.interfaces import IReactorTime
 from twisted.python.failure import Failure
 
+from replication.reactor_types import Clock
 from storage.schema import StreamSchema
 from storage.tso import physical_ms
 from workers.handlers import ApplyContext, Handler, ReplicatedRow
@@ -50,7 +50,7 @@ class StreamConsumer:
         apply_in_db: Callable[[str, int, Callable[[Any], None]], defer.Deferred[None]],
         placeholder: str,
         worker_name: str,
-        clock: IReactorTime,
+        clock: Clock,
         settings: ApplySettings = ApplySettings(),
         on_progress: Callable[[StreamConsumer], None] | None = None,
     ) -> None:
@@ -185,7 +185,7 @@ class StreamConsumer:
                 group[0].token,
                 self._failures,
                 delay,
-                failure.getErrorMessage() or failure.type.__name__,
+                failure.getErrorMessage() or getattr(failure.type, '__name__', 'error'),
                 [list(r.values) for r in rows][:20],
             )
         else:

@@ -68,7 +68,7 @@ class Worker(ReplicationHandler):
         self.consumers: dict[str, StreamConsumer] = {}
         self.client: ClientProtocol | None = None
         self.factory: WorkerFactory | None = None
-        self.connected_once = defer.Deferred()
+        self.connected_once: defer.Deferred[None] = defer.Deferred()
         self.reconnects = 0
         self.syncing_users: dict[str, int] = {}
         self._federation_ack: int | None = None
@@ -218,7 +218,8 @@ class Worker(ReplicationHandler):
         consumer.rows_received(instance, token, rows)
         if not self._reading_paused and self._pending_rows() > self.config.max_pending_rows:
             self._reading_paused = True
-            client.transport.pauseProducing()
+            if client.transport is not None:
+                client.transport.pauseProducing()
 
     def on_error(self, client: ClientProtocol, message: str) -> None:
         logger.error("master refused: %s", message)
@@ -332,7 +333,7 @@ class WorkerFactory(ReconnectingClientFactory):
         self.worker = worker
         self.initialDelay = worker.config.reconnect_initial
         self.delay = self.initialDelay
-        self.maxDelay = worker.config.reconnect_max
+        self.maxDelay = worker.config.reconnect_max  # type: ignore[assignment]
         self.factor = 2.0
         self.jitter = 0.25
         self.clock = worker.reactor

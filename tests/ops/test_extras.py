@@ -67,6 +67,7 @@ def test_master_write_worker_and_tail_run_without_postgres_and_spark(tmp_path: P
         text=True,
     )
     worker = None
+    outputs: dict[str, str] = {}
     try:
         wait_for_port("127.0.0.1", port, process=master)
         written = _tickline(env, "write", "--database", db, "events", '["$a", "!r", "t", null, null]')
@@ -110,12 +111,13 @@ def test_master_write_worker_and_tail_run_without_postgres_and_spark(tmp_path: P
 
         wait_for(applied, 30, "the worker to apply the row")
     finally:
-        for proc in (worker, master):
+        for role, proc in (("worker", worker), ("master", master)):
             if proc is not None:
                 proc.terminate()
-                proc.communicate(timeout=30)
+                outputs[role] = proc.communicate(timeout=30)[1]
     assert master.returncode == 0
-    assert "Traceback" not in (master.stderr or "")
+    assert "Traceback" not in outputs["master"]
+    assert "Traceback" not in outputs["worker"]
 
 
 def test_postgres_without_its_extra_is_one_line_naming_it(tmp_path: Path) -> None:

@@ -1,0 +1,51 @@
+"""What tickline needs from Twisted's reactor and transports, as ``typing.Protocol``s.
+
+Twisted declares these as ``zope.interface`` interfaces, which type checkers
+read as functions without ``self``. These structural types say the same thing
+in a form mypy checks; a real reactor, ``twisted.internet.task.Clock`` and a
+TCP transport all satisfy them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+
+class DelayedCall(Protocol):
+    def active(self) -> bool: ...
+
+    def cancel(self) -> None: ...
+
+
+class Clock(Protocol):
+    """A source of time and timers (the reactor, or ``task.Clock`` in tests)."""
+
+    def seconds(self) -> float: ...
+
+    def callLater(self, delay: float, callable: Callable[..., Any], /, *args: Any, **kw: Any) -> Any: ...
+
+
+class Address(Protocol):
+    host: str
+    port: int
+
+
+class Transport(Protocol):
+    """The parts of a TCP transport the protocols use."""
+
+    def write(self, data: bytes, /) -> None: ...
+
+    def loseConnection(self) -> None: ...
+
+    def abortConnection(self) -> None: ...
+
+    def getPeer(self) -> Any: ...
+
+    def getHost(self) -> Any: ...
+
+    def registerProducer(self, producer: Any, streaming: bool, /) -> None: ...
+
+    def pauseProducing(self) -> None: ...
+
+    def resumeProducing(self) -> None: ...
