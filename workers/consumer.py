@@ -185,7 +185,7 @@ class StreamConsumer:
                 group[0].token,
                 self._failures,
                 delay,
-                failure.getErrorMessage() or getattr(failure.type, '__name__', 'error'),
+                failure.getErrorMessage() or getattr(failure.type, "__name__", "error"),
                 [list(r.values) for r in rows][:20],
             )
         else:
