@@ -33,7 +33,7 @@ import time
 from typing import Any, TextIO
 
 from scripts.config import Config
-from storage.urls import parse_database_url
+from storage.urls import parse_database_url, redact_url
 from workers.snapshot import (
     SnapshotBounds,
     SnapshotError,
@@ -138,7 +138,7 @@ def _write_parquet(spark: Any, snap: Any, target: str, database: str, started: f
             "applied": bounds.applied,
             "min_token": bounds.min_token,
             "max_token": bounds.max_token,
-            "database": _safe(database),
+            "database": redact_url(database),
             "format": "parquet",
             "files": sorted(f for f in os.listdir(temporary) if f.endswith(".parquet")),
             "columns": [
@@ -159,13 +159,6 @@ def _write_parquet(spark: Any, snap: Any, target: str, database: str, started: f
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
-
-
-def _safe(url: str) -> str:
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url)
-    return url.replace(f":{parts.password}@", ":***@", 1) if parts.password else url
 
 
 class Progress:

@@ -235,10 +235,9 @@ def test_worker_apply_moves_the_token_only_forwards_with_its_effects(db_url) -> 
 
     store = open_worker_store(db_url)
     store.create_replicated_table(EVENTS)
-    insert = EVENTS.insert_replicated_sql(store.placeholder)
 
     def effects(token: int):
-        return lambda conn: conn.execute(insert, (token, "w", 1, f"$e{token}", "!r", "t", None, None))
+        return lambda txn: txn.replicate(EVENTS, [(token, "w", 1, f"$e{token}", "!r", "t", None, None)])
 
     store.apply("events", 5, effects(5))
     with pytest.raises(StaleApply):
@@ -247,6 +246,6 @@ def test_worker_apply_moves_the_token_only_forwards_with_its_effects(db_url) -> 
         store.apply("events", 3, effects(3))
     store.apply("events", 6, effects(6))
     assert store.applied_tokens() == {"events": 6}
-    rows = store.read(lambda c: c.execute("SELECT token FROM replicated_events ORDER BY token").fetchall())
+    rows = store.database.read(lambda c: c.execute("SELECT token FROM replicated_events ORDER BY token").fetchall())
     assert [r[0] for r in rows] == [5, 6]  # the refused applies left nothing behind
     store.close()
