@@ -100,7 +100,9 @@ def test_a_fenced_writer_retries_with_new_tokens_and_loses_nothing(pg_url, caplo
 
     def slow_is_dead() -> bool:
         other.safe_positions()  # what the master does: expire silent writers
-        alive = other.database.read(lambda c: c.execute("SELECT instance_name FROM tickline_writers WHERE alive").fetchall())
+        alive = other.database.read(
+            lambda c: c.execute("SELECT instance_name FROM tickline_writers WHERE alive").fetchall()
+        )
         return not any(name.startswith("slow/") for (name,) in alive)
 
     wait_for(slow_is_dead, 10, "the silent writer to be declared dead")
@@ -209,7 +211,9 @@ def test_two_processes_with_one_instance_name_do_not_fence_each_other(pg_url, ca
             tokens += store.append("events", [[f"$e{i}", "!r", "t", None, None]], "writer")
     assert tokens == list(range(1, 21))  # no transaction was fenced off and retried
     assert "declared dead" not in caplog.text
-    alive = first.database.read(lambda c: c.execute("SELECT instance_name FROM tickline_writers WHERE alive").fetchall())
+    alive = first.database.read(
+        lambda c: c.execute("SELECT instance_name FROM tickline_writers WHERE alive").fetchall()
+    )
     assert len(alive) == 2 and all(name.startswith("writer/") for (name,) in alive)
     first.close()
     second.close()
