@@ -146,8 +146,12 @@ def run_snapshot_bench(
         if verbose:
             print(f"  {text}", flush=True)
 
-    from workers.snapshot import spark_session
+    from workers.snapshot import SnapshotError, require_spark, spark_session
 
+    try:
+        require_spark()
+    except SnapshotError as e:
+        raise BenchError(str(e)) from None
     own = spark is None
     results: dict[str, Any] = {}
     pg = None

@@ -40,6 +40,7 @@ from workers.snapshot import (
     load,
     output_name,
     read_bounds,
+    require_spark,
     resolve_schema,
     spark_session,
 )
@@ -65,6 +66,7 @@ def _range_text(bounds: SnapshotBounds) -> str:
 def take_snapshot(args: argparse.Namespace, config: Config, err: TextIO | None = None) -> dict[str, Any]:
     started = time.monotonic()
     err = err or sys.stderr
+    require_spark()  # before anything else: without it nothing below can finish
     schema = resolve_schema(args.stream, streams=config.streams)
     partitions = config.spark.num_partitions if args.partitions is None else args.partitions
     if partitions < 1:

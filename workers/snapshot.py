@@ -86,6 +86,16 @@ class SnapshotError(ValueError):
     """A snapshot that cannot be taken; the message says why and what to do."""
 
 
+def require_spark() -> None:
+    """Fail with one line naming the extra when PySpark is not installed."""
+    try:
+        import pyspark  # noqa: F401
+    except ImportError:
+        raise SnapshotError(
+            "Spark support is not installed (pyspark is missing): pip install 'tickline[spark]'"
+        ) from None
+
+
 # -- step 1: the bounds, in one transaction ---------------------------------------------------------
 
 
@@ -457,6 +467,7 @@ def spark_session(
     them). ``quiet`` keeps the JVM's log to errors only. If a session is already
     running in this process, Spark returns that one and its jars stay as they were.
     """
+    require_spark()
     settings = settings or SparkSettings()
     jars = [settings.postgresql_jar, settings.sqlite_jar]
     absent = [jar for jar in jars if not os.path.isfile(jar)]
