@@ -22,7 +22,7 @@ from storage.store import (
     UnknownStream,
     open_store,
 )
-from storage.urls import BadDatabaseUrl, parse_database_url
+from storage.urls import BadDatabaseUrl, parse_database_url, redact_url
 
 EVENT = ["$e", "!r", "m.room.message", None, None]
 
@@ -201,6 +201,77 @@ def test_unreachable_postgresql_names_the_server() -> None:
         DatabaseUnavailable, match=f"cannot connect to PostgreSQL at postgresql://u@127.0.0.1:{port}/db"
     ):
         open_store(f"postgresql://u@127.0.0.1:{port}/db")
+
+
+def test_redact_url_hides_every_password_form() -> None:
+    cases = {
+        "postgresql://u:hunter2@127.0.0.1:5432/db": "postgresql://u:***@127.0.0.1:5432/db",
+        "at postgresql://u:p@ss@h/db: refused": "at postgresql://u:***@h/db: refused",
+        "postgresql://u@h/db?sslmode=require&password=hunter2": "postgresql://u@h/db?sslmode=require&password=***",
+        "host=h password='hunter 2' user=u": "host=h password=*** user=u",
+        "postgresql://u@h/db": "postgresql://u@h/db",
+        "sqlite:////var/lib/a@b/x.db": "sqlite:////var/lib/a@b/x.db",
+    }
+    for text, redacted in cases.items():
+        assert redact_url(text) == redacted
+
+
+def test_no_message_shows_a_password(tmp_path) -> None:
+    from storage.worker_store import open_snapshot_reader, open_worker_store
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"postgresql://u:hunter2@127.0.0.1:{port}/db"
+    for fail in (
+        lambda: open_store(url),
+        lambda: open_worker_store(url),
+        lambda: open_snapshot_reader(url).read(lambda view: None),
+    ):
+        with pytest.raises(DatabaseUnavailable) as raised:
+            fail()
+        assert "hunter2" not in str(raised.value) and "u:***@" in str(raised.value)
+    for bad in ("postgresql://u:hunter2@/", "sqlite://u:hunter2@x", "mysql://u:hunter2@h/db"):
+        with pytest.raises(BadDatabaseUrl) as raised:
+            parse_database_url(bad)
+        assert "hunter2" not in str(raised.value)
+
+
+def test_snapshot_reader_never_creates_a_database(tmp_path) -> None:
+    from storage.worker_store import open_snapshot_reader
+
+    reader = open_snapshot_reader(f"sqlite:///{tmp_path}/absent.db")
+    with pytest.raises(DatabaseUnavailable, match="no SQLite database"):
+        reader.read(lambda view: view.applied_token("events"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_snapshot_reader_sees_the_worker_state_read_only(db_url) -> None:
+    from storage.worker_store import open_snapshot_reader, open_worker_store
+
+    store = open_worker_store(db_url)
+    store.create_replicated_table(EVENTS)
+    for token in (3, 5, 9):
+        store.apply(
+            "events", token, lambda txn, t=token: txn.replicate(EVENTS, [(t, "w", 1, "$e", "!r", "t", None, None)])
+        )
+    store.close()
+
+    def look(view):
+        return (
+            view.has_table("tickline_applied"),
+            view.has_table("replicated_nothing"),
+            {"token", "instance_name", "ts", "event_id"} <= view.table_columns("replicated_events"),
+            view.applied_token("events"),
+            view.applied_token("caches"),
+            view.token_bounds("replicated_events", None, 9),
+            view.token_bounds("replicated_events", 3, 8),
+            view.token_bounds("replicated_events", 9, 9),
+        )
+
+    reader = open_snapshot_reader(db_url)
+    assert reader.read(look) == (True, False, True, 9, 0, (3, 9), (5, 5), (None, None))
+    assert "hunter2" not in reader.describe()
 
 
 def _append_many(url: str, instance: str, count: int, queue) -> None:
