@@ -6,6 +6,7 @@ import logging
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 
@@ -150,12 +151,18 @@ def test_four_writers_5000_rows_each_reach_a_worker_and_a_tail_once_in_order(
         cwd=ROOT,
         env=_env(),
     )
+    # Drain the tail while the writers run: a full stdout pipe would block its
+    # reactor, and the master would drop it for not answering PINGs.
+    output: list[tuple[str, str]] = []
+    reader = threading.Thread(target=lambda: output.append(tail.communicate(timeout=240)), daemon=True)
+    reader.start()
     writers = [writer(pg_url, f"w{i}", "5000") for i in range(4)]
     try:
         for w in writers:
             assert w.stdout.readline().strip() == "DONE"
             assert w.wait(timeout=120) == 0
-        out, err = tail.communicate(timeout=120)
+        reader.join(timeout=240)
+        out, err = output[0]
         assert tail.returncode == 0, err
         records = [orjson.loads(line) for line in out.splitlines()]
         assert len(records) == 20000
