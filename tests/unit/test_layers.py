@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import ROOT
 
@@ -50,3 +53,25 @@ def test_storage_imports_nothing_above_it() -> None:
                 names = [node.module]
             found += [f"{path.relative_to(ROOT)}: {name}" for name in names if name.split(".")[0] in above]
     assert found == []
+
+
+def test_one_redaction_function() -> None:
+    """Passwords are masked by ``storage.urls.redact_url`` only (no second, diverging copy)."""
+    found = [
+        str(path.relative_to(ROOT))
+        for package in ("replication", "storage", "workers", "scripts")
+        for path in _sources(package)
+        if "***" in path.read_text("utf-8") and path != Path(ROOT) / "storage" / "urls.py"
+    ]
+    assert found == []
+
+
+def test_no_committed_logs() -> None:
+    assert "*.log" in (Path(ROOT) / ".gitignore").read_text("utf-8").split()
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "*.log"], cwd=ROOT, capture_output=True, text=True, timeout=30, check=True
+        )
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    assert listed.stdout == ""
