@@ -146,9 +146,13 @@ class ServerProtocol(LineCommandProtocol):
 
     def on_OPTIONS(self, command: OptionsCommand) -> None:
         if self._allowed("OPTIONS"):
-            # Options add up; none can be switched off again.
-            self.with_ts = self.with_ts or "ts" in command.options
-            self.announce_live = self.announce_live or "live" in command.options
+            # Options add up; none can be switched off again. The answer names
+            # what was accepted (unknown options are not acknowledged); it goes
+            # out before the answer to any later command.
+            accepted = command.accepted()
+            self.with_ts = self.with_ts or "ts" in accepted.options
+            self.announce_live = self.announce_live or "live" in accepted.options
+            self.send(accepted)
 
     def on_REPLICATE(self, command: ReplicateCommand) -> None:
         if not self._allowed("REPLICATE"):

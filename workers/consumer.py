@@ -12,6 +12,13 @@ Applying takes whole tokens from the front of the queue (many at once, up to
 transaction on the database thread. A failure rolls back, is logged with the
 failing token's rows, and is retried with exponential backoff, one token at a
 time, until it succeeds: rows are never skipped.
+
+Rows carry their oracle timestamp when the master acknowledged ``OPTIONS
+ts``. From a master that did not (a seed-protocol master), a row's ``ts`` is
+its arrival time at this worker, in the oracle's shape (Unix milliseconds
+shifted left by the logical bits, logical part 0): the replicated table's
+``ts`` column then holds when the worker received the row, and the lag
+measures only how long rows wait to be applied here.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from twisted.python.failure import Failure
 
 from replication.reactor_types import Clock
 from storage.schema import StreamSchema
-from storage.tso import physical_ms
+from storage.tso import compose, physical_ms
 from workers.handlers import ApplyContext, Handler, ReplicatedRow
 from workers.settings import ApplySettings
 
@@ -88,15 +95,20 @@ class StreamConsumer:
         """The token to ask the master to replay after."""
         return self.known
 
-    def rows_received(self, instance: str, token: int, rows: list[list[Any]]) -> None:
-        """Rows of one token, each ``[*values, ts]`` (the ``ts`` option is on)."""
+    def rows_received(self, instance: str, token: int, rows: list[list[Any]], with_ts: bool = True) -> None:
+        """Rows of one token: each ``[*values, ts]`` with ``with_ts`` (the ``ts``
+        option acknowledged), else ``[*values]`` stamped with their arrival time."""
         if token <= self.known:
             self.rows_dropped += len(rows)
             logger.debug("%s: dropped stale rows at token %s (known %s)", self.stream, token, self.known)
             return
-        replicated = [
-            ReplicatedRow(self.stream, token, instance, row[-1] if row else None, tuple(row[:-1])) for row in rows
-        ]
+        if with_ts:
+            replicated = [
+                ReplicatedRow(self.stream, token, instance, row[-1] if row else None, tuple(row[:-1])) for row in rows
+            ]
+        else:
+            arrived = compose(int(self._clock.seconds() * 1000))
+            replicated = [ReplicatedRow(self.stream, token, instance, arrived, tuple(row)) for row in rows]
         self._queue.append(_Item(token, replicated))
         self.queued_rows += len(replicated)
         self.known = token

@@ -1,8 +1,11 @@
 """A worker process: follow the master's streams and apply them exactly once.
 
-On every connection the worker waits for ``SERVER`` (and checks the name when
-one is expected), sends ``NAME``, ``PING`` and ``OPTIONS ts``, then resumes
-each stream with ``REPLICATE <stream> <applied token>``. It reconnects for
+On every connection the worker sends ``NAME``, ``PING`` and ``OPTIONS live
+ts``, waits for ``SERVER`` (and checks the name when one is expected), then
+resumes each stream with ``REPLICATE <stream> <applied token>``. Options are
+used only once the master acknowledged them: from a seed-protocol master rows
+carry no timestamp (their arrival time stands in) and a stream is caught up
+once the answer to its ``REPLICATE`` has been applied. It reconnects for
 ever with exponential backoff and jitter, and the delay resets once a
 connection has passed the handshake.
 
@@ -202,10 +205,13 @@ class Worker(ReplicationHandler):
         consumer = self.consumers.get(command.stream)
         if consumer is None:
             return
-        if command.stream in self._answered:
+        if command.stream in self._answered or not client.uses("live"):
+            # With OPTIONS live acknowledged, the replay's end is a second
+            # POSITION; without it (a seed-protocol master), the answer to
+            # REPLICATE is all there is: once what it announced is applied,
+            # the stream is caught up.
             self._live_streams.add(command.stream)
-        else:
-            self._answered.add(command.stream)
+        self._answered.add(command.stream)
         missed_from = consumer.position(command.prev_token, command.new_token)
         if missed_from is not None:
             self._replicate(client, command.stream, missed_from)
@@ -215,7 +221,7 @@ class Worker(ReplicationHandler):
         consumer = self.consumers.get(stream)
         if consumer is None:
             return
-        consumer.rows_received(instance, token, rows)
+        consumer.rows_received(instance, token, rows, client.rows_have_ts)
         if not self._reading_paused and self._pending_rows() > self.config.max_pending_rows:
             self._reading_paused = True
             if client.transport is not None:

@@ -47,7 +47,12 @@ def ev(n: int) -> str:
 
 
 class Harness:
-    def __init__(self, url: str, **config: Any) -> None:
+    """Plays a tickline master: ``SERVER`` is followed by the answer to the
+    worker's ``OPTIONS`` (``acknowledge``; None plays a seed-protocol master
+    that never answers it)."""
+
+    def __init__(self, url: str, acknowledge: str | None = "live ts", **config: Any) -> None:
+        self.acknowledge = acknowledge
         self.clock = Clock()
         self.handlers = config.pop("handlers", HandlerRegistry())
         self.caches = config.pop("caches", CacheRegistry({"room_caches": ["members", "state"]}))
@@ -72,6 +77,12 @@ class Harness:
         self.proto.connectionLost(Failure(ConnectionLost()))
 
     def send(self, *lines: str) -> None:
+        if self.acknowledge is not None:
+            lines = tuple(
+                x
+                for line in lines
+                for x in ([line, f"OPTIONS {self.acknowledge}"] if line.startswith("SERVER ") else [line])
+            )
         self.proto.dataReceived("".join(line + "\n" for line in lines).encode())
 
     def sent(self) -> list[str]:
@@ -321,3 +332,45 @@ def test_caught_up_only_after_the_replay_reaches_live(h) -> None:
     h.send(f"RDATA events m 2 {ev(2)}", "POSITION events m 2 2")  # OPTIONS live: the replay is done
     assert h.worker.caught_up()
     assert h.applied() == 2
+
+
+# -- a seed-protocol master (no OPTIONS acknowledgment) ---------------------------------
+
+
+def seed_ev(n: int) -> str:
+    return f'["$e{n}", "!r", "m.t", null, null]'
+
+
+@pytest.mark.parametrize("answer", [None, "ERROR unknown command 'OPTIONS'", "ERROR Unknown command"])
+def test_seed_master_rows_are_applied_with_their_arrival_time(url, answer) -> None:
+    h = Harness(url, acknowledge=None, replicate_retry=1.0)
+    h.clock.advance(1_700_000_000)
+    assert h.sent() == ["NAME w1", "OPTIONS live ts"]
+    h.send("SERVER seed")
+    if answer is not None:
+        h.send(answer)
+    assert h.sent() == ["REPLICATE caches 0", "REPLICATE events 0"]
+    h.send("POSITION caches m 0 0", f"RDATA events m 1 {seed_ev(1)}")  # before its POSITION: dropped
+    h.send("POSITION events m 0 0", f"RDATA events m batch {seed_ev(2)}")
+    assert h.applied() == 0
+    h.send(f"RDATA events m 2 {seed_ev(3)}", f"RDATA events m 2 {seed_ev(4)}")  # the batch, then a stale row
+    arrived = 1_700_000_000_000 << 18
+    assert h.rows() == [(2, "m", arrived, "$e2"), (2, "m", arrived, "$e3")]
+    assert h.worker.caught_up()  # no live marker: the answers are applied
+    assert h.worker.consumers["events"].lag_ms(1_700_000_000_500) == 500
+    h.clock.advance(5)
+    assert h.sent() == []  # an ERROR answering OPTIONS refused no REPLICATE
+
+
+def test_seed_master_gap_and_caught_up_after_what_was_announced(url) -> None:
+    h = Harness(url, acknowledge=None)
+    h.sent()
+    h.send("SERVER seed", "POSITION caches m 0 0", "POSITION events m 0 0", f"RDATA events m 1 {seed_ev(1)}")
+    h.sent()
+    h.send("POSITION events m 4 6")  # rows (1, 4] missed
+    assert h.sent() == ["REPLICATE events 1"]
+    assert not h.worker.caught_up()
+    h.send("POSITION events m 1 1", *(f"RDATA events m {n} {seed_ev(n)}" for n in range(2, 5)))
+    assert h.worker.caught_up() and h.applied() == 4
+    h.send("POSITION events m 4 6")
+    assert h.applied() == 6 and h.sent() == []
