@@ -41,6 +41,18 @@ from workers.settings import ApplySettings
 logger = logging.getLogger(__name__)
 
 
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class ConsumerStats:
+    """One stream of a worker."""
+
+    stream: str
+    applied: int  # token committed in the worker's database
+    received: int  # highest token received on this connection (queued or applied)
+    pending_rows: int  # received, waiting to be applied
+    applied_rows: int  # since the process started
+    lag_ms: int  # how old the applied data is while rows wait to be applied; 0 when nothing waits
+
+
 @attr.s(slots=True, auto_attribs=True)
 class _Item:
     token: int
@@ -220,6 +232,10 @@ class StreamConsumer:
         if self._retry_call is not None and self._retry_call.active():
             self._retry_call.cancel()
         self._retry_call = None
+
+    def stats(self, now_ms: int) -> ConsumerStats:
+        lag = (self.lag_ms(now_ms) or 0) if self.busy else 0
+        return ConsumerStats(self.stream, self.applied, self.known, self.queued_rows, self.rows_applied, lag)
 
     def lag_ms(self, now_ms: int) -> int | None:
         """How far the applied data is behind ``now_ms`` (None before any row)."""

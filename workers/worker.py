@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import attr
 from twisted.internet import defer
 from twisted.internet.protocol import ReconnectingClientFactory
 from twisted.python.failure import Failure
@@ -35,16 +36,25 @@ from replication.commands import (
     RemovePusherCommand,
     UserSyncCommand,
 )
-from replication.dbthreads import DatabaseThreads
+from replication.dbthreads import DatabaseRunner, DatabaseThreads
 from replication.protocol import ProtocolConfig
+from replication.stats import STATS, ConnectionStats, ProtocolCounters
 from storage.schema import StreamSchema
 from workers.caches import CacheRegistry
-from workers.consumer import StreamConsumer
+from workers.consumer import ConsumerStats, StreamConsumer
 from workers.handlers import HandlerRegistry
 from workers.replicator import cache_invalidator, table_replicator
 from workers.settings import WorkerConfig
 
 logger = logging.getLogger(__name__)
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class WorkerStats:
+    streams: tuple[ConsumerStats, ...]  # sorted by stream name
+    reconnects: int  # connections to the master lost (not counting a clean stop)
+    connection: ConnectionStats | None  # None while not connected
+    protocol: ProtocolCounters
 
 
 class Worker(ReplicationHandler):
@@ -58,6 +68,7 @@ class Worker(ReplicationHandler):
         handlers: HandlerRegistry | None = None,
         caches: CacheRegistry | None = None,
         secret: str | None = None,
+        db: DatabaseRunner | None = None,
     ) -> None:
         self.config = config
         self.secret = secret  # sent in AUTH when the master requires it
@@ -67,7 +78,9 @@ class Worker(ReplicationHandler):
         self.handlers = handlers or HandlerRegistry()
         self.caches = caches or CacheRegistry()
         self.streams = streams
-        self.db = DatabaseThreads(reactor, max_threads=1, name=f"tickline-worker-{config.name}-db")
+        self.db: DatabaseRunner = (
+            db if db is not None else DatabaseThreads(reactor, max_threads=1, name=f"tickline-worker-{config.name}-db")
+        )
         self.consumers: dict[str, StreamConsumer] = {}
         self.client: ClientProtocol | None = None
         self.factory: WorkerFactory | None = None
@@ -297,6 +310,16 @@ class Worker(ReplicationHandler):
             waiters, self._caught_up_waiters = self._caught_up_waiters, []
             for d in waiters:
                 d.callback(None)
+
+    def stats(self) -> WorkerStats:
+        """A typed snapshot of the worker's streams and connection."""
+        now_ms = int(self.reactor.seconds() * 1000)
+        return WorkerStats(
+            streams=tuple(c.stats(now_ms) for _, c in sorted(self.consumers.items())),
+            reconnects=self.reconnects,
+            connection=self.client.stats() if self.client is not None else None,
+            protocol=STATS.snapshot(),
+        )
 
     def lag_ms(self) -> dict[str, int | None]:
         now = int(time.time() * 1000)

@@ -2,9 +2,9 @@
 
 The worker is driven with real command lines through ``ClientProtocol`` on a
 ``StringTransport``, with Twisted's ``Clock`` for timers, and applies into a
-real SQLite worker database. The only difference from production is that
-applies run synchronously instead of on the database thread, so every step is
-deterministic.
+real worker database (SQLite and PostgreSQL). The only difference from
+production is the injected database runner: applies run synchronously instead
+of on a database thread, so every step is deterministic.
 """
 
 from __future__ import annotations
@@ -29,17 +29,25 @@ from workers.worker import Worker, WorkerConfig
 TS = 470_000_000_000_000_000
 
 
-class SyncWorker(Worker):
-    """Applies in the calling thread; ``hold`` keeps applies pending to test flow control."""
+class SyncDB:
+    """The worker's database runner, injected: runs each call at once in the
+    calling thread, or holds it (``hold``) to test flow control."""
 
-    hold: list | None = None
+    def __init__(self) -> None:
+        self.hold: list | None = None
 
-    def _apply_in_db(self, stream: str, token: int, effects: Callable[[Any], None]) -> defer.Deferred:
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> defer.Deferred:
         if self.hold is not None:
             d: defer.Deferred = defer.Deferred()
-            self.hold.append((d, stream, token, effects))
+            self.hold.append((d, fn, args, kwargs))
             return d
-        return defer.maybeDeferred(self.store.apply, stream, token, effects)
+        return defer.maybeDeferred(fn, *args, **kwargs)
 
 
 def ev(n: int) -> str:
@@ -59,8 +67,9 @@ class Harness:
         defaults = dict(name="w1", replicate=("events",), apply=ApplySettings(retry_initial=1.0))
         self.config = WorkerConfig(**{**defaults, **config})
         self.store = open_worker_store(url)
-        self.worker = SyncWorker(
-            self.config, ProtocolConfig(), self.store, all_streams(), self.clock, self.handlers, self.caches
+        self.db = SyncDB()
+        self.worker = Worker(
+            self.config, ProtocolConfig(), self.store, all_streams(), self.clock, self.handlers, self.caches, db=self.db
         )
         self.worker.prepare()
         self.connect()
@@ -229,13 +238,14 @@ def test_failing_handler_stops_the_stream_and_is_retried_never_skipped(url, capl
 
 def test_too_many_pending_rows_pause_reading(url) -> None:
     h = Harness(url, max_pending_rows=4)
-    h.worker.hold = []
+    h.db.hold = []
     h.send("SERVER s", "POSITION events m 0 0", *(f"RDATA events m {n} {ev(n)}" for n in range(1, 7)))
     assert h.transport.producerState == "paused"
-    while h.worker.hold:
-        d, stream, token, effects = h.worker.hold.pop(0)
-        h.store.apply(stream, token, effects)
-        d.callback(None)
+    stats = h.worker.stats()
+    assert [(s.stream, s.pending_rows) for s in stats.streams] == [("caches", 0), ("events", 6)]
+    while h.db.hold:
+        d, fn, args, kwargs = h.db.hold.pop(0)
+        d.callback(fn(*args, **kwargs))
     assert h.transport.producerState == "producing"
     assert h.applied() == 6
 
@@ -374,3 +384,24 @@ def test_seed_master_gap_and_caught_up_after_what_was_announced(url) -> None:
     assert h.worker.caught_up() and h.applied() == 4
     h.send("POSITION events m 4 6")
     assert h.applied() == 6 and h.sent() == []
+
+
+def test_worker_stats_are_a_typed_snapshot(h) -> None:
+    h.clock.advance(1_700_000_000)
+    h.send("SERVER s", "POSITION caches m 0 0", "POSITION events m 0 0", f"RDATA events m 1 {ev(1)}")
+    stats = h.worker.stats()
+    events = stats.streams[1]
+    assert (events.stream, events.applied, events.received, events.pending_rows, events.applied_rows) == (
+        "events",
+        1,
+        1,
+        0,
+        1,
+    )
+    assert events.lag_ms == 0  # nothing waits
+    assert stats.reconnects == 0 and stats.connection is not None
+    assert stats.connection.name.startswith("w1->") and stats.connection.bytes_received > 0
+    assert dict(stats.protocol.received)["RDATA"] >= 1
+    h.disconnect()
+    after = h.worker.stats()
+    assert after.reconnects == 1 and after.connection is None
