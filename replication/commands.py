@@ -483,12 +483,14 @@ class OptionsCommand(Command):
 
     @classmethod
     def parse(cls, args: str) -> OptionsCommand:
-        words = args.split()
-        for word in words:
-            if not _WORD.fullmatch(word) or len(word) > 64:
-                raise MalformedCommand(f"bad option {word[:64]!r}: expected one word of printable ASCII")
+        # Options are separated by single spaces, like every argument.
+        words = args.split(" ") if args else []
+        if "" in words:
+            raise MalformedCommand("expected OPTIONS [<option>...] separated by single spaces")
         if len(words) > 32:
             raise MalformedCommand(f"too many options: {len(words)}, at most 32")
+        for word in words:
+            _word(word, "option")
         return cls(frozenset(words))
 
     def to_args(self) -> str:

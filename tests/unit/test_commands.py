@@ -226,7 +226,8 @@ MALFORMED = [
     ("REMOTE_SERVER_UP", ["malformed REMOTE_SERVER_UP", "REMOTE_SERVER_UP <server>"]),
     ("REMOTE_SERVER_UP a b", ["malformed REMOTE_SERVER_UP", "server"]),
     ("AUTH", ["malformed AUTH", "AUTH <secret>"]),
-    ("OPTIONS ts caf\u00e9", ["malformed OPTIONS", "bad option 'caf\u00e9'"]),
+    ("OPTIONS ts caf\u00e9", ["malformed OPTIONS", "option must be one word", "'caf\u00e9'"]),
+    ("OPTIONS ts  live", ["malformed OPTIONS", "single spaces"]),
 ]
 
 
