@@ -75,6 +75,7 @@ class StreamConsumer:
     ) -> None:
         self.stream = stream
         self.schema = schema
+        self._width = len(schema.columns)
         self.applied = applied
         self.known = applied
         self.handlers = handlers
@@ -109,18 +110,31 @@ class StreamConsumer:
 
     def rows_received(self, instance: str, token: int, rows: list[list[Any]], with_ts: bool = True) -> None:
         """Rows of one token: each ``[*values, ts]`` with ``with_ts`` (the ``ts``
-        option acknowledged), else ``[*values]`` stamped with their arrival time."""
+        option acknowledged), else ``[*values]`` stamped with their arrival time.
+
+        A row's length settles what the acknowledgment cannot: a row exactly
+        one value longer than the stream's columns, ending in an integer,
+        carries its timestamp (it fits no other reading), and a row of exactly
+        the stream's columns carries none.
+        """
         if token <= self.known:
             self.rows_dropped += len(rows)
             logger.debug("%s: dropped stale rows at token %s (known %s)", self.stream, token, self.known)
             return
-        if with_ts:
-            replicated = [
-                ReplicatedRow(self.stream, token, instance, row[-1] if row else None, tuple(row[:-1])) for row in rows
-            ]
-        else:
-            arrived = compose(int(self._clock.seconds() * 1000))
-            replicated = [ReplicatedRow(self.stream, token, instance, arrived, tuple(row)) for row in rows]
+        width = self._width
+        arrived: int | None = None
+        replicated = []
+        for row in rows:
+            if len(row) == width + 1 and (with_ts or (type(row[-1]) is int and row[-1] >= 0)):
+                replicated.append(ReplicatedRow(self.stream, token, instance, row[-1], tuple(row[:-1])))
+                continue
+            if len(row) != width and with_ts and row:
+                # Neither form: split as acknowledged, so the check names the misfit.
+                replicated.append(ReplicatedRow(self.stream, token, instance, row[-1], tuple(row[:-1])))
+                continue
+            if arrived is None:
+                arrived = compose(int(self._clock.seconds() * 1000))
+            replicated.append(ReplicatedRow(self.stream, token, instance, arrived, tuple(row)))
         self._queue.append(_Item(token, replicated))
         self.queued_rows += len(replicated)
         self.known = token

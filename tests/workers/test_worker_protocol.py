@@ -405,3 +405,17 @@ def test_worker_stats_are_a_typed_snapshot(h) -> None:
     h.disconnect()
     after = h.worker.stats()
     assert after.reconnects == 1 and after.connection is None
+
+
+def test_row_length_settles_what_the_acknowledgment_cannot(url) -> None:
+    # A master that appends timestamps without acknowledging OPTIONS ts: a row
+    # one value longer than the columns, ending in an integer, carries its ts.
+    h = Harness(url, acknowledge=None)
+    h.clock.advance(1_700_000_000)
+    h.send("SERVER s", "POSITION events m 0 0", f"RDATA events m 1 {ev(1)}", f"RDATA events m 2 {seed_ev(2)}")
+    assert h.rows() == [(1, "m", TS + 1, "$e1"), (2, "m", 1_700_000_000_000 << 18, "$e2")]
+    # Acknowledged, but a row without its timestamp: the arrival time stands in.
+    acked = Harness(url, acknowledge="live ts")
+    acked.clock.advance(1_700_000_001)
+    acked.send("SERVER s", "POSITION events m 2 2", f"RDATA events m 3 {seed_ev(3)}")
+    assert acked.rows()[-1] == (3, "m", 1_700_000_001_000 << 18, "$e3")
