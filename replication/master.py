@@ -3,9 +3,16 @@
 The master follows each stream's committed head (polling the store every
 ``poll_interval``, which also sees rows written by other processes, and at
 once when told of a local write). New rows are read once, encoded once into
-``RDATA`` lines, and the same bytes are written to every live subscription.
-Replays (``REPLICATE <stream> <token>``) read from storage through a cursor
-per subscription, paced by its connection (see ``replication.subscriptions``).
+``RDATA`` lines (each variant live connections use: with and without ``ts``),
+kept in the window of recent rows (``recent_bytes``, see
+``replication.window``) and the same bytes are written to every live
+subscription that can take them; one that cannot (paused) takes them from the
+window later. Replays (``REPLICATE <stream> <token>``) are paced by their
+connection (see ``replication.subscriptions``): served from the window when
+they start inside it, otherwise read from storage, concurrent replays of the
+same range sharing one read. The fan-out reads a stream only while some
+connection is live on it; when it moves a stream on without reading, the
+stream's window is dropped.
 
 Layers: :class:`~replication.server.ServerProtocol` (one per connection:
 framing, authentication, dispatch) uses the master through
@@ -47,6 +54,7 @@ from replication.settings import MasterConfig
 from replication.stats import STATS, MasterStats, StreamStats
 from replication.streams import cache_invalidation_row
 from replication.subscriptions import FanOutTarget, Subscription
+from replication.window import Read, RecentWindow, SharedReads
 from storage.contracts import Notifier, StreamStore
 from storage.schema import StreamSchema
 from storage.store import TOKEN, StorageError
@@ -77,6 +85,9 @@ class Master:
         self._safe: dict[str, int] = {}
         self._allocated: dict[str, int] = {}  # the store's heads, see refresh_heads
         self._live_subs: dict[str, dict[FanOutTarget, Subscription]] = {}
+        self.window = RecentWindow(config.recent_bytes)
+        # Answers of replay reads kept for other replays of the same range.
+        self.shared_reads = SharedReads(config.recent_bytes // 8)
         self.connections: set[ServerProtocol] = set()
         self.client_commands = ClientCommandHandlers(self)
         self._catchup_rows = 0
@@ -195,13 +206,22 @@ class Master:
             protocol=STATS.snapshot(),
         )
 
-    def read_encoded(
-        self, stream: str, after: int, upto: int, limit: int, with_ts: bool
-    ) -> defer.Deferred[tuple[bytes, int, int]]:
-        """RDATA bytes for rows in ``(after, upto]`` (about ``limit`` rows), off the reactor."""
-        d: defer.Deferred[Any] = self.db.run(self._read_encoded, stream, after, upto, limit, (with_ts,))
-        d.addCallback(lambda result: (result[0].get(with_ts, b""), result[1], result[2]))
-        return d
+    def read_recent(self, stream: str, after: int, upto: int, limit: int, with_ts: bool) -> Read | None:
+        """RDATA bytes for rows after ``after`` from the window of recent rows; None if it does not hold them."""
+        return self.window.read(stream, after, upto, limit, with_ts)
+
+    def read_encoded(self, stream: str, after: int, upto: int, limit: int, with_ts: bool) -> defer.Deferred[Read]:
+        """RDATA bytes for rows in ``(after, upto]`` (about ``limit`` rows) from storage, off the reactor.
+
+        Replays asking for the same start at the same time share one read.
+        """
+
+        def start() -> defer.Deferred[Read]:
+            d: defer.Deferred[Any] = self.db.run(self._read_encoded, stream, after, upto, limit, (with_ts,))
+            d.addCallback(lambda result: (result[0].get(with_ts, b""), result[1], result[2]))
+            return d
+
+        return self.shared_reads.read(stream, after, upto, with_ts, start)
 
     def _read_encoded(
         self, stream: str, after: int, upto: int, limit: int, variants: tuple[bool, ...]
@@ -299,6 +319,7 @@ class Master:
                 subs = self._live_subs[stream]
                 if not subs:
                     self._live[stream] = head
+                    self.window.forget(stream)
                     break
                 variants = tuple(sorted({target.with_ts for target in subs}))
                 encoded, last_token, count = await self.db.run(
@@ -311,25 +332,22 @@ class Master:
 
     def _timetick(self, stream: str, safe: int) -> None:
         """No rows in (live, safe]: tell live subscriptions they may move to ``safe``."""
-        data = PositionCommand(stream, self.config.instance_name, self._live[stream], safe).encode()
-        for target, sub in list(self._live_subs[stream].items()):
-            target.send_live(sub, data, safe, "POSITION")
+        after = self._live[stream]
+        data = PositionCommand(stream, self.config.instance_name, after, safe).encode()
+        self.window.append(stream, after, safe, 0, {False: b"", True: b""})
         self._live[stream] = safe
+        for target, sub in list(self._live_subs[stream].items()):
+            target.send_live(sub, data, after, safe, "POSITION")
 
     def _fan_out(self, stream: str, encoded: dict[bool, bytes], last_token: int, count: int) -> None:
         self._live_rows += count
-        for target, sub in list(self._live_subs[stream].items()):
-            data = encoded.get(target.with_ts)
-            if data is None:
-                # A subscription with the other variant joined during the read:
-                # it is behind last_token, so the loop below makes it catch up.
-                continue
-            target.send_live(sub, data, last_token, "RDATA", count)
+        after = self._live[stream]
+        self.window.append(stream, after, last_token, count, encoded)
         self._live[stream] = last_token
         for target, sub in list(self._live_subs[stream].items()):
-            if sub.sent_token != last_token:
-                # It went live during the read at an older token: catch up.
-                target.fell_behind(sub)
+            # None: a subscription with the other variant joined during the
+            # read; it takes these rows from storage.
+            target.send_live(sub, encoded.get(target.with_ts), after, last_token, "RDATA", count)
 
     def invalidate_cache(self, cache_name: str, keys: list[Any] | None = None) -> defer.Deferred[int]:
         """Record a cache invalidation on the ``caches`` stream; fires with its token."""

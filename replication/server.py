@@ -83,7 +83,7 @@ class ServerProtocol(LineCommandProtocol):
         self.client_name: str | None = None
         self.announce_live = False  # OPTIONS live
         self.authenticated = master.config.secret is None
-        self.subscriptions = Subscriptions(master, self, config.catchup_rows)
+        self.subscriptions = Subscriptions(master, self, config.catchup_rows, config.max_lag_bytes)
         self._pause_timer: DelayedCall | None = None
         self._pending_replicates = 0  # REPLICATEs waiting for the master to follow the store
         self._half_close_synced = False

@@ -20,6 +20,7 @@ class ProtocolConfig:
     max_pause: float = 30.0  # drop a client that has not read for this long
     close_grace: float = 5.0  # after an ERROR and close, abort if still not flushed
     catchup_rows: int = 5000  # rows per storage read when replaying
+    max_lag_bytes: int = 16 << 20  # a live connection this far behind the fan-out catches up on its own
 
 
 @attr.s(slots=True, frozen=True, auto_attribs=True)
@@ -35,3 +36,4 @@ class MasterConfig:
     writer_timeout: float = 5.0  # drop a writer silent this long from the safe position (PostgreSQL)
     fanout_rows: int = 10000  # rows per storage read for live fan-out
     db_threads: int = 4
+    recent_bytes: int = 64 << 20  # recent rows kept encoded in memory, all streams together

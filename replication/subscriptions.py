@@ -8,13 +8,20 @@ states:
   connection is paused, and the next chunk is read only once the previous one
   was written. When the cursor reaches the master's live token the
   subscription goes *live*.
-- *live*: it receives the master's fan-out, the same encoded bytes for every
-  live connection. If the connection is paused when a fan-out arrives, the
-  subscription drops back to *catching up* from its last sent token, so a slow
-  client never makes the master buffer rows for it. If it went live at a
-  token the fan-out has already passed (it joined while a fan-out read was in
-  flight), the master tells it it :meth:`~Subscriptions.fell_behind` and it
-  catches up the same way.
+- *live*: it is in the master's fan-out and receives the same encoded bytes
+  as every live connection. When it cannot take them (its connection is
+  paused, or it joined at a token the fan-out has passed) it is *lagging*:
+  nothing is written or buffered for it, it only counts the bytes it missed,
+  and when its connection resumes it takes them from the master's window of
+  recent rows (the same shared bytes; storage only for what the window no
+  longer holds) until it has caught up. Only when it has missed more than
+  ``max_lag_bytes`` does it leave the fan-out and go back to *catching up*;
+  it rejoins as soon as it has caught up. A paused connection therefore
+  costs the master at most the one write that paused it.
+
+Catching up and lagging read the window first (synchronously) and storage
+only for rows older than the window; concurrent replays of the same range
+share one storage read (see ``replication.window``).
 
 A new ``REPLICATE`` for a stream replaces its subscription; the *generation*
 number makes the answers of reads started for the old one fall on the floor.
@@ -37,6 +44,7 @@ from twisted.python.failure import Failure
 
 from replication.commands import Command, PositionCommand
 from replication.stats import STATS
+from replication.window import Read
 
 logger = logging.getLogger(__name__)
 
@@ -44,12 +52,14 @@ logger = logging.getLogger(__name__)
 class Subscription:
     """One stream on one connection (its state is changed only by :class:`Subscriptions`)."""
 
-    __slots__ = ("announce_live", "generation", "live", "reading", "sent_token", "stream")
+    __slots__ = ("announce_live", "generation", "lag_bytes", "lagging", "live", "reading", "sent_token", "stream")
 
     def __init__(self, stream: str, sent_token: int, announce_live: bool = False, generation: int = 0) -> None:
         self.stream = stream
         self.sent_token = sent_token  # every row up to here has been written
-        self.live = False  # False: catching up from storage
+        self.live = False  # in the master's fan-out (False: catching up on its own)
+        self.lagging = False  # live, but behind the fan-out (takes the bytes it missed from the window)
+        self.lag_bytes = 0  # fan-out bytes missed while lagging
         # A replay ends with POSITION <head> <head> when it first goes live, so
         # the client knows it has caught up (OPTIONS live).
         self.announce_live = announce_live
@@ -58,13 +68,15 @@ class Subscription:
 
     @property
     def state(self) -> str:
-        return "live" if self.live else "catching_up"
+        if not self.live:
+            return "catching_up"
+        return "lagging" if self.lagging else "live"
 
 
 @attr.s(slots=True, frozen=True, auto_attribs=True)
 class SubscriptionStats:
     stream: str
-    state: str  # "live" or "catching_up"
+    state: str  # "live", "lagging" or "catching_up"
     sent_token: int
 
 
@@ -78,9 +90,11 @@ class StreamSource(Protocol):
         """The token up to which rows have been fanned out to live subscriptions."""
         ...
 
-    def read_encoded(
-        self, stream: str, after: int, upto: int, limit: int, with_ts: bool
-    ) -> defer.Deferred[tuple[bytes, int, int]]:
+    def read_recent(self, stream: str, after: int, upto: int, limit: int, with_ts: bool) -> Read | None:
+        """The same from the window of recent rows, at once; None when the window does not hold them."""
+        ...
+
+    def read_encoded(self, stream: str, after: int, upto: int, limit: int, with_ts: bool) -> defer.Deferred[Read]:
         """RDATA bytes for rows in ``(after, upto]``: (bytes, last token, row count)."""
         ...
 
@@ -117,23 +131,26 @@ class FanOutTarget(Protocol):
     def with_ts(self) -> bool: ...
 
     def send_live(
-        self, sub: Subscription, data: bytes, last_token: int, command: str = "RDATA", count: int = 1
+        self,
+        sub: Subscription,
+        data: bytes | None,
+        after: int,
+        last_token: int,
+        command: str = "RDATA",
+        count: int = 1,
     ) -> None:
-        """``count`` lines just after ``sub.sent_token``, up to ``last_token``."""
-        ...
-
-    def fell_behind(self, sub: Subscription) -> None:
-        """``sub`` is live at a token the fan-out has passed: catch up from storage."""
+        """``count`` lines for ``(after, last_token]`` (``None``: not in this connection's variant)."""
         ...
 
 
 class Subscriptions:
     """The subscriptions of one connection, by stream (implements :class:`FanOutTarget`)."""
 
-    def __init__(self, source: StreamSource, outlet: Outlet, catchup_rows: int) -> None:
+    def __init__(self, source: StreamSource, outlet: Outlet, catchup_rows: int, max_lag_bytes: int = 16 << 20) -> None:
         self._source = source
         self._outlet = outlet
         self._catchup_rows = catchup_rows
+        self._max_lag_bytes = max_lag_bytes
         self._subs: dict[str, Subscription] = {}
         self._with_ts = False  # OPTIONS ts: rows carry their timestamp
         self.paused = False  # the connection's transport asked us to stop producing
@@ -191,60 +208,85 @@ class Subscriptions:
     # -- what the master's fan-out calls -------------------------------------------
 
     def send_live(
-        self, sub: Subscription, data: bytes, last_token: int, command: str = "RDATA", count: int = 1
+        self,
+        sub: Subscription,
+        data: bytes | None,
+        after: int,
+        last_token: int,
+        command: str = "RDATA",
+        count: int = 1,
     ) -> None:
-        if self.paused:
-            # Don't buffer for a client that is not reading: it catches up later.
-            sub.live = False
-            self._source.leave_live(self, sub)
+        if data is not None and not sub.lagging and sub.sent_token == after and not self.paused:
+            STATS.sent[command] += count
+            self._outlet.write(data)
+            sub.sent_token = last_token
             return
-        STATS.sent[command] += count
-        self._outlet.write(data)
-        sub.sent_token = last_token
-
-    def fell_behind(self, sub: Subscription) -> None:
-        sub.live = False
-        self._source.leave_live(self, sub)
+        # Behind the fan-out: nothing is buffered here; the bytes wait in the
+        # master's window, shared, until the connection takes them.
+        sub.lagging = True
+        sub.lag_bytes += len(data) if data is not None else 0
+        if sub.lag_bytes > self._max_lag_bytes:
+            logger.debug("[%s] %s fell %d bytes behind: catching up", self._outlet.conn_name, sub.stream, sub.lag_bytes)
+            sub.live = False
+            sub.lagging = False
+            sub.lag_bytes = 0
+            self._source.leave_live(self, sub)
         self._pump(sub)
 
     # -- catching up ----------------------------------------------------------------
 
     def _pump(self, sub: Subscription) -> None:
-        """Move a catching-up subscription on: read the next chunk, or go live."""
-        if sub.live or sub.reading or self.paused or self._outlet.closing:
-            return
+        """Move a lagging or catching-up subscription on, as far as the connection takes it."""
         source = self._source
-        head = source.live_token(sub.stream)
-        if sub.sent_token >= head:
-            sub.live = True
-            source.join_live(self, sub)
-            if sub.announce_live:
-                sub.announce_live = False
-                self._outlet.send(PositionCommand(sub.stream, source.instance_name, head, head))
-            self._outlet.went_live(sub.stream)
+        outlet = self._outlet
+        while not (sub.reading or self.paused or outlet.closing):
+            head = source.live_token(sub.stream)
+            if sub.sent_token >= head:
+                sub.lagging = False
+                sub.lag_bytes = 0
+                if sub.live:
+                    return
+                sub.live = True
+                source.join_live(self, sub)
+                if sub.announce_live:
+                    sub.announce_live = False
+                    outlet.send(PositionCommand(sub.stream, source.instance_name, head, head))
+                outlet.went_live(sub.stream)
+                return
+            recent = source.read_recent(sub.stream, sub.sent_token, head, self._catchup_rows, self._with_ts)
+            if recent is not None:
+                self._deliver(sub, recent, head)
+                continue
+            sub.reading = True
+            generation = sub.generation
+            d = source.read_encoded(sub.stream, sub.sent_token, head, self._catchup_rows, self._with_ts)
+            d.addCallbacks(
+                self._read, self._read_failed, callbackArgs=(sub, generation, head), errbackArgs=(sub, generation)
+            )
             return
-        sub.reading = True
-        generation = sub.generation
-        d = source.read_encoded(sub.stream, sub.sent_token, head, self._catchup_rows, self._with_ts)
-        d.addCallbacks(
-            self._read, self._read_failed, callbackArgs=(sub, generation, head), errbackArgs=(sub, generation)
-        )
 
-    def _read(self, result: tuple[bytes, int, int], sub: Subscription, generation: int, head: int) -> None:
+    def _deliver(self, sub: Subscription, result: Read, head: int) -> None:
+        data, last_token, count = result
+        if count:
+            STATS.sent["RDATA"] += count
+            self._outlet.write(data)
+            if not sub.live:
+                self._source.count_catchup_rows(count)
+            sub.sent_token = last_token
+        else:
+            # No rows in (sent, last] (or up to the live head): every token up
+            # to there has committed (or never will), so the client may move there.
+            upto = last_token if last_token > sub.sent_token else head
+            self._outlet.send(PositionCommand(sub.stream, self._source.instance_name, sub.sent_token, upto))
+            sub.sent_token = upto
+
+    def _read(self, result: Read, sub: Subscription, generation: int, head: int) -> None:
         if generation != sub.generation or self._subs.get(sub.stream) is not sub:
             return
         sub.reading = False
-        data, last_token, count = result
-        if data:
-            STATS.sent["RDATA"] += count
-            self._outlet.write(data)
-            self._source.count_catchup_rows(count)
-            sub.sent_token = last_token
-        else:
-            # No rows in (sent, head]: every token up to the live head has
-            # committed (or never will), so the client may move there.
-            self._outlet.send(PositionCommand(sub.stream, self._source.instance_name, sub.sent_token, head))
-            sub.sent_token = head
+        if self._outlet.closing:
+            return
+        self._deliver(sub, result, head)
         self._pump(sub)
 
     def _read_failed(self, failure: Failure, sub: Subscription, generation: int) -> None:

@@ -720,10 +720,10 @@ def test_master_stats_follow_the_subscriptions_transitions(env: Env) -> None:
     slow.proto.pauseProducing()
     env.write("events", [event(3)])
     env.follow()
-    # The paused live subscription fell back to catching up from its last sent token.
+    # The paused live subscription stays in the fan-out, lagging at its last sent token.
     assert [(s.stream, s.state, s.sent_token) for s in slow.proto.subscriptions.stats()] == [
         ("caches", "live", 0),
-        ("events", "catching_up", 2),
+        ("events", "lagging", 2),
     ]
     stats = env.master.stats()
     events = next(s for s in stats.streams if s.stream == "events")
@@ -735,7 +735,8 @@ def test_master_stats_follow_the_subscriptions_transitions(env: Env) -> None:
     assert by_name["slow"].bytes_sent > len(slow.transport.value()) > 0  # the handshake was read already
     slow.proto.resumeProducing()
     assert tokens(slow.commands()) == [1, 2, 3]
-    assert env.master.stats().catchup_rows == 1  # token 3 came from storage
+    assert env.master.stats().catchup_rows == 0  # token 3 came from the window, not storage
+    assert [(s.stream, s.state, s.sent_token) for s in slow.proto.subscriptions.stats()][1] == ("events", "live", 3)
     env.master.refresh_heads()
     assert next(s for s in env.master.stats().streams if s.stream == "events").head == 3
 

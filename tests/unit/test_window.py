@@ -1,0 +1,254 @@
+"""The window of recent rows and shared replay reads: bounded bytes, whole
+tokens, replays served from memory or storage, concurrent reads shared, and a
+lagging live connection that stays in (or drops out of) the shared fan-out."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from twisted.internet import defer
+
+from replication.master import MasterConfig
+from replication.protocol import ProtocolConfig
+from replication.rows import encode_json_rows
+from replication.window import CHUNK_OVERHEAD, RecentWindow, SharedReads
+from tests.unit.test_protocol import Env, event, rdata, tokens
+
+
+def rows_bytes(first: int, last: int, batch_of: int = 1, ts: bool = False) -> bytes:
+    """RDATA lines for tokens first..last, each token holding ``batch_of`` rows."""
+    rows = []
+    seq = 0
+    for token in range(first, last + 1):
+        for _ in range(batch_of):
+            seq += 1
+            rows.append((seq, token, b"w", 1000 + token, b'["r%d"]' % token))
+    return encode_json_rows("s", rows, ts)[0]
+
+
+def test_window_reads_whole_chunks_and_joins_them() -> None:
+    w = RecentWindow(1 << 20)
+    w.append("s", 0, 3, 3, {False: rows_bytes(1, 3)})
+    w.append("s", 3, 5, 2, {False: rows_bytes(4, 5)})
+    assert w.read("s", 0, 5, 100, False) == (rows_bytes(1, 5), 5, 5)
+    assert w.read("s", 0, 5, 2, False) == (rows_bytes(1, 3), 3, 3)  # a chunk is never cut
+    assert w.read("s", 3, 5, 100, False) == (rows_bytes(4, 5), 5, 2)
+    assert w.read("s", 5, 5, 100, False) is None  # nothing after the end
+    assert w.read("s", 0, 5, 100, True) is None  # a variant the fan-out did not encode
+    assert w.read("other", 0, 5, 100, False) is None
+
+
+def test_window_starts_inside_a_chunk_on_whole_tokens() -> None:
+    w = RecentWindow(1 << 20)
+    data = rows_bytes(1, 4, batch_of=3)  # every token a batch of 3 lines
+    w.append("s", 0, 4, 12, {False: data})
+    got, last, count = w.read("s", 2, 4, 100, False)  # type: ignore[misc]
+    assert (got, last, count) == (rows_bytes(3, 4, batch_of=3), 4, 6)
+    assert got.startswith(b"RDATA s w batch ") and got.count(b"\n") == 6
+    # A start between tokens (no row at 10) in a chunk with sparse tokens.
+    sparse = encode_json_rows("s", [(1, 5, b"w", 0, b"[1]"), (2, 20, b"w", 0, b"[2]")], False)[0]
+    w.append("t", 0, 20, 2, {False: sparse})
+    assert w.read("t", 10, 20, 100, False) == (b"RDATA s w 20 [2]\n", 20, 1)
+
+
+def test_window_spans_without_rows_answer_with_no_rows() -> None:
+    w = RecentWindow(1 << 20)
+    w.append("s", 0, 2, 2, {False: rows_bytes(1, 2)})
+    w.append("s", 2, 7, 0, {False: b"", True: b""})
+    w.append("s", 7, 9, 0, {False: b"", True: b""})  # merged with the previous span
+    w.append("s", 9, 10, 1, {False: rows_bytes(10, 10)})
+    assert w.read("s", 0, 10, 100, False) == (rows_bytes(1, 2), 2, 2)  # stops before the span
+    assert w.read("s", 2, 10, 100, False) == (b"", 9, 0)
+    assert w.read("s", 4, 10, 100, False) == (b"", 9, 0)
+    assert w.read("s", 9, 10, 100, False) == (rows_bytes(10, 10), 10, 1)
+
+
+def test_window_is_bounded_in_bytes_and_drops_the_oldest_whole_chunks() -> None:
+    size = len(rows_bytes(91, 100)) + CHUNK_OVERHEAD  # the largest chunk
+    w = RecentWindow(3 * size)
+    for i in range(10):
+        w.append("s", i * 10, i * 10 + 10, 10, {False: rows_bytes(i * 10 + 1, i * 10 + 10)})
+        assert w.size <= 3 * size
+    assert w.start("s") == 70  # the last three chunks
+    assert w.read("s", 69, 100, 1000, False) is None  # older than the window: storage
+    assert w.read("s", 70, 100, 1000, False) == (rows_bytes(71, 100), 100, 30)
+    # Streams share the budget.
+    w.append("u", 0, 10, 10, {False: rows_bytes(1, 10)})
+    assert w.size <= 3 * size and w.start("s") == 80
+    # A chunk that does not follow the last one drops the stream's chunks.
+    w.append("s", 150, 160, 10, {False: rows_bytes(151, 160)})
+    assert w.start("s") == 150 and w.read("s", 100, 160, 100, False) is None
+    # A chunk larger than the whole window is not kept.
+    w.append("s", 160, 170, 10, {False: b"x" * (4 * size)})
+    assert w.start("s") is None and w.size <= 3 * size
+
+
+def test_shared_reads_share_one_read_in_flight_and_keep_answers() -> None:
+    shared = SharedReads(1 << 20)
+    started: list[defer.Deferred[tuple[bytes, int, int]]] = []
+
+    def start() -> defer.Deferred[tuple[bytes, int, int]]:
+        started.append(defer.Deferred())
+        return started[-1]
+
+    answers: list[Any] = []
+    for _ in range(5):
+        shared.read("s", 0, 10, False, start).addCallback(answers.append)
+    assert len(started) == 1 and answers == []
+    started[0].callback((b"rows", 10, 10))
+    assert answers == [(b"rows", 10, 10)] * 5
+    # A later replay of the same range is answered from the kept answer ...
+    shared.read("s", 0, 12, False, start).addCallback(answers.append)
+    assert len(started) == 1 and answers[-1] == (b"rows", 10, 10)
+    # ... but not one that must stop lower, nor the other variant.
+    shared.read("s", 0, 8, False, start)
+    shared.read("s", 0, 10, True, start)
+    assert len(started) == 3
+    # Failures reach every waiter and are not kept.
+    failures: list[Any] = []
+    for _ in range(2):
+        shared.read("s", 50, 60, False, start).addErrback(failures.append)
+    started[-1].errback(RuntimeError("gone"))
+    assert len(failures) == 2
+    shared.read("s", 50, 60, False, start)
+    assert len(started) == 5
+
+
+def test_shared_reads_are_bounded_in_bytes() -> None:
+    shared = SharedReads(100)
+    for i in range(10):
+        shared.read("s", i, 100, False, lambda i=i: defer.succeed((b"x" * 30, i + 1, 1)))
+        assert shared.size <= 100
+
+
+# -- through the master ------------------------------------------------------------------
+
+
+@pytest.fixture
+def window_env(tmp_path: Path) -> Iterator[Callable[..., Env]]:
+    envs: list[Env] = []
+
+    def make(recent_bytes: int = 1 << 20, **protocol: Any) -> Env:
+        path = tmp_path / f"env{len(envs)}"
+        path.mkdir()
+        env = Env(path, ProtocolConfig(**protocol), MasterConfig(server_name="unit", recent_bytes=recent_bytes))
+        envs.append(env)
+        return env
+
+    yield make
+    for env in envs:
+        env.master.stop_following()
+        env.store.close()
+
+
+def reads(env: Env) -> int:
+    return env.db.calls.count("_read_encoded")
+
+
+def test_replay_inside_the_window_reads_no_storage(window_env: Callable[..., Env]) -> None:
+    env = window_env()
+    live = env.connected()
+    live.send("REPLICATE")
+    for i in range(1, 21):
+        env.write("events", [event(i)])
+        env.follow()
+    assert tokens(live.commands()) == list(range(1, 21))
+    fan_out_reads = reads(env)
+    conn = env.connected()
+    conn.send("REPLICATE events 7")
+    lines = conn.commands()
+    assert lines[0] == "POSITION events master 7 7"
+    assert tokens(lines) == list(range(8, 21))
+    assert reads(env) == fan_out_reads  # all from memory
+    assert env.master.stats().catchup_rows == 13
+    # The ts variant was not encoded by the fan-out: storage, once.
+    ts = env.connected()
+    ts.send("OPTIONS ts", "REPLICATE events 7")
+    assert tokens(ts.commands()) == list(range(8, 21))
+    assert reads(env) == fan_out_reads + 1
+
+
+def test_replay_older_than_the_window_reads_storage_then_the_window(window_env: Callable[..., Env]) -> None:
+    env = window_env(recent_bytes=2000, catchup_rows=5)
+    live = env.connected()
+    live.send("REPLICATE")
+    for i in range(1, 41):
+        env.write("events", [event(i)])
+        env.follow()
+    start = env.master.window.start("events")
+    assert start is not None and 10 < start < 40
+    before = reads(env)
+    conn = env.connected()
+    conn.send("REPLICATE events 0")
+    assert tokens(conn.commands()) == list(range(1, 41))
+    storage_reads = reads(env) - before
+    assert 0 < storage_reads <= start // 5 + 1  # storage up to the window, then memory
+
+
+def test_concurrent_replays_of_one_range_share_each_read(window_env: Callable[..., Env]) -> None:
+    env = window_env(catchup_rows=10)
+    env.write("events", [event(i) for i in range(1, 101)])
+    env.follow()
+    conns = [env.connected() for _ in range(20)]
+    env.db.hold = "_read_encoded"
+    for conn in conns:
+        conn.send("REPLICATE events 0")
+    while env.db.held:
+        env.db.hold = "_read_encoded"
+        held, env.db.held = env.db.held, []
+        assert len(held) == 1  # one read for twenty replays
+        fn, args, kwargs, d = held[0]
+        d.callback(fn(*args, **kwargs))
+    assert reads(env) == 10  # ten chunks, each read once
+    for conn in conns:
+        assert tokens(conn.commands()) == list(range(1, 101))
+
+
+def test_a_lagging_connection_stays_in_the_fan_out_up_to_max_lag_bytes(window_env: Callable[..., Env]) -> None:
+    env = window_env(max_lag_bytes=2000)
+    slow, other = env.connected(), env.connected()
+    slow.send("REPLICATE events 0")
+    other.send("REPLICATE events 0")
+    slow.commands(), other.commands()
+    slow.proto.pauseProducing()
+    env.write("events", [event(1)])
+    env.follow()
+    assert [s.state for s in slow.proto.subscriptions.stats()] == ["lagging"]
+    slow.proto.resumeProducing()
+    assert tokens(slow.commands()) == [1]
+    assert [s.state for s in slow.proto.subscriptions.stats()] == ["live"]
+    # Paused past the bound: it leaves the fan-out and catches up on its own.
+    slow.proto.pauseProducing()
+    for i in range(2, 40):
+        env.write("events", [event(i)])
+        env.follow()
+    assert [s.state for s in slow.proto.subscriptions.stats()] == ["catching_up"]
+    assert env.master.stats().live_rows > 0 and tokens(other.commands()) == list(range(1, 40))
+    reads_before = reads(env)
+    slow.proto.resumeProducing()
+    lines = slow.commands()
+    assert tokens(lines) == list(range(2, 40))  # every row, once, in order
+    assert reads(env) == reads_before  # the window still held them
+    assert [s.state for s in slow.proto.subscriptions.stats()] == ["live"]
+    env.write("events", [event(40)])
+    env.follow()
+    assert tokens(slow.commands()) == [40]  # back in the shared fan-out
+
+
+def test_a_connection_that_joins_during_a_fan_out_read_gets_every_row_once(window_env: Callable[..., Env]) -> None:
+    env = window_env()
+    live = env.connected()
+    live.send("REPLICATE events 0")
+    live.commands()
+    env.write("events", [event(1), event(2)])
+    env.db.hold = "_read_encoded"
+    env.follow()  # the fan-out read is in flight
+    late = env.connected()
+    late.send("OPTIONS ts", "REPLICATE events 0")  # the other variant, live at once
+    env.db.release()
+    assert tokens(live.commands()) == [1, 2]
+    got = rdata(late.commands())
+    assert [t for _, _, t, _ in got] == [1, 2] and all(len(row) == 6 for *_, row in got)
