@@ -64,6 +64,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIRE_SCENARIOS = ("wire", "wire-live")
 SCENARIOS = (*WIRE_SCENARIOS, "catch-up", "end-to-end")  # the last two: scripts/bench_workers.py
 SCENARIOS += ("snapshot",)  # Spark JDBC snapshots: scripts/bench_snapshot.py
+SCENARIOS += ("fanout",)  # 1, 10 and 50 clients, live and replay: scripts/bench_fanout.py
 DEFAULT_ROWS = 200_000
 DEFAULT_REPEAT = 5
 STREAM = "events"
@@ -679,6 +680,7 @@ def main(
     repeat: int = DEFAULT_REPEAT,
     profile_dir: str | None = None,
     verbose: bool = False,
+    plot: str | None = None,
 ) -> int:
     """Run the scenarios (default: all); print one result line each. Returns an exit code."""
     chosen = list(scenarios or SCENARIOS)
@@ -698,7 +700,18 @@ def main(
     wire = [s for s in chosen if s in WIRE_SCENARIOS]
     try:
         results = run_wire(wire, rows, repeat, workdir, profile_dir, verbose) if wire else {}
-        if any(s not in (*WIRE_SCENARIOS, "snapshot") for s in chosen):
+        if "fanout" in chosen:
+            from scripts.bench_fanout import print_results as print_fanout
+            from scripts.bench_fanout import run_fanout
+
+            fanout = run_fanout(rows, repeat, workdir, verbose)
+            print_fanout(fanout)
+            if plot:
+                from scripts.bench_fanout import plot as plot_fanout
+
+                plot_fanout(fanout, plot)
+                print(f"  plot: {plot}", flush=True)
+        if any(s not in (*WIRE_SCENARIOS, "snapshot", "fanout") for s in chosen):
             from scripts.bench_workers import run_worker_scenarios
 
             run_worker_scenarios(chosen, rows, workdir)
@@ -733,6 +746,10 @@ def main(
 
 def _cli(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "_fanout-clients":
+        from scripts.bench_fanout import fanout_cli
+
+        return fanout_cli(argv[1:])
     if argv and argv[0].startswith("_"):
         role = argv.pop(0)
         p = argparse.ArgumentParser(prog=f"benchmark.py {role}")
@@ -760,8 +777,9 @@ def _cli(argv: Sequence[str] | None = None) -> int:
         help="after the timed runs, one more replay sampled by py-spy (master and client); print where time goes",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="print each run")
+    p.add_argument("--plot", metavar="PNG", help="fanout: plot master CPU per delivered row against clients")
     a = p.parse_args(argv)
-    return main(a.scenarios, a.rows, a.repeat, a.profile, a.verbose)
+    return main(a.scenarios, a.rows, a.repeat, a.profile, a.verbose, a.plot)
 
 
 if __name__ == "__main__":

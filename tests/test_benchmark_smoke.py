@@ -43,3 +43,31 @@ def test_bench_command_refuses_an_unknown_scenario() -> None:
     assert proc.returncode == 2
     assert "unknown scenario 'nosuch'" in proc.stderr
     assert "wire" in proc.stderr
+
+
+def test_fanout_scenario_prints_a_ratio_line_per_variant_and_a_plot(tmp_path) -> None:
+    png = tmp_path / "fanout.png"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "benchmark.py"),
+            "fanout",
+            "--rows",
+            "2000",
+            "--repeat",
+            "1",
+            "--plot",
+            str(png),
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for mode in ("live", "replay"):
+        for clients in (1, 10, 50):
+            assert re.search(RATIO_LINE.format(name=f"fanout {mode}-{clients}"), proc.stdout, re.M), proc.stdout
+    assert re.search(r"^  master CPU per delivered row [\d.]+ us .*peak memory \d+ MiB", proc.stdout, re.M)
+    assert png.read_bytes().startswith(b"\x89PNG")

@@ -1,0 +1,317 @@
+"""``tickline bench fanout``: one master feeding 1, 10 and 50 clients, live and replay.
+
+Variants ``live-1``, ``live-10``, ``live-50``, ``replay-1``, ``replay-10``,
+``replay-50``:
+
+- *replay*: N rows of ``events`` are in a SQLite database before the master
+  starts (so none are in its window of recent rows); N clients connect at
+  once and each sends ``REPLICATE events 0``; timed from the connects to the
+  last row of the last client.
+- *live*: the N clients send ``REPLICATE events <head>`` and wait for their
+  ``POSITION``; then N new rows are committed (in chunks of 10,000 rows, one
+  transaction each); timed from the first commit to the last row of the last
+  client.
+
+The clients are raw line counters (one process holds all of them; each counts
+the ``RDATA`` lines it receives), so what is measured is the master.
+Baseline, in the same run and interleaved: a bare Twisted server that writes
+the same pre-built bytes to each of the N connections (a push producer), read
+by the same counting clients.
+
+Reported per variant: rows/s delivered (all clients together; best run),
+master CPU per delivered row (user + system time from ``/proc/<pid>/stat``,
+median of the runs; steadier than wall time on a shared machine), master
+peak memory (``VmHWM``, reset before each run through ``/proc/<pid>/clear_refs``;
+highest of the runs), and the spread of the runs (slowest run / median).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from scripts.benchmark import (
+    INSTANCE,
+    STREAM,
+    BenchError,
+    Server,
+    _cpu_seconds,
+    _fmt,
+    _free_port,
+    _self_command,
+    fill_database,
+    make_rows,
+    run_client,
+)
+
+CLIENT_COUNTS = (1, 10, 50)
+MODES = ("live", "replay")
+LIVE_CHUNK = 10_000
+
+
+def variants() -> list[str]:
+    return [f"{mode}-{n}" for mode in MODES for n in CLIENT_COUNTS]
+
+
+def _memory_kib(pid: int, field: str = "VmHWM") -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _reset_peak(pid: int) -> None:
+    """Reset the process's VmHWM to its current resident size (Linux >= 4.0)."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+# -- the counting clients (their own process) ------------------------------------------
+
+
+def role_fanout_clients(port: int, rows: int, clients: int, send: str, wait: bool, timeout: float) -> int:
+    """N connections that count RDATA lines; with ``wait``, READY once each saw its POSITION."""
+    from twisted.internet import reactor
+    from twisted.internet.protocol import ClientFactory, Protocol
+
+    result: dict[str, Any] = {"rows": 0, "t_start": 0.0, "t_last": None, "done": 0}
+    ready = {"positioned": 0}
+
+    class Counting(Protocol):
+        def connectionMade(self) -> None:
+            self.count = 0
+            self.tail = b""
+            self.positioned = False
+            if send:
+                self.transport.write(send.encode() + b"\n")
+
+        def dataReceived(self, data: bytes) -> None:
+            buf = self.tail + data
+            if not self.positioned and b"POSITION " in buf:
+                self.positioned = True
+                ready["positioned"] += 1
+                if wait and ready["positioned"] == clients:
+                    print("READY", flush=True)
+            self.count += buf.count(b"RDATA ")
+            self.tail = data[-5:]
+            if self.count >= rows:
+                result["rows"] += self.count
+                result["done"] += 1
+                self.transport.abortConnection()
+                if result["done"] == clients:
+                    result["t_last"] = time.monotonic()
+                    reactor.stop()
+
+    class Factory(ClientFactory):
+        protocol = Counting
+
+        def clientConnectionFailed(self, connector: Any, reason: Any) -> None:
+            result["error"] = reason.getErrorMessage()
+            reactor.stop()
+
+    def timed_out() -> None:
+        result["error"] = f"timed out after {timeout:g} s: {result['done']} of {clients} clients done"
+        reactor.stop()
+
+    timer = reactor.callLater(timeout, timed_out)
+    result["t_start"] = time.monotonic()
+    cpu = time.process_time()
+    for _ in range(clients):
+        reactor.connectTCP("127.0.0.1", port, Factory())
+    reactor.run()
+    result["cpu"] = time.process_time() - cpu
+    if timer.active():
+        timer.cancel()
+    print(json.dumps(result), flush=True)
+    return 0 if "error" not in result else 1
+
+
+# -- the scenario ------------------------------------------------------------------------
+
+
+def run_fanout(
+    rows: int, repeat: int, workdir: str, verbose: bool, chosen: Sequence[str] | None = None
+) -> dict[str, dict[str, Any]]:
+    from storage.store import open_store
+
+    names = list(chosen or variants())
+
+    def log(text: str) -> None:
+        if verbose:
+            print(f"  {text}", file=sys.stderr, flush=True)
+
+    url = f"sqlite:///{os.path.join(workdir, 'fanout.db')}"
+    head = fill_database(url, rows)
+    timeout = 120.0 + rows / 5_000
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    base_runs: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    servers: list[Server] = []
+    store = None
+    try:
+        base_port = _free_port()
+        baseline = Server(
+            _self_command("_baseline-server", "--port", str(base_port), "--rows", str(rows)),
+            os.path.join(workdir, "fanout-baseline.log"),
+            "baseline listening",
+            "baseline server",
+            timeout=30.0 + rows / 20_000,
+        )
+        servers.append(baseline)
+        port = _free_port()
+        master_cmd = [sys.executable, "-m", "scripts.cli", "master", "--database", url, "--listen", f"127.0.0.1:{port}"]
+        master = Server(master_cmd, os.path.join(workdir, "fanout-master.log"), "listening on", "master")
+        servers.append(master)
+        store = open_store(url)
+        next_row = head
+
+        def measure(kind: str, server: Server, clients: int, send: str, on_ready: Any = None) -> dict[str, float]:
+            """One run: N clients until each has ``rows`` rows; the server's CPU and peak memory."""
+            pid = server.proc.pid
+            _reset_peak(pid)
+            cpu_before = _cpu_seconds(pid)
+            args = ["_fanout-clients", "--port", str(port if server is master else base_port)]
+            args += ["--rows", str(rows), "--clients", str(clients), "--send", send, "--timeout", str(timeout)]
+            if on_ready is not None:
+                args.append("--wait")
+            r = run_client(args, timeout + 30, on_ready=on_ready)
+            cpu = _cpu_seconds(pid) - cpu_before
+            if "error" in r:
+                raise BenchError(f"{kind}: {r['error']}\n{server.log_tail()}")
+            start = r.get("t_commit", r["t_start"])
+            seconds = r["t_last"] - start
+            run = {
+                "rate": r["rows"] / seconds if seconds > 0 else float("inf"),
+                "seconds": seconds,
+                "server_us": 1e6 * cpu / r["rows"],
+                "peak_mib": _memory_kib(pid) / 1024,
+            }
+            log(
+                f"{kind}: {_fmt(run['rate'])} rows/s delivered, {run['seconds']:.2f} s, "
+                f"server CPU {run['server_us']:.3f} us/row, peak {run['peak_mib']:.0f} MiB"
+            )
+            return run
+
+        for i in range(repeat):
+            log(f"fanout run {i + 1} of {repeat}")
+            for name in names:
+                mode, _, n = name.partition("-")
+                clients = int(n)
+                base_runs[name].append(measure(f"baseline {name}", baseline, clients, ""))
+                if mode == "replay":
+                    runs[name].append(measure(f"tickline {name}", master, clients, f"REPLICATE {STREAM} 0"))
+                    continue
+                new_rows = make_rows(next_row, rows)
+                live_head = next_row
+                next_row += rows
+
+                def commit(new_rows: list = new_rows) -> dict[str, float]:
+                    t = time.monotonic()
+                    for s in range(0, len(new_rows), LIVE_CHUNK):
+                        store.append(STREAM, new_rows[s : s + LIVE_CHUNK], INSTANCE)
+                    return {"t_commit": t}
+
+                runs[name].append(
+                    measure(f"tickline {name}", master, clients, f"REPLICATE {STREAM} {live_head}", on_ready=commit)
+                )
+    finally:
+        if store is not None:
+            store.close()
+        for server in reversed(servers):
+            server.stop()
+    results = {}
+    for name in names:
+        med = statistics.median(r["seconds"] for r in runs[name])
+        results[name] = {
+            "tickline": max(r["rate"] for r in runs[name]),
+            "baseline": max(r["rate"] for r in base_runs[name]),
+            "master_us": statistics.median(r["server_us"] for r in runs[name]),
+            "baseline_us": statistics.median(r["server_us"] for r in base_runs[name]),
+            "peak_mib": max(r["peak_mib"] for r in runs[name]),
+            "baseline_peak_mib": max(r["peak_mib"] for r in base_runs[name]),
+            "median_rate": statistics.median(r["rate"] for r in runs[name]),
+            "spread": max(r["seconds"] for r in runs[name]) / med if med > 0 else 1.0,
+            "runs": runs[name],
+            "baseline_runs": base_runs[name],
+        }
+    return results
+
+
+def print_results(results: dict[str, dict[str, Any]]) -> None:
+    for name, r in results.items():
+        print(
+            f"fanout {name}: tickline {_fmt(r['tickline'])} rows/s, baseline {_fmt(r['baseline'])} rows/s, "
+            f"ratio {r['tickline'] / r['baseline']:.2f}",
+            flush=True,
+        )
+        print(
+            f"  master CPU per delivered row {r['master_us']:.3f} us (baseline server {r['baseline_us']:.3f} us); "
+            f"master peak memory {r['peak_mib']:.0f} MiB (baseline {r['baseline_peak_mib']:.0f} MiB); "
+            f"median {_fmt(r['median_rate'])} rows/s, slowest run {r['spread']:.2f}x the median",
+            flush=True,
+        )
+    for mode in MODES:
+        one = results.get(f"{mode}-1")
+        if one is None:
+            continue
+        for n in CLIENT_COUNTS[1:]:
+            many = results.get(f"{mode}-{n}")
+            if many is not None and one["master_us"] > 0:
+                print(
+                    f"  {mode}: master CPU per delivered row with {n} clients is "
+                    f"{many['master_us'] / one['master_us']:.2f}x that with one",
+                    flush=True,
+                )
+
+
+def plot(results: dict[str, dict[str, Any]], path: str) -> None:
+    """Master CPU per delivered row against the number of clients (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    for mode, style in (("live", "o-"), ("replay", "s-")):
+        points = [(n, results[f"{mode}-{n}"]["master_us"]) for n in CLIENT_COUNTS if f"{mode}-{n}" in results]
+        if points:
+            ax.plot([p[0] for p in points], [p[1] for p in points], style, label=f"tickline {mode}")
+    base = [(n, results[f"live-{n}"]["baseline_us"]) for n in CLIENT_COUNTS if f"live-{n}" in results]
+    if base:
+        ax.plot([p[0] for p in base], [p[1] for p in base], "k--", label="bare Twisted sender")
+    ax.set_xscale("log")
+    ax.set_xticks(list(CLIENT_COUNTS), [str(n) for n in CLIENT_COUNTS])
+    ax.set_xlabel("clients")
+    ax.set_ylabel("master CPU per delivered row (µs)")
+    ax.set_title("tickline fan-out: master CPU per delivered row")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def fanout_cli(argv: list[str]) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="benchmark.py _fanout-clients")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--rows", type=int, required=True)
+    p.add_argument("--clients", type=int, required=True)
+    p.add_argument("--send", default="")
+    p.add_argument("--wait", action="store_true", help="say READY once every client saw its POSITION")
+    p.add_argument("--timeout", type=float, default=120.0)
+    a = p.parse_args(argv)
+    return role_fanout_clients(a.port, a.rows, a.clients, a.send, a.wait, a.timeout)
