@@ -25,6 +25,8 @@ from twisted.internet.error import ConnectionDone
 from twisted.python.failure import Failure
 
 from replication.commands import (
+    BATCH,
+    RDATA_RUN,
     SERVER_COMMANDS,
     AuthCommand,
     ErrorCommand,
@@ -35,6 +37,7 @@ from replication.commands import (
     RemoteServerUpCommand,
     ReplicateCommand,
     ServerCommand,
+    parse_rdata_block,
     parse_rdata_fast,
 )
 from replication.protocol import LineCommandProtocol, ProtocolConfig
@@ -167,6 +170,51 @@ class ClientProtocol(LineCommandProtocol):
         self.positioned.add(command.stream)
         self._pending_batch.pop(command.stream, None)
         self.handler.on_position(self, command)
+
+    def _lines_received(self, block: bytes) -> None:
+        # Most of what arrives is runs of RDATA lines: each run is parsed in one
+        # call (see parse_rdata_block); the other lines go one by one.
+        done = 0
+        for run in RDATA_RUN.finditer(block):
+            start, end = run.span()
+            if start > done:
+                super()._lines_received(block[done:start])
+            if self._closing:
+                return
+            self._rdata_run(block[start:end] if start or end < len(block) else block)
+            if self._closing:
+                return
+            done = end
+        if done < len(block):
+            super()._lines_received(block[done:] if done else block)
+
+    def _rdata_run(self, run: bytes) -> None:
+        entries = parse_rdata_block(run, self.config.max_line_bytes)
+        if entries is None:
+            super()._lines_received(run)  # something in it is wrong: line by line, with its ERROR
+            return
+        STATS.received["RDATA"] += len(entries)
+        if self.options_pending:
+            self._settle_options(frozenset(), "the master sent rows without acknowledging OPTIONS")
+        positioned = self.positioned
+        pending_batch = self._pending_batch
+        on_rows = self.handler.on_rows
+        for stream, instance, position, row in entries:
+            if stream not in positioned:
+                logger.debug("[%s] dropped RDATA for %s before its POSITION", self.conn_name, stream)
+                continue
+            if position == BATCH:
+                pending_batch.setdefault(stream, []).append(row)
+                continue
+            pending = pending_batch.pop(stream, None)
+            if pending is None:
+                rows = [row]
+            else:
+                pending.append(row)
+                rows = pending
+            on_rows(self, stream, instance, int(position), rows)
+            if self._closing:
+                return
 
     def _handle_line(self, raw: bytes) -> None:
         # Most lines are RDATA: take them without building a command object.

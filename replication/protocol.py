@@ -184,8 +184,21 @@ class LineCommandProtocol(Protocol):
         STATS.bytes_received += len(data)
         self.bytes_received += len(data)
         buffer = self._buffer + data if self._buffer else data
-        lines = buffer.split(b"\n")
-        self._buffer = lines.pop()
+        end = buffer.rfind(b"\n") + 1
+        if end:
+            self._buffer = buffer[end:]
+            self._lines_received(buffer[:end] if end < len(buffer) else buffer)
+            if self._closing:
+                return
+        else:
+            self._buffer = buffer
+        if len(self._buffer) > self.config.max_line_bytes + 1:
+            self._line_too_long(len(self._buffer))
+
+    def _lines_received(self, block: bytes) -> None:
+        """Whole lines, each ending with ``\\n``: checked and handled one by one."""
+        lines = block.split(b"\n")
+        lines.pop()
         limit = self.config.max_line_bytes
         for line in lines:
             if self._closing:
@@ -194,8 +207,6 @@ class LineCommandProtocol(Protocol):
                 self._line_too_long(len(line))
                 return
             self._handle_line(line)
-        if len(self._buffer) > limit + 1:
-            self._line_too_long(len(self._buffer))
 
     def _line_too_long(self, length: int) -> None:
         self._buffer = b""

@@ -18,6 +18,7 @@ from scripts.stopping import stop_reactor
 
 # How long after the first POSITION every requested stream must have one.
 POSITIONS_GRACE = 1.0
+OUTPUT_BLOCK = 1 << 20  # bytes of output written at once at most (more when one token is larger)
 
 
 class TailHandler(ReplicationHandler):
@@ -32,6 +33,10 @@ class TailHandler(ReplicationHandler):
         self.exit_code = 0
         self.done = False
         self._out = sys.stdout.buffer
+        # Output goes out in blocks: records gather here and are written
+        # together once the current buffer of rows is handled (or 1 MiB is due).
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
         self._flush_call = None
         self._check_call = None
 
@@ -57,24 +62,38 @@ class TailHandler(ReplicationHandler):
     def on_rows(self, client: ClientProtocol, stream: str, instance: str, token: int, rows: list[list[Any]]) -> None:
         if self.done or stream not in self.streams:
             return
+        pending = self._pending
+        dumps = orjson.dumps
+        have_ts = client.rows_have_ts
         for row in rows:
             # Rows carry their timestamp only once the master acknowledged
             # OPTIONS ts; from a seed-protocol master "ts" is null.
-            values, ts = split_ts(row, client.rows_have_ts)
+            values, ts = split_ts(row, have_ts)
             record = {"stream": stream, "instance": instance, "token": token, "row": values}
             if self.with_ts:
                 record["ts"] = ts
-            self._out.write(orjson.dumps(record) + b"\n")
+            line = dumps(record, option=orjson.OPT_APPEND_NEWLINE)
+            pending.append(line)
+            self._pending_bytes += len(line)
             if self.remaining is not None:
                 self.remaining -= 1
                 if self.remaining <= 0:
                     self.finish(0)
                     return
+        if self._pending_bytes >= OUTPUT_BLOCK:
+            self._write_pending()
         if self._flush_call is None:
             self._flush_call = self.reactor.callLater(0, self._flush)
 
+    def _write_pending(self) -> None:
+        if self._pending:
+            self._out.write(b"".join(self._pending))
+            self._pending.clear()
+            self._pending_bytes = 0
+
     def _flush(self) -> None:
         self._flush_call = None
+        self._write_pending()
         self._out.flush()
 
     def on_error(self, client: ClientProtocol, message: str) -> None:
@@ -92,6 +111,7 @@ class TailHandler(ReplicationHandler):
     def stopping(self) -> None:
         if not self.done:
             self.done = True
+            self._write_pending()
             self._out.flush()
 
     def finish(self, code: int) -> None:
@@ -99,6 +119,7 @@ class TailHandler(ReplicationHandler):
             return
         self.done = True
         self.exit_code = code
+        self._write_pending()
         self._out.flush()
         stop_reactor(self.reactor)
 

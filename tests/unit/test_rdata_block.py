@@ -1,0 +1,100 @@
+"""The client's block parser: whole buffers of RDATA lines in one call, with
+exactly the per-line parser's answers (and its errors) for everything else."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from twisted.internet.testing import MemoryReactorClock, StringTransport
+
+from replication.client import ClientProtocol, ReplicationHandler
+from replication.commands import RdataCommand, parse_line, parse_rdata_block
+from replication.protocol import ProtocolConfig
+
+GOOD = [
+    b'RDATA events w1 1 ["$a","!r",null]',
+    b"RDATA events w1 batch [1]",
+    b"RDATA events w1 batch [2]",
+    b"RDATA events w1 7 [3]\r",
+    b'RDATA caches m 0 ["c",["k"],5]',
+    b"RDATA events w1 123456789012345678 []",
+    b"RDATA events w1 8  [4]",
+]
+BAD = [
+    b"RDATA events w1 01 [1]",  # leading zero
+    b"RDATA events w1 x [1]",
+    b"RDATA events w1 9 {}",  # not an array
+    b"RDATA events w1 9 [1",
+    b"RDATA events w1 9 [1],[2]",
+    b"RDATA events w1 9 [1]],[[2",
+    b"RDATA events 9 [1]",
+    b'RDATA ev"ents w1 9 [1]',  # a name the block parser leaves to the per-line path
+    b"RDATA events w1 1234567890123456789 [1]",
+]
+
+
+def test_a_block_of_good_lines_parses_like_each_line() -> None:
+    entries = parse_rdata_block(b"\n".join(GOOD) + b"\n", 65536)
+    assert entries is not None
+    for line, (stream, instance, position, row) in zip(GOOD, entries, strict=True):
+        command = parse_line(line.decode().strip())
+        assert isinstance(command, RdataCommand)
+        expected = (command.stream, command.instance, command.token, command.row)
+        assert expected == (stream, instance, None if position == "batch" else int(position), row)
+
+
+@pytest.mark.parametrize("bad", BAD)
+def test_any_bad_line_sends_the_block_to_the_line_by_line_path(bad: bytes) -> None:
+    assert parse_rdata_block(b"\n".join([GOOD[0], bad, GOOD[1]]) + b"\n", 65536) is None
+
+
+def test_a_line_over_the_limit_sends_the_block_to_the_line_by_line_path() -> None:
+    line = b'RDATA events w1 1 ["' + b"x" * 100 + b'"]'
+    assert parse_rdata_block(line + b"\n", len(line)) is not None
+    assert parse_rdata_block(line + b"\n", len(line) - 1) is None
+
+
+class Recorder(ReplicationHandler):
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+
+    def on_rows(self, client: ClientProtocol, stream: str, instance: str, token: int, rows: list) -> None:
+        self.events.append((stream, instance, token, rows))
+
+    def on_error(self, client: ClientProtocol, message: str) -> None:
+        self.events.append(("ERROR", message))
+
+
+def feed(chunks: list[bytes]) -> tuple[list[Any], bytes]:
+    handler = Recorder()
+    proto = ClientProtocol(handler, "w", ProtocolConfig(max_line_bytes=200), MemoryReactorClock())
+    transport = StringTransport()
+    proto.makeConnection(transport)
+    transport.clear()
+    for chunk in chunks:
+        proto.dataReceived(chunk)
+    return handler.events, transport.value()
+
+
+def test_any_split_of_the_stream_gives_the_same_rows_and_errors() -> None:
+    lines = [
+        b"POSITION events m 0 0",
+        b"POSITION caches m 0 0",
+        *GOOD,
+        b"PING 1700000000000",
+        *BAD[:3],
+        b"RDATA events w1 batch [9]",
+        b"RDATA events w1 40 [10]",
+        b"",
+        b"RDATA nostream w1 41 [11]",  # before its POSITION: dropped
+    ]
+    data = b"\n".join(lines) + b"\n"
+    expected, expected_sent = feed([line + b"\n" for line in lines])
+    assert [e[2] for e in expected if e[0] != "ERROR"] == [1, 7, 0, 123456789012345678, 8, 40]
+    assert sum(1 for e in expected if e[0] == "ERROR") == 0  # a master's malformed lines are answered
+    assert expected_sent.count(b"ERROR ") == 3
+    for size in (1, 7, 64, len(data)):
+        got, sent = feed([data[i : i + size] for i in range(0, len(data), size)])
+        assert got == expected, size
+        assert sent == expected_sent, size
