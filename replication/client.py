@@ -45,6 +45,7 @@ from replication.reactor_types import Clock
 from replication.stats import STATS
 
 logger = logging.getLogger(__name__)
+_BATCH = BATCH.encode("ascii")
 
 
 class ReplicationHandler:
@@ -189,32 +190,41 @@ class ClientProtocol(LineCommandProtocol):
             super()._lines_received(block[done:] if done else block)
 
     def _rdata_run(self, run: bytes) -> None:
-        entries = parse_rdata_block(run, self.config.max_line_bytes)
-        if entries is None:
-            super()._lines_received(run)  # something in it is wrong: line by line, with its ERROR
+        parsed = parse_rdata_block(run, self.config.max_line_bytes)
+        if parsed is None:
+            # Several streams in one run, or something in it is wrong: line by
+            # line (RDATA by parse_rdata_fast), with its ERROR.
+            super()._lines_received(run)
             return
+        stream, instance, tokens, entries = parsed
         STATS.received["RDATA"] += len(entries)
         if self.options_pending:
             self._settle_options(frozenset(), "the master sent rows without acknowledging OPTIONS")
-        positioned = self.positioned
-        pending_batch = self._pending_batch
+        if stream not in self.positioned:
+            logger.debug("[%s] dropped %d RDATA for %s before its POSITION", self.conn_name, len(entries), stream)
+            return
+        pending = self._pending_batch.pop(stream, None)
         on_rows = self.handler.on_rows
-        for stream, instance, position, row in entries:
-            if stream not in positioned:
-                logger.debug("[%s] dropped RDATA for %s before its POSITION", self.conn_name, stream)
+        for position, row in zip(tokens, entries, strict=True):
+            if position == _BATCH:
+                if pending is None:
+                    pending = [row]
+                else:
+                    pending.append(row)
                 continue
-            if position == BATCH:
-                pending_batch.setdefault(stream, []).append(row)
-                continue
-            pending = pending_batch.pop(stream, None)
             if pending is None:
                 rows = [row]
             else:
                 pending.append(row)
                 rows = pending
+                pending = None
             on_rows(self, stream, instance, int(position), rows)
             if self._closing:
                 return
+            if stream not in self.positioned:  # the handler asked for the stream again
+                return
+        if pending is not None:
+            self._pending_batch[stream] = pending
 
     def _handle_line(self, raw: bytes) -> None:
         # Most lines are RDATA: take them without building a command object.

@@ -280,35 +280,52 @@ _RDATA_PREFIX = b"RDATA "
 _BATCH_BYTES = BATCH.encode("ascii")
 
 
-# Whole RDATA lines at once (the client's receiving hot path): a run of lines
-# that start with "RDATA ", and the same grammar as RdataCommand for each line
-# (names without '"' or '\\', which the per-line path takes), rewritten by one
-# regular expression into a JSON array that orjson parses in one call.
+# Whole RDATA lines at once (the client's receiving hot path). A run of lines
+# that start with "RDATA " and all carry the same stream and instance loses
+# that prefix by one fixed-string replacement (raw newlines occur in JSON text
+# only where lines end, so "\nRDATA <stream> <instance> " is a line start),
+# is split at "\n<token> " by one regular expression, and its rows are parsed
+# by orjson in one call. Anything that is not exactly one well-formed line per
+# newline leaves the run to the per-line parser.
 RDATA_RUN = re.compile(rb"^(?:RDATA [^\n]*\n)+", re.M)
-_NAME = rb"([!#-\[\]-~]+)"
-_RDATA_AS_JSON = re.compile(rb"^RDATA " + _NAME + b" " + _NAME + rb" (0|[1-9][0-9]{0,17}|batch) ([^\n]*)\n", re.M)
+_LINE_TOKEN = re.compile(rb"\n(0|[1-9][0-9]{0,17}|batch) ")
 
 
-def parse_rdata_block(block: bytes, max_line_bytes: int) -> list[list[Any]] | None:
-    """``[stream, instance, token text or "batch", row]`` for every line of a block of RDATA lines.
+def parse_rdata_block(block: bytes, max_line_bytes: int) -> tuple[str, str, list[bytes], list[list[Any]]] | None:
+    """(stream, instance, tokens, rows) for a run of RDATA lines of one stream and instance.
 
-    ``block`` holds whole lines (each ending with ``\\n``). None unless every
-    line is well formed and no longer than ``max_line_bytes`` (plus a ``\\r``):
+    ``block`` holds whole lines, each ending with ``\\n``; a token is its
+    digits, or ``b"batch"``. None unless every line is well formed (as
+    :class:`RdataCommand` parses it) and no longer than ``max_line_bytes``:
     the caller then takes the lines one by one, with their errors.
     """
     lines = block.count(b"\n")
     if len(block) > max_line_bytes and max(map(len, block.split(b"\n"))) > max_line_bytes:
         return None
-    converted, matched = _RDATA_AS_JSON.subn(rb'["\1","\2","\3",\4],', block)
-    if matched != lines:
+    first_space = block.find(b" ", 6)
+    second_space = block.find(b" ", first_space + 1)
+    if first_space < 0 or second_space < 0 or second_space > block.find(b"\n"):
+        return None
+    prefix = b"\n" + block[: second_space + 1]
+    try:
+        stream = _word(block[6:first_space].decode("ascii"), "stream")
+        instance = _word(block[first_space + 1 : second_space].decode("ascii"), "instance")
+    except (UnicodeDecodeError, MalformedCommand):
+        return None
+    framed = b"\n" + block
+    if framed.count(prefix) != lines:
+        return None
+    parts = _LINE_TOKEN.split(framed.replace(prefix, b"\n"))
+    tokens = parts[1::2]
+    if parts[0] or len(tokens) != lines:
         return None
     try:
-        entries = orjson.loads(b"[" + converted[:-1] + b"]")
+        rows = orjson.loads(b"[" + b",".join(parts[2::2]) + b"]")
     except orjson.JSONDecodeError:
         return None
-    if len(entries) != lines or not all(type(e) is list and len(e) == 4 and type(e[3]) is list for e in entries):
+    if len(rows) != lines or not all(type(row) is list for row in rows):
         return None
-    return entries
+    return stream, instance, tokens, rows
 
 
 def parse_rdata_fast(raw: bytes) -> tuple[str, str, int | None, list] | None:

@@ -20,6 +20,7 @@ GOOD = [
     b'RDATA caches m 0 ["c",["k"],5]',
     b"RDATA events w1 123456789012345678 []",
     b"RDATA events w1 8  [4]",
+    b'RDATA events w1 9 ["a\\nRDATA events w1 10 [5]"]',  # a line start, escaped inside a string
 ]
 BAD = [
     b"RDATA events w1 01 [1]",  # leading zero
@@ -30,18 +31,24 @@ BAD = [
     b"RDATA events w1 9 [1]],[[2",
     b"RDATA events 9 [1]",
     b'RDATA ev"ents w1 9 [1]',  # a name the block parser leaves to the per-line path
-    b"RDATA events w1 1234567890123456789 [1]",
+    b"RDATA events w2 9 [1]",  # another instance
 ]
 
 
 def test_a_block_of_good_lines_parses_like_each_line() -> None:
-    entries = parse_rdata_block(b"\n".join(GOOD) + b"\n", 65536)
-    assert entries is not None
-    for line, (stream, instance, position, row) in zip(GOOD, entries, strict=True):
+    good = [line for line in GOOD if b" events w1 " in line and b"  " not in line]
+    parsed = parse_rdata_block(b"\n".join(good) + b"\n", 65536)
+    assert parsed is not None
+    stream, instance, tokens, rows = parsed
+    for line, position, row in zip(good, tokens, rows, strict=True):
         command = parse_line(line.decode().strip())
         assert isinstance(command, RdataCommand)
         expected = (command.stream, command.instance, command.token, command.row)
-        assert expected == (stream, instance, None if position == "batch" else int(position), row)
+        assert expected == (stream, instance, None if position == b"batch" else int(position), row)
+
+
+def test_a_run_of_several_streams_is_left_to_the_line_by_line_path() -> None:
+    assert parse_rdata_block(b"\n".join(GOOD) + b"\n", 65536) is None
 
 
 @pytest.mark.parametrize("bad", BAD)
@@ -91,7 +98,7 @@ def test_any_split_of_the_stream_gives_the_same_rows_and_errors() -> None:
     ]
     data = b"\n".join(lines) + b"\n"
     expected, expected_sent = feed([line + b"\n" for line in lines])
-    assert [e[2] for e in expected if e[0] != "ERROR"] == [1, 7, 0, 123456789012345678, 8, 40]
+    assert [e[2] for e in expected if e[0] != "ERROR"] == [1, 7, 0, 123456789012345678, 8, 9, 40]
     assert sum(1 for e in expected if e[0] == "ERROR") == 0  # a master's malformed lines are answered
     assert expected_sent.count(b"ERROR ") == 3
     for size in (1, 7, 64, len(data)):
