@@ -227,7 +227,22 @@ class Master:
         self, stream: str, after: int, upto: int, limit: int, variants: tuple[bool, ...]
     ) -> tuple[dict[bool, bytes], int, int]:
         """Runs on a database thread: read rows once, encode each variant once."""
-        # The store builds each row's JSON once (SQLite: json_array in SQL).
+        # SQLite builds whole lines itself when the range has no batch.
+        prefix = f"RDATA {stream} "
+        first = self.store.read_lines_json(stream, after, upto, limit, prefix, variants[0])
+        if first is not None:
+            data, last, count = first
+            if count == 0:
+                return {}, after, 0
+            encoded = {variants[0]: data}
+            for v in variants[1:]:
+                other = self.store.read_lines_json(stream, after, last, count, prefix, v)
+                if other is None or other[1:] != (last, count):
+                    break
+                encoded[v] = other[0]
+            else:
+                return encoded, last, count
+        # Otherwise the store builds each row's JSON once (SQLite: json_array in SQL).
         json_rows = self.store.read_rows_json(stream, after, upto, limit)
         if not json_rows:
             return {}, after, 0

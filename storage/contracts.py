@@ -94,6 +94,18 @@ class StreamStore(Protocol):
         """As :meth:`read_rows`, each row's values already one JSON array (bytes), for the fan-out."""
         ...
 
+    def read_lines_json(
+        self, stream: str, after: int, upto: int, limit: int, prefix: str, with_ts: bool
+    ) -> tuple[bytes, int, int] | None:
+        """Rows as ready lines ``<prefix><instance> <token> <JSON array>\\n`` (with ``ts``, the
+        timestamp as the array's last element), built by the database: (bytes, last token, count).
+
+        Same rows as :meth:`read_rows_json`. None when the store does not build
+        them for this range (a token in it holds several rows, or the backend
+        does not offer it): the caller then uses :meth:`read_rows_json`.
+        """
+        ...
+
     def retire_writers(self) -> None:
         """This process's writers stop holding their streams back (at shutdown)."""
         ...

@@ -384,6 +384,12 @@ class PgStreamStore:
                 rows.extend(cur.fetchall())
             return rows
 
+    def read_lines_json(
+        self, stream: str, after: int, upto: int, limit: int, prefix: str, with_ts: bool
+    ) -> tuple[bytes, int, int] | None:
+        """Not offered on PostgreSQL yet: the master uses :meth:`read_rows_json`."""
+        return None
+
     def read_rows_json(self, stream: str, after: int, upto: int, limit: int) -> list[JsonRow]:
         """Like :meth:`read_rows`, each row ``(seq, token, instance_name bytes, ts, JSON array bytes)``.
 

@@ -163,6 +163,17 @@ class SqliteStreamStore:
         it is, without making Python objects of every value.
         """
         schema = self.schema(stream)
+        return self._read_range(
+            schema,
+            f"seq, token, CAST(instance_name AS BLOB), ts, CAST(json_array({', '.join(self._json_values(schema))}) AS BLOB)",
+            after,
+            upto,
+            limit,
+        )
+
+    @staticmethod
+    def _json_values(schema: StreamSchema) -> list[str]:
+        """SQL for each column's value in the row's JSON array."""
         values = []
         for column in schema.columns:
             if column.type == "json":
@@ -178,13 +189,37 @@ class SqliteStreamStore:
                 )
             else:
                 values.append(column.name)
-        return self._read_range(
-            schema,
-            f"seq, token, CAST(instance_name AS BLOB), ts, CAST(json_array({', '.join(values)}) AS BLOB)",
-            after,
-            upto,
-            limit,
+        return values
+
+    def read_lines_json(
+        self, stream: str, after: int, upto: int, limit: int, prefix: str, with_ts: bool
+    ) -> tuple[bytes, int, int] | None:
+        """Whole lines built by SQLite (no Python object per value or row); None if a batch is in range."""
+        schema = self.schema(stream)
+        values = self._json_values(schema)
+        if with_ts:
+            values.append("ts")
+        table = schema.table
+        span = (
+            f"SELECT count(*), count(DISTINCT token), max(token) FROM "
+            f"(SELECT token FROM {table} WHERE token > ? AND token <= ? ORDER BY token LIMIT ?)"
         )
+        size = f"SELECT count(*) FROM {table} WHERE token = ?"
+        lines = (
+            f"SELECT CAST(? || instance_name || ' ' || token || ' ' || json_array({', '.join(values)}) || char(10)"
+            f" AS BLOB) FROM {table} WHERE token > ? AND token <= ? ORDER BY token, seq"
+        )
+
+        def run(conn: sqlite3.Connection) -> tuple[bytes, int, int] | None:
+            count, tokens, last = conn.execute(span, (after, upto, limit)).fetchone()
+            if not count:
+                return b"", after, 0
+            if tokens != count or (count == limit and conn.execute(size, (last,)).fetchone()[0] > 1):
+                return None  # rows sharing a token: batch lines, built by the caller
+            rows = conn.execute(lines, (prefix, after, last)).fetchall()
+            return b"".join([row[0] for row in rows]), last, len(rows)
+
+        return self.database.read(run)
 
     def _read_range(self, schema: StreamSchema, columns: str, after: int, upto: int, limit: int) -> list[Any]:
         first = f"SELECT {columns} FROM {schema.table} WHERE token > ? AND token <= ? ORDER BY token, seq LIMIT ?"

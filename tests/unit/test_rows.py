@@ -48,3 +48,29 @@ def test_json_rows_equal_python_encoded_rows(db_url, with_ts: bool) -> None:
         assert head_a == head_b  # RDATA mixed <instance> <token or batch>
         assert orjson.loads(b"[" + json_a) == orjson.loads(b"[" + json_b)
     assert b" batch " in built
+
+
+@pytest.mark.parametrize("with_ts", [False, True])
+def test_lines_built_by_the_store_equal_the_json_rows(db_url, with_ts: bool) -> None:
+    """``read_lines_json`` (SQLite builds whole lines) gives the lines of ``read_rows_json``, or None."""
+    store = open_store(db_url)
+    store.register_stream(SCHEMA)
+    for row in ROWS:
+        store.append("mixed", [row], "w1")
+    store.append("mixed", ROWS[:2], "w2", batch=True)  # token 7: two rows
+    built = store.read_lines_json("mixed", 0, 6, 100, "RDATA mixed ", with_ts)
+    if db_url.startswith("postgresql"):
+        assert built is None  # not offered there: the master encodes read_rows_json
+        return
+    expected, _ = encode_json_rows("mixed", store.read_rows_json("mixed", 0, 6, 100), with_ts)
+    assert built == (expected, 6, 6)
+    assert store.read_lines_json("mixed", 2, 4, 100, "RDATA mixed ", with_ts) == (
+        encode_json_rows("mixed", store.read_rows_json("mixed", 2, 4, 100), with_ts)[0],
+        4,
+        2,
+    )
+    assert store.read_lines_json("mixed", 0, 100, 3, "RDATA mixed ", with_ts)[1:] == (3, 3)  # type: ignore[index]
+    assert store.read_lines_json("mixed", 7, 100, 100, "RDATA mixed ", with_ts) == (b"", 7, 0)
+    # A batch in range, or cut by the limit: the caller encodes.
+    assert store.read_lines_json("mixed", 5, 7, 100, "RDATA mixed ", with_ts) is None
+    assert store.read_lines_json("mixed", 6, 7, 1, "RDATA mixed ", with_ts) is None
