@@ -76,10 +76,10 @@ def pump(readers: list[Reader], until: int, timeout: float) -> None:
 
 
 @pytest.mark.parametrize("max_lag_bytes", [16 << 20, 65536], ids=["lags-in-the-window", "falls-back-to-storage"])
-def test_twenty_live_clients_and_one_that_stops_reading_for_a_while(master, max_lag_bytes: int) -> None:
+def test_twenty_live_clients_and_one_that_stops_reading_for_a_while(master, db_url, max_lag_bytes: int) -> None:
     # Within max_lag_bytes the stopper stays in the fan-out and later takes the
     # shared bytes from the window; past it, it catches up on its own and rejoins.
-    m = master(CONFIG + f"  max_lag_bytes: {max_lag_bytes}\n")
+    m = master(CONFIG + f"  max_lag_bytes: {max_lag_bytes}\n", database=db_url)
     rows = 30_000
     live = [Reader(m.host, m.port, f"live{i}", b"REPLICATE blobs 0\n") for i in range(20)]
     stopper = Reader(m.host, m.port, "stopper", b"REPLICATE blobs 0\n", rcvbuf=16 * 1024)
@@ -106,8 +106,8 @@ def test_twenty_live_clients_and_one_that_stops_reading_for_a_while(master, max_
         r.sock.close()
 
 
-def test_many_concurrent_replays_of_the_same_rows(master) -> None:
-    m = master(CONFIG)
+def test_many_concurrent_replays_of_the_same_rows(master, db_url) -> None:
+    m = master(CONFIG, database=db_url)
     rows = 20_000
     for start in range(1, rows + 1, 5000):
         m.append("blobs", [[f"{i:06d}{BODY}"] for i in range(start, start + 5000)])
