@@ -13,6 +13,12 @@ Scenarios (``tickline bench [SCENARIO...] [--rows N]``, default: all):
     are committed in one transaction; timed from the commit to the last row
     received.
 
+``fanout``
+    One master feeding 1, 10 and 50 raw counting clients, live and replay:
+    rows/s delivered, master CPU per delivered row, master peak memory
+    (``scripts/bench_fanout.py``; ``--plot FILE.png`` draws CPU per row
+    against the number of clients).
+
 Baseline, measured in the same run: a server process that writes the same N
 ``RDATA`` lines (pre-built, byte for byte what the master sends) as fast as
 the transport takes them (a push producer writing chunks of 5,000 lines), and
