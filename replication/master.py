@@ -29,6 +29,7 @@ from replication.rows import RowEncoder, encode_json_rows, encode_rows, row_enco
 from replication.server import ServerProtocol, Subscription
 from replication.settings import MasterConfig
 from replication.streams import cache_invalidation_row
+from replication.timeticks import TimeTicker
 from storage.schema import StreamSchema
 from storage.store import TOKEN, StorageError
 
@@ -67,6 +68,7 @@ class Master:
         self._relistening = False
         self._db_error: str | None = None
         self.port: Any = None  # the reactor's listening port
+        self.timeticks = TimeTicker(self, config.tick_interval)
 
     # -- start and stop ------------------------------------------------------------
 
@@ -91,6 +93,7 @@ class Master:
         self._poller.start(interval, now=False).addErrback(
             lambda f: logger.error("following stream heads stopped: %s", f.getTraceback())
         )
+        self.timeticks.start()
         factory = Factory.forProtocol(lambda: ServerProtocol(self, self.protocol_config, self.reactor))
         self.port = self.reactor.listenTCP(self.config.listen_port, factory, interface=self.config.listen_host)
         address = self.port.getHost()
@@ -106,6 +109,7 @@ class Master:
     async def stop(self) -> None:
         if self._poller is not None and self._poller.running:
             self._poller.stop()
+        self.timeticks.stop()
         if self.port is not None:
             await self.port.stopListening()
         if self._notifications is not None:
@@ -141,6 +145,9 @@ class Master:
     def safe_position(self, stream: str) -> int:
         """The last safe position seen: every row up to it has committed."""
         return max(self._safe.get(stream, 0), self._live.get(stream, 0))
+
+    def encoder(self, stream: str) -> RowEncoder:
+        return self._encoders[stream]
 
     def live_token(self, stream: str) -> int:
         """The token up to which rows have been fanned out to live subscriptions."""
@@ -244,7 +251,8 @@ class Master:
     async def _advance(self) -> None:
         # The safe position: every row up to it has committed (see storage).
         expire, self._expire_writers = self._expire_writers, False
-        heads = await self.db.run(self.store.safe_positions, expire)
+        # A timestamp taken before the safe positions makes each a safe time (TICK).
+        tick_ts, heads = await self.db.run(self.timeticks.safe_point, expire, self.timeticks.wanted())
         self._safe.update(heads)
         if any(stream not in self._schemas for stream in heads):
             self._learn(await self.db.run(self.store.catalog))
@@ -267,6 +275,7 @@ class Master:
                     self._timetick(stream, head)
                     break
                 self._fan_out(stream, encoded, last_token, count)
+        self.timeticks.passed(tick_ts, heads)
 
     def _timetick(self, stream: str, safe: int) -> None:
         """No rows in (live, safe]: tell live subscriptions they may move to ``safe``."""

@@ -37,6 +37,7 @@ from replication.commands import (
 from replication.protocol import LineCommandProtocol, ProtocolConfig
 from replication.reactor_types import Clock
 from replication.stats import STATS
+from replication.timeticks import TICK_OPTION, read_since, replicate_at
 
 if TYPE_CHECKING:
     from replication.master import Master
@@ -47,9 +48,9 @@ logger = logging.getLogger(__name__)
 class Subscription:
     """One stream on one connection."""
 
-    __slots__ = ("announce_live", "generation", "live", "reading", "sent_token", "stream")
+    __slots__ = ("announce_live", "generation", "live", "reading", "sent_token", "since_ts", "stream")
 
-    def __init__(self, stream: str, sent_token: int, announce_live: bool = False) -> None:
+    def __init__(self, stream: str, sent_token: int, announce_live: bool = False, since_ts: int | None = None) -> None:
         self.stream = stream
         self.sent_token = sent_token  # every row up to here has been written
         self.live = False
@@ -58,6 +59,8 @@ class Subscription:
         self.announce_live = announce_live
         self.reading = False
         self.generation = 0  # bumped when a new REPLICATE restarts the stream
+        # REPLICATE <stream> @<unix_ms>: the replay drops rows older than this.
+        self.since_ts = since_ts
 
 
 @implementer(IPushProducer)
@@ -71,6 +74,7 @@ class ServerProtocol(LineCommandProtocol):
         self.client_name: str | None = None
         self.with_ts = False
         self.announce_live = False  # OPTIONS live
+        self.ticks = False  # OPTIONS tick: TICK lines (replication.timeticks)
         self.authenticated = master.config.secret is None
         self.subscriptions: dict[str, Subscription] = {}
         self.paused = False
@@ -149,9 +153,13 @@ class ServerProtocol(LineCommandProtocol):
             # Options add up; none can be switched off again.
             self.with_ts = self.with_ts or "ts" in command.options
             self.announce_live = self.announce_live or "live" in command.options
+            self.ticks = self.ticks or TICK_OPTION in command.options
 
     def on_REPLICATE(self, command: ReplicateCommand) -> None:
         if not self._allowed("REPLICATE"):
+            return
+        if command.since_ms is not None:
+            replicate_at(self, command)  # start at a time
             return
         master = self.master
         stream, token = command.stream, command.token
@@ -218,12 +226,16 @@ class ServerProtocol(LineCommandProtocol):
 
     # -- streaming -----------------------------------------------------------------
 
-    def _start(self, stream: str, token: int, announce_live: bool = False) -> None:
+    def start_subscription(self, stream: str, token: int, since_ts: int | None = None) -> None:
+        """Stream ``stream`` from ``token`` (the POSITION is sent already)."""
+        self._start(stream, token, announce_live=self.announce_live, since_ts=since_ts)
+
+    def _start(self, stream: str, token: int, announce_live: bool = False, since_ts: int | None = None) -> None:
         old = self.subscriptions.get(stream)
         if old is not None:
             old.generation += 1
             self.master.unsubscribe_live(self, old)
-        sub = Subscription(stream, token, announce_live)
+        sub = Subscription(stream, token, announce_live, since_ts)
         if old is not None:
             sub.generation = old.generation + 1
         self.subscriptions[stream] = sub
@@ -236,6 +248,7 @@ class ServerProtocol(LineCommandProtocol):
         head = self.master.live_token(sub.stream)
         if sub.sent_token >= head:
             sub.live = True
+            sub.since_ts = None
             self.master.subscribe_live(self, sub)
             if sub.announce_live:
                 sub.announce_live = False
@@ -245,7 +258,12 @@ class ServerProtocol(LineCommandProtocol):
             return
         sub.reading = True
         generation = sub.generation
-        d = self.master.read_encoded(sub.stream, sub.sent_token, head, self.config.catchup_rows, self.with_ts)
+        if sub.since_ts is not None:
+            d = read_since(
+                self.master, sub.stream, sub.sent_token, head, self.config.catchup_rows, self.with_ts, sub.since_ts
+            )
+        else:
+            d = self.master.read_encoded(sub.stream, sub.sent_token, head, self.config.catchup_rows, self.with_ts)
 
         def got(result: tuple[bytes, int, int]) -> None:
             data, last_token, count = result

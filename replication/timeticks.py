@@ -1,0 +1,181 @@
+"""Time on the master's side: timeticks in time (``TICK``) and starting at a time.
+
+:class:`TimeTicker` makes every pass of the master over the store's safe
+positions take an oracle timestamp first (``storage.time_index.safe_point``),
+so that after the pass each stream's live token ``L`` and that timestamp
+``t`` form a safe time: no row with a timestamp at or below ``t`` has a token
+above ``L``. It then sends ``TICK <stream> <L> <t>`` to every connection that
+asked for ``OPTIONS tick``, for every stream live on it, after the rows the
+pass fanned out; and it makes the master pass at least every
+``tick_interval`` seconds so that the safe time advances while streams are
+idle.
+
+:func:`replicate_at` answers ``REPLICATE <stream> @<unix_ms>``: it finds the
+first token at or after the instant in the stream's ``ts`` index, answers
+``POSITION <stream> <instance> <t> <t>`` with the token just before it, and
+starts a replay that drops rows older than the instant (:func:`read_since`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from twisted.internet import defer, task
+from twisted.python.failure import Failure
+
+from replication.commands import PositionCommand, ReplicateCommand, TickCommand
+from replication.rows import encode_json_rows, encode_rows
+from storage import time_index
+from storage.store import TOKEN, TS
+from storage.tso import physical_ms
+
+if TYPE_CHECKING:
+    from replication.master import Master
+    from replication.server import ServerProtocol
+
+logger = logging.getLogger(__name__)
+
+TICK_OPTION = "tick"
+
+
+class TimeTicker:
+    """The master's safe time per stream, and its ``TICK`` lines."""
+
+    def __init__(self, master: Master, interval: float) -> None:
+        self.master = master
+        self.interval = interval
+        self.safe_ts: dict[str, int] = {}  # per stream: the latest safe time (metrics)
+        self._last_tick_at = float("-inf")  # reactor time of the last timestamp taken
+        self._loop: task.LoopingCall | None = None
+
+    def start(self) -> None:
+        self._loop = task.LoopingCall(self._pass)
+        self._loop.clock = self.master.reactor
+        self._loop.start(self.interval, now=False).addErrback(
+            lambda f: logger.error("timeticks stopped: %s", f.getTraceback())
+        )
+
+    def stop(self) -> None:
+        if self._loop is not None and self._loop.running:
+            self._loop.stop()
+
+    def _pass(self) -> None:
+        # While streams are idle nothing else makes the master look: do it.
+        self.master.followed()
+
+    def wanted(self) -> bool:
+        """Should the next pass take a timestamp? (On the reactor thread.)"""
+        if any(getattr(conn, "ticks", False) for conn in self.master.connections):
+            return True
+        # Otherwise only now and then, for the safe-time metric.
+        return self.master.reactor.seconds() - self._last_tick_at >= self.interval
+
+    def safe_point(self, expire_writers: bool, take_time: bool) -> tuple[int | None, dict[str, int]]:
+        """On a database thread: (timestamp taken before, safe positions)."""
+        if take_time:
+            return time_index.safe_point(self.master.store, expire_writers)
+        return None, self.master.store.safe_positions(expire_writers)
+
+    def passed(self, tick_ts: int | None, positions: dict[str, int]) -> None:
+        """A pass succeeded: every live subscription has every row up to its stream's position."""
+        if tick_ts is None:
+            return
+        self._last_tick_at = self.master.reactor.seconds()
+        master = self.master
+        for stream in positions:
+            if master.has_stream(stream):
+                self.safe_ts[stream] = tick_ts
+        for conn in list(master.connections):
+            if not getattr(conn, "ticks", False):
+                continue
+            for sub in list(conn.subscriptions.values()):
+                safe = positions.get(sub.stream)
+                if not sub.live or safe is None or sub.sent_token < safe:
+                    continue
+                line = TickCommand(sub.stream, sub.sent_token, tick_ts).encode()
+                conn.send_live(sub, line, sub.sent_token, "TICK")
+
+    def safe_time_seconds(self, stream: str) -> float | None:
+        ts = self.safe_ts.get(stream)
+        return None if ts is None else physical_ms(ts) / 1000
+
+
+def replicate_at(conn: ServerProtocol, command: ReplicateCommand) -> defer.Deferred[None]:
+    """Answer ``REPLICATE <stream> @<unix_ms>`` on ``conn`` (see the module doc)."""
+    master = conn.master
+    stream = command.stream
+    assert stream is not None and command.since_ms is not None
+    since_ts = time_index.ts_at_ms(command.since_ms)
+
+    async def answer() -> None:
+        await master.followed()  # a stream just created is known, the live token is fresh
+        if conn._closing:
+            return
+        if not master.has_stream(stream):
+            conn.send_error(f"unknown stream {stream!r} (streams: {', '.join(master.stream_names())})")
+            return
+        at: time_index.TokenAt = await master.db.run(time_index.first_token_at, master.store, stream, since_ts)
+        if conn._closing:
+            return
+        live = master.live_token(stream)
+        # Never past the live token: rows above it may still be in flight.
+        start = live if at.before is None else min(at.before, live)
+        logger.info(
+            "[%s] %s from %s: token %s (%d index lookups)", conn.conn_name, stream, command.since_ms, start, at.queries
+        )
+        conn.send(PositionCommand(stream, master.config.instance_name, start, start))
+        conn.start_subscription(stream, start, since_ts=since_ts)
+
+    def failed(failure: Failure) -> None:
+        logger.error(
+            "[%s] finding %s at %s failed: %s", conn.conn_name, stream, command.since_ms, failure.getErrorMessage()
+        )
+        conn.send_error(
+            f"cannot find the start of stream {stream!r} at {command.since_ms}: {failure.getErrorMessage()}"
+        )
+
+    def done(_: object) -> None:
+        conn._pending_replicates -= 1
+        if conn.read_closed and not conn._closing:
+            conn.finish_after_half_close()  # a netcat session that half-closed meanwhile
+
+    # Counted as a pending REPLICATE: a half-closed connection waits for it.
+    conn._pending_replicates += 1
+    return defer.ensureDeferred(answer()).addErrback(failed).addBoth(done)
+
+
+def read_since(
+    master: Master, stream: str, after: int, upto: int, limit: int, with_ts: bool, since_ts: int
+) -> defer.Deferred[tuple[bytes, int, int]]:
+    """Like ``Master.read_encoded``, dropping rows older than ``since_ts``.
+
+    Returns ``(bytes, last token read, rows sent)``. When rows at the end of
+    the chunk were dropped, the bytes end with ``POSITION <stream> <instance>
+    <last sent> <last read>`` so the client moves past them (a client that
+    received nothing of them would otherwise take the next POSITION as rows
+    missed).
+    """
+
+    def run() -> tuple[bytes, int, int]:
+        store = master.store
+        read_json = getattr(store, "read_rows_json", None)
+        if read_json is not None:
+            rows: list[Any] = read_json(stream, after, upto, limit)
+        else:
+            rows = store.read_rows(stream, after, upto, limit)
+        if not rows:
+            return b"", after, 0
+        last_read = rows[-1][TOKEN]
+        kept = [row for row in rows if row[TS] >= since_ts]
+        if read_json is not None:
+            data, _ = encode_json_rows(stream, kept, with_ts)
+        else:
+            data, _ = encode_rows(stream, kept, master.encoder(stream), with_ts)
+        last_sent = kept[-1][TOKEN] if kept else after
+        if last_sent != last_read:
+            data += PositionCommand(stream, master.config.instance_name, last_sent, last_read).encode()
+        return data, last_read, len(kept)
+
+    result: defer.Deferred[tuple[bytes, int, int]] = master.db.run(run)
+    return result

@@ -1,0 +1,159 @@
+"""Time on the wire: REPLICATE <stream> @<unix_ms> and TICK (OPTIONS tick), on real sockets."""
+
+from __future__ import annotations
+
+import time
+
+import orjson
+import pytest
+
+from storage.tso import compose, physical_ms
+
+TICK_CONFIG = "master:\n  tick_interval: 0.1\n"
+
+
+def row(n: int) -> list:
+    return [f"$e{n}", "!r", "t", None, None]
+
+
+def rdata(lines: list[str]) -> list[tuple[int, list]]:
+    out = []
+    for line in lines:
+        if line.startswith("RDATA "):
+            _, _stream, _inst, token, body = line.split(" ", 4)
+            out.append((int(token) if token != "batch" else -1, orjson.loads(body)))
+    return out
+
+
+def collect(client, until, timeout: float = 10.0) -> list[str]:
+    lines = []
+    deadline = time.monotonic() + timeout
+    while True:
+        line = client.try_line(max(0.0, deadline - time.monotonic()))
+        assert line is not None, f"timed out; got {lines[-5:]}"
+        if line.startswith("PING"):
+            continue
+        lines.append(line)
+        if until(line):
+            return lines
+
+
+def stored(m, stream: str = "events") -> list[tuple[int, int]]:
+    from storage.store import open_store
+
+    store = open_store(m.database)
+    try:
+        return [(r[1], r[3]) for r in store.read_rows(stream, 0, 10**12, 10**9)]
+    finally:
+        store.close()
+
+
+def test_replicate_at_a_time_answers_the_token_before_and_replays_from_there(master, db_url) -> None:
+    m = master(database=db_url)
+    for n in range(3):
+        m.append("events", [row(n)])
+    time.sleep(0.01)  # the instant must fall strictly between two rows' milliseconds
+    cut_ms = int(time.time() * 1000)
+    time.sleep(0.01)
+    tokens = [m.append("events", [row(n)])[0] for n in range(3, 6)]
+    rows = stored(m)
+    expected = [token for token, ts in rows if physical_ms(ts) >= cut_ms]
+    assert expected == tokens
+    client = m.connect()
+    client.handshake()
+    client.send("OPTIONS ts live", f"REPLICATE events @{cut_ms}")
+    position = client.expect("POSITION")
+    assert position.split()[1:] == ["events", "master", str(tokens[0] - 1), str(tokens[0] - 1)]
+    lines = collect(client, lambda line: line.startswith("POSITION"))
+    got = rdata(lines)
+    assert [t for t, _ in got] == tokens
+    assert all(physical_ms(body[-1]) >= cut_ms for _, body in got)
+    # Then live.
+    (new,) = m.append("events", [row(9)])
+    assert rdata(collect(client, lambda line: line.startswith("RDATA")))[0][0] == new
+
+
+def test_replicate_at_a_time_before_all_rows_and_after_all_rows(master) -> None:
+    m = master()
+    m.append("events", [row(n) for n in range(4)], batch=True)
+    client = m.connect()
+    client.handshake()
+    client.send("OPTIONS live", "REPLICATE events @0")
+    assert client.expect("POSITION").split()[3] == "0"
+    lines = collect(client, lambda line: line.startswith("POSITION"))
+    assert [line.split()[3] for line in lines if line.startswith("RDATA")] == ["batch"] * 3 + ["1"]
+    future = int(time.time() * 1000) + 60_000
+    other = m.connect()
+    other.handshake()
+    other.send(f"REPLICATE events @{future}")
+    assert other.expect("POSITION").split()[3:] == ["1", "1"]
+
+
+@pytest.mark.parametrize(
+    "line, error",
+    [
+        ("REPLICATE events @", "@<unix_ms> must be a non-negative integer"),
+        ("REPLICATE events @-5", "@<unix_ms> must be a non-negative integer"),
+        ("REPLICATE events @12x", "@<unix_ms> must be a non-negative integer"),
+        ("REPLICATE nosuch @5", "unknown stream 'nosuch'"),
+    ],
+)
+def test_replicate_at_bad_input(master, line: str, error: str) -> None:
+    m = master()
+    client = m.connect()
+    client.handshake()
+    client.send(line)
+    assert error in client.expect("ERROR")
+    client.send("PING 1")  # the connection stays usable
+
+
+def test_tick_only_for_clients_that_ask(master, db_url) -> None:
+    m = master(TICK_CONFIG, database=db_url)
+    m.append("events", [row(0)])
+    seed = m.connect()
+    seed.handshake()
+    seed.send("REPLICATE")
+    ticking = m.connect()
+    ticking.handshake()
+    ticking.send("OPTIONS tick", "REPLICATE events 0")
+    lines = collect(ticking, lambda line: line.startswith("TICK"))
+    assert rdata(lines)[0][0] == 1
+    first = lines[-1].split()
+    assert first[:3] == ["TICK", "events", "1"]
+    # Idle: the safe time keeps advancing, at least every tick_interval (0.1 s).
+    seen = [int(first[3])]
+    start = time.monotonic()
+    while len(seen) < 6:
+        tick = collect(ticking, lambda line: line.startswith("TICK events"))[-1].split()
+        assert tick[2] == "1"
+        seen.append(int(tick[3]))
+    elapsed = time.monotonic() - start
+    assert seen == sorted(seen) and len(set(seen)) == len(seen)
+    assert elapsed < 5 * 0.1 + 1.0
+    assert physical_ms(seen[-1]) <= time.time() * 1000 + 5
+    # A write: its row comes first, then a tick at or above its timestamp.
+    (token,) = m.append("events", [row(1)])
+    lines = collect(ticking, lambda line: line.startswith(f"TICK events {token} "))
+    assert [t for t, _ in rdata(lines)] == [token]
+    (row_ts,) = [t for tok, t in stored(m) if tok == token]
+    assert int(lines[-1].split()[3]) >= row_ts
+    # The seed client saw the row and no TICK at all.
+    seen_by_seed = []
+    while (line := seed.try_line(0.3)) is not None:
+        seen_by_seed.append(line)
+    assert any(line.startswith("RDATA events") for line in seen_by_seed)
+    assert not any(line.startswith("TICK") for line in seen_by_seed)
+
+
+def test_tick_is_a_server_command_only(master) -> None:
+    m = master()
+    client = m.connect()
+    client.handshake()
+    client.send("TICK events 1 2")
+    assert "TICK may not be sent by the client" in client.expect("ERROR")
+    client.send("OPTIONS tock")
+    assert "unknown option 'tock'" in client.expect("ERROR")
+
+
+def test_compose_round_trip() -> None:
+    assert physical_ms(compose(1234, 5)) == 1234
