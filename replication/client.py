@@ -26,6 +26,7 @@ from replication.commands import (
     RemoteServerUpCommand,
     ReplicateCommand,
     ServerCommand,
+    TickCommand,
     parse_rdata_fast,
 )
 from replication.protocol import LineCommandProtocol, ProtocolConfig
@@ -49,6 +50,9 @@ class ReplicationHandler:
 
     def on_rows(self, client: ClientProtocol, stream: str, instance: str, token: int, rows: list[list[Any]]) -> None:
         """Rows of one token (one row, or a whole batch), in order."""
+
+    def on_tick(self, client: ClientProtocol, command: TickCommand) -> None:
+        """The stream's safe time (``OPTIONS tick``); only for streams positioned on this connection."""
 
     def on_error(self, client: ClientProtocol, message: str) -> None:
         pass
@@ -99,12 +103,12 @@ class ClientProtocol(LineCommandProtocol):
         super().connectionLost(reason)
         self.handler.disconnected(self, reason or Failure(ConnectionDone()))
 
-    def replicate(self, stream: str | None = None, token: int | None = None) -> None:
-        """``REPLICATE`` (every stream, live from now) or one stream after a token."""
+    def replicate(self, stream: str | None = None, token: int | None = None, since_ms: int | None = None) -> None:
+        """``REPLICATE`` (every stream, live from now), one stream after a token, or from a time."""
         if stream is not None:
             self.positioned.discard(stream)
             self._pending_batch.pop(stream, None)
-        self.send(ReplicateCommand(stream, token))
+        self.send(ReplicateCommand(stream, None if since_ms is not None else token, since_ms))
 
     # -- commands from the server --------------------------------------------------
 
@@ -143,6 +147,10 @@ class ClientProtocol(LineCommandProtocol):
             pending.append(row)
             rows = pending
         self.handler.on_rows(self, stream, instance, token, rows)
+
+    def on_TICK(self, command: TickCommand) -> None:
+        if command.stream in self.positioned:
+            self.handler.on_tick(self, command)
 
     def on_ERROR(self, command: ErrorCommand) -> None:
         super().on_ERROR(command)

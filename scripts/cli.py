@@ -50,7 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
     tail.add_argument("--master", metavar="HOST:PORT", help="master address (default: the config's listen)")
     tail.add_argument("--from", dest="from_token", metavar="TOKEN", type=int, help="replay rows after TOKEN first")
     tail.add_argument("--count", metavar="N", type=int, help="exit after N rows")
-    tail.add_argument("--ts", action="store_true", help='add each row\'s timestamp as "ts"')
+    tail.add_argument(
+        "--since",
+        metavar="WHEN",
+        help="replay rows from this time first: Unix ms, ISO-8601 (UTC unless a zone is given), or -30s/-5m/-2h/-1d",
+    )
+    tail.add_argument(
+        "--ts", action="store_true", help='add each row\'s timestamp as "ts" and its time as "ts_iso" (ISO-8601, UTC)'
+    )
     tail.add_argument("--name", default="tail", help="client name sent in NAME (default: tail)")
     tail.add_argument("streams", metavar="STREAM", nargs="+")
 

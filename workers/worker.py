@@ -30,6 +30,7 @@ from replication.commands import (
     PositionCommand,
     RemoteServerUpCommand,
     RemovePusherCommand,
+    TickCommand,
     UserSyncCommand,
 )
 from replication.dbthreads import DatabaseThreads
@@ -38,6 +39,7 @@ from storage.schema import StreamSchema
 from workers.caches import CacheRegistry
 from workers.consumer import StreamConsumer
 from workers.handlers import HandlerRegistry
+from workers.ordering import OrderedDelivery
 from workers.replicator import cache_invalidator, table_replicator
 from workers.settings import WorkerConfig
 
@@ -79,6 +81,9 @@ class Worker(ReplicationHandler):
         # replay reached the live rows (the POSITION that OPTIONS live adds).
         self._answered: set[str] = set()
         self._live_streams: set[str] = set()
+        # Streams started at a time (worker.start_at) whose POSITION is awaited.
+        self._starting: set[str] = set()
+        self.ordering: OrderedDelivery | None = None  # worker.ordered (workers.ordering)
         self.stopping = False
 
     # -- set-up --------------------------------------------------------------------
@@ -119,11 +124,31 @@ class Worker(ReplicationHandler):
                 self.config.apply,
                 on_progress=self._progress,
             )
+        for stream, consumer in self.consumers.items():
+            if self.config.start_at_ms is not None and stream not in applied:
+                consumer.start_at_ms = self.config.start_at_ms  # a new stream starts at that time
+        ordered = self.ordered_streams()
+        if ordered:
+            self.ordering = OrderedDelivery([self.consumers[s] for s in ordered])
+            logger.info("worker %s delivers %s in timestamp order", self.config.name, ", ".join(ordered))
         logger.info(
             "worker %s resumes %s",
             self.config.name,
             ", ".join(f"{s}@{c.applied}" for s, c in sorted(self.consumers.items())) or "no streams",
         )
+
+    def ordered_streams(self) -> list[str]:
+        """The streams whose handlers see rows in timestamp order across them.
+
+        Streams with handlers of the worker's own (``worker.handlers``,
+        ``worker.replicate``); the built-in cache invalidation alone does not
+        make a stream ordered. ``worker.ordered`` unset means true when there
+        are two or more; false turns it off.
+        """
+        with_handlers = sorted(set(self.config.replicate) | set(self.handlers.streams()))
+        if self.config.ordered is False or len(with_handlers) < 2:
+            return []
+        return with_handlers
 
     def start(self) -> None:
         self.db.start()
@@ -162,7 +187,7 @@ class Worker(ReplicationHandler):
             self.reactor,
             with_ts=True,
             secret=self.secret,
-            options=frozenset({"live"}),
+            options=frozenset({"live", "tick"}),
         )
 
     def _apply_in_db(self, stream: str, token: int, effects: Callable[[Any], None]) -> defer.Deferred[None]:
@@ -206,6 +231,12 @@ class Worker(ReplicationHandler):
             self._live_streams.add(command.stream)
         else:
             self._answered.add(command.stream)
+            if command.stream in self._starting:
+                # The answer to REPLICATE <stream> @<ms>: the stream starts here.
+                self._starting.discard(command.stream)
+                consumer.started_at(command.new_token)
+                self._check_caught_up()
+                return
         missed_from = consumer.position(command.prev_token, command.new_token)
         if missed_from is not None:
             self._replicate(client, command.stream, missed_from)
@@ -220,6 +251,11 @@ class Worker(ReplicationHandler):
             self._reading_paused = True
             if client.transport is not None:
                 client.transport.pauseProducing()
+
+    def on_tick(self, client: ClientProtocol, command: TickCommand) -> None:
+        consumer = self.consumers.get(command.stream)
+        if consumer is not None:
+            consumer.tick(command.safe_token, command.safe_ts)
 
     def on_error(self, client: ClientProtocol, message: str) -> None:
         logger.error("master refused: %s", message)
@@ -239,6 +275,13 @@ class Worker(ReplicationHandler):
     def _replicate(self, client: ClientProtocol, stream: str, token: int) -> None:
         self._answered.discard(stream)
         self._live_streams.discard(stream)
+        consumer = self.consumers[stream]
+        if consumer.start_at_ms is not None and consumer.applied == 0 and token == 0:
+            # worker.start_at: a stream never applied here starts at that time.
+            self._starting.add(stream)
+            client.replicate(stream, since_ms=consumer.start_at_ms)
+            return
+        self._starting.discard(stream)
         client.replicate(stream, token)
 
     def on_remote_server_up(self, client: ClientProtocol, server: str) -> None:
@@ -249,8 +292,11 @@ class Worker(ReplicationHandler):
             self.client = None
         self._answered.clear()
         self._live_streams.clear()
+        self._starting.clear()
         for consumer in self.consumers.values():
             consumer.reset()
+        if self.ordering is not None:
+            self.ordering.reset()
         for call in self._retry_calls.values():
             if call.active():
                 call.cancel()
@@ -293,6 +339,7 @@ class Worker(ReplicationHandler):
                 d.callback(None)
 
     def lag_ms(self) -> dict[str, int | None]:
+        """Per stream: now minus the time up to which the stream is complete here (None: not known yet)."""
         now = int(time.time() * 1000)
         return {s: c.lag_ms(now) for s, c in self.consumers.items()}
 

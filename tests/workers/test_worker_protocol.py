@@ -105,7 +105,7 @@ def h(url) -> Harness:
 
 
 def test_handshake_waits_for_server_then_resumes_every_stream(h) -> None:
-    assert h.sent() == ["NAME w1", "OPTIONS live ts"]
+    assert h.sent() == ["NAME w1", "OPTIONS live tick ts"]
     h.send("SERVER tickline")
     assert h.sent() == ["REPLICATE caches 0", "REPLICATE events 0"]
 
