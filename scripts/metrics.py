@@ -18,7 +18,6 @@ from twisted.web.resource import Resource
 from twisted.web.server import Site
 
 from replication.stats import STATS
-from storage.tso import physical_ms
 
 
 def _protocol_metrics(stats: Any) -> Iterable[Metric]:
@@ -83,7 +82,16 @@ class MasterCollector:
             safe.add_metric([stream], position)
             sent.add_metric([stream], live)
             lag.add_metric([stream], max(0, position - live))
-        yield from (head, safe, sent, lag)
+        safe_time = GaugeMetricFamily(
+            "tickline_stream_safe_time_seconds",
+            "The stream's safe time (Unix seconds): no further row will have a timestamp at or below it",
+            labels=["stream"],
+        )
+        for stream in master.stream_names():
+            seconds = master.timeticks.safe_time_seconds(stream)
+            if seconds is not None:
+                safe_time.add_metric([stream], seconds)
+        yield from (head, safe, sent, lag, safe_time)
         yield GaugeMetricFamily("tickline_connections", "Open replication connections", value=len(master.connections))
         yield GaugeMetricFamily(
             "tickline_pending_bytes",
@@ -118,7 +126,9 @@ class WorkerCollector:
         )
         lag_tokens = GaugeMetricFamily("tickline_worker_lag_tokens", "Received but not yet applied", labels=["stream"])
         lag_seconds = GaugeMetricFamily(
-            "tickline_worker_lag_seconds", "Age of the applied data while rows wait to be applied", labels=["stream"]
+            "tickline_worker_lag_seconds",
+            "Now minus the time up to which the stream is complete in the worker (last applied row, or the safe time when all is applied)",
+            labels=["stream"],
         )
         pending = GaugeMetricFamily("tickline_worker_pending_rows", "Rows waiting to be applied", labels=["stream"])
         rows = CounterMetricFamily("tickline_worker_applied_rows", "Rows applied", labels=["stream"])
@@ -126,13 +136,32 @@ class WorkerCollector:
             applied.add_metric([stream], consumer.applied)
             received.add_metric([stream], consumer.known)
             lag_tokens.add_metric([stream], max(0, consumer.known - consumer.applied))
-            behind = 0.0
-            if consumer.busy and consumer.applied_ts is not None:
-                behind = max(0, now_ms - physical_ms(consumer.applied_ts)) / 1000
-            lag_seconds.add_metric([stream], behind)
+            behind = consumer.lag_ms(now_ms)
+            lag_seconds.add_metric([stream], float("nan") if behind is None else behind / 1000)
             pending.add_metric([stream], consumer.queued_rows)
             rows.add_metric([stream], consumer.rows_applied)
         yield from (applied, received, lag_tokens, lag_seconds, pending, rows)
+        ordering = getattr(worker, "ordering", None)
+        if ordering is not None:
+            held = GaugeMetricFamily(
+                "tickline_worker_ordered_held_rows",
+                "Rows received but held back for timestamp order across streams",
+                labels=["stream"],
+            )
+            blocking = GaugeMetricFamily(
+                "tickline_worker_ordered_blocking",
+                "1 while the stream holds the other streams back (it is behind, or not heard from yet)",
+                labels=["stream"],
+            )
+            released = CounterMetricFamily(
+                "tickline_worker_ordered_released_rows", "Rows released in timestamp order", labels=["stream"]
+            )
+            waiting_for = ordering.blocking()
+            for stream, lane in sorted(ordering.lanes.items()):
+                held.add_metric([stream], lane.pending_rows)
+                blocking.add_metric([stream], 1 if stream in waiting_for else 0)
+                released.add_metric([stream], lane.released_rows)
+            yield from (held, blocking, released)
         yield CounterMetricFamily("tickline_reconnects", "Connections to the master lost", value=worker.reconnects)
         yield GaugeMetricFamily(
             "tickline_connections", "Open replication connections", value=int(worker.client is not None)
