@@ -105,9 +105,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _relative_since(argv: Sequence[str]) -> list[str]:
+    """``--since -5m`` as ``--since=-5m``: argparse would take ``-5m`` for an option."""
+    out: list[str] = []
+    args = iter(argv)
+    for arg in args:
+        if arg == "--since":
+            value = next(args, None)
+            if value is None:
+                out.append(arg)
+            elif value.startswith("-") and value[1:2].isdigit():
+                out.append(f"--since={value}")
+            else:
+                out += [arg, value]
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_relative_since(sys.argv[1:] if argv is None else argv))
     try:
         if args.command == "check-config":
             load_config(args.config)

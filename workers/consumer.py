@@ -179,7 +179,8 @@ class StreamConsumer:
 
     @property
     def busy(self) -> bool:
-        return self._applying or bool(self._queue)
+        held = self.gate is not None and self.gate.holds(self)
+        return self._applying or bool(self._queue) or held
 
     def kick(self) -> None:
         if self._applying or not self._queue:

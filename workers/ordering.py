@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -41,14 +42,28 @@ logger = logging.getLogger(__name__)
 
 
 class _Lane:
-    __slots__ = ("complete_ts", "consumer", "pending", "pending_rows", "released_rows")
+    __slots__ = (
+        "complete_ts",
+        "consumer",
+        "park_ts",
+        "pending",
+        "pending_rows",
+        "released_rows",
+        "released_token",
+    )
 
     def __init__(self, consumer: StreamConsumer) -> None:
         self.consumer = consumer
         self.pending: collections.deque[_Item] = collections.deque()
         self.pending_rows = 0
         self.released_rows = 0
+        self.released_token = consumer.known  # the last token handed to the consumer
         self.complete_ts: int | None = consumer.complete_ts()
+        self.park_ts: int | None = None  # parked: rows from this timestamp on were dropped
+
+    @property
+    def parked(self) -> bool:
+        return self.park_ts is not None
 
     def head_ts(self) -> int | None:
         if not self.pending:
@@ -60,9 +75,22 @@ class _Lane:
 class OrderedDelivery:
     """The gate between receiving and applying for the ordered streams of one worker."""
 
-    def __init__(self, consumers: list[StreamConsumer]) -> None:
+    def __init__(
+        self,
+        consumers: list[StreamConsumer],
+        max_held_rows: int = 100_000,
+        resubscribe: Callable[[str, int], None] | None = None,
+    ) -> None:
         self.lanes: dict[str, _Lane] = {}
         self._seq = 0
+        # Rows held back are bounded: past max_held_rows the lanes holding them
+        # are *parked* (their rows dropped, to be asked for again with
+        # REPLICATE <stream> <token> once the stream they wait for has caught
+        # up), since pausing the connection would also stop the rows and ticks
+        # they wait for.
+        self.max_held_rows = max_held_rows
+        self._resubscribe = resubscribe
+        self.parks = 0
         for consumer in consumers:
             self.lanes[consumer.stream] = _Lane(consumer)
             consumer.gate = self
@@ -72,16 +100,21 @@ class OrderedDelivery:
     def offer(self, consumer: StreamConsumer, item: _Item) -> None:
         """A token received (rows, or a POSITION's move without rows): hold it in its lane."""
         lane = self.lanes[consumer.stream]
+        if lane.parked:
+            consumer.queued_rows -= len(item.rows)  # asked for again when unparked
+            return
         lane.pending.append(item)
         lane.pending_rows += len(item.rows)
         if item.rows and item.rows[-1].ts is not None:
             lane.complete_ts = _max(lane.complete_ts, item.rows[-1].ts)
         self.release()
+        if sum(other.pending_rows for other in self.lanes.values()) > self.max_held_rows:
+            self._park()
 
     def tick(self, consumer: StreamConsumer, safe_token: int, safe_ts: int) -> None:
         """``TICK``: the stream is complete up to ``safe_ts`` once ``safe_token`` is received."""
         lane = self.lanes[consumer.stream]
-        if consumer.known >= safe_token:
+        if consumer.known >= safe_token and not lane.parked:
             lane.complete_ts = _max(lane.complete_ts, safe_ts)
             self.release()
 
@@ -90,11 +123,48 @@ class OrderedDelivery:
         for lane in self.lanes.values():
             lane.pending.clear()
             lane.pending_rows = 0
+            lane.park_ts = None
+            lane.released_token = lane.consumer.known
             lane.complete_ts = lane.consumer.complete_ts()
+
+    def _park(self) -> None:
+        for stream, lane in self.lanes.items():
+            if not lane.pending or lane.parked:
+                continue
+            head = lane.head_ts()
+            dropped = lane.pending_rows
+            lane.park_ts = head if head is not None else 0
+            lane.consumer.queued_rows -= dropped
+            lane.pending.clear()
+            lane.pending_rows = 0
+            lane.consumer.known = lane.released_token
+            lane.complete_ts = None if head is None else head - 1
+            self.parks += 1
+            logger.warning(
+                "ordered delivery: %s rows of %s held back for a stream that is behind; "
+                "dropped them, asking again after token %s once it has caught up",
+                dropped,
+                stream,
+                lane.released_token,
+            )
+
+    def _unpark(self) -> None:
+        for stream, lane in self.lanes.items():
+            park_ts = lane.park_ts
+            if park_ts is None:
+                continue
+            others = [other for other in self.lanes.values() if other is not lane]
+            if all(other.complete_ts is not None and other.complete_ts >= park_ts for other in others):
+                lane.park_ts = None
+                lane.consumer.known = lane.released_token  # rows dropped meanwhile come again
+                logger.info("ordered delivery: asking for %s again after token %s", stream, lane.released_token)
+                if self._resubscribe is not None:
+                    self._resubscribe(stream, lane.released_token)
 
     # -- release ----------------------------------------------------------------------------
 
     def release(self) -> None:
+        self._unpark()
         released: set[StreamConsumer] = set()
         lanes = list(self.lanes.values())
         while True:
@@ -128,6 +198,7 @@ class OrderedDelivery:
         item = lane.pending.popleft()
         lane.pending_rows -= len(item.rows)
         lane.released_rows += len(item.rows)
+        lane.released_token = item.token
         self._seq += 1
         item.seq = self._seq
         lane.consumer.accept(item)
@@ -156,6 +227,11 @@ class OrderedDelivery:
         for lane in self.lanes.values():
             if lane.consumer is not consumer:
                 lane.consumer.kick()
+
+    def holds(self, consumer: StreamConsumer) -> bool:
+        """Rows of the stream wait here, or will be asked for again (parked)."""
+        lane = self.lanes[consumer.stream]
+        return bool(lane.pending) or lane.parked
 
     # -- metrics ----------------------------------------------------------------------------
 

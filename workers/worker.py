@@ -129,7 +129,11 @@ class Worker(ReplicationHandler):
                 consumer.start_at_ms = self.config.start_at_ms  # a new stream starts at that time
         ordered = self.ordered_streams()
         if ordered:
-            self.ordering = OrderedDelivery([self.consumers[s] for s in ordered])
+            self.ordering = OrderedDelivery(
+                [self.consumers[s] for s in ordered],
+                max_held_rows=self.config.max_pending_rows * 2,
+                resubscribe=self._resubscribe,
+            )
             logger.info("worker %s delivers %s in timestamp order", self.config.name, ", ".join(ordered))
         logger.info(
             "worker %s resumes %s",
@@ -309,7 +313,19 @@ class Worker(ReplicationHandler):
     # -- progress --------------------------------------------------------------------
 
     def _pending_rows(self) -> int:
-        return sum(c.queued_rows for c in self.consumers.values())
+        """Rows received and waiting to be applied; not those held back for ordering.
+
+        Held rows wait for rows and TICKs of other streams on this connection,
+        so they must not stop the reading (they are bounded by parking, see
+        ``workers.ordering``).
+        """
+        held = 0 if self.ordering is None else sum(lane.pending_rows for lane in self.ordering.lanes.values())
+        return sum(c.queued_rows for c in self.consumers.values()) - held
+
+    def _resubscribe(self, stream: str, token: int) -> None:
+        """Ordered delivery asks again for a parked stream's rows after ``token``."""
+        if self.client is not None and self.client.transport is not None:
+            self._replicate(self.client, stream, token)
 
     def _progress(self, consumer: StreamConsumer) -> None:
         if self._reading_paused and self._pending_rows() <= self.config.max_pending_rows // 2:

@@ -214,3 +214,26 @@ def test_the_start_position_itself_is_applied(db_url: str) -> None:
     h = Harness(db_url, start_at_ms=BASE_MS, ordered=False)
     h.send("SERVER s", "POSITION events m 41 41", "POSITION notes m 0 0")
     assert h.store.applied_tokens()["events"] == 41
+
+
+def test_rows_held_for_a_stream_that_is_behind_are_bounded_and_asked_for_again(db_url: str) -> None:
+    h = Harness(db_url, max_pending_rows=2)  # at most 4 rows held back
+    h.start()
+    h.sent()
+    h.send(f"TICK notes 0 {ts(5)}")
+    h.send(*(ev(i, ts(10 * i)) for i in range(1, 6)))
+    # notes is behind: events rows 1..5 would pile up; past 4 they are dropped.
+    lanes = h.worker.ordering.lanes
+    assert lanes["events"].parked and lanes["events"].pending_rows == 0
+    assert h.worker.consumers["events"].queued_rows == 0
+    assert not h.transport.producerState == "paused"
+    h.send(ev(6, ts(60)))  # still arriving live: dropped while parked
+    assert h.got == []
+    # notes catches up past the first dropped row: events is asked for again.
+    h.send(note(1, ts(15)), f"TICK notes 1 {ts(100)}")
+    assert h.sent() == ["REPLICATE events 0"]
+    h.send(ev(3, ts(30)))  # before the answer's POSITION: dropped by the protocol
+    h.send("POSITION events m 0 0", *(ev(i, ts(10 * i)) for i in range(1, 7)))
+    assert h.tokens() == [("events", 1), ("notes", 1), *(("events", i) for i in range(2, 7))]
+    stamps = [t for _, _, t in h.got]
+    assert stamps == sorted(stamps)
