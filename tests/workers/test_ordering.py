@@ -226,7 +226,7 @@ def test_rows_held_for_a_stream_that_is_behind_are_bounded_and_asked_for_again(d
     lanes = h.worker.ordering.lanes
     assert lanes["events"].parked and lanes["events"].pending_rows == 0
     assert h.worker.consumers["events"].queued_rows == 0
-    assert not h.transport.producerState == "paused"
+    assert h.transport.producerState != "paused"
     h.send(ev(6, ts(60)))  # still arriving live: dropped while parked
     assert h.got == []
     # notes catches up past the first dropped row: events is asked for again.
