@@ -46,7 +46,9 @@ class TimeTicker:
         self.master = master
         self.interval = interval
         self.safe_ts: dict[str, int] = {}  # per stream: the latest safe time (metrics)
-        self._last_tick_at = float("-inf")  # reactor time of the last timestamp taken
+        self._allocated_at = float("-inf")  # reactor time of the last timestamp allocated
+        # Per connection and stream: (safe time, token) of the last TICK sent.
+        self._sent: dict[tuple[ServerProtocol, str], tuple[int, int]] = {}
         self._loop: task.LoopingCall | None = None
 
     def start(self) -> None:
@@ -64,28 +66,38 @@ class TimeTicker:
         # While streams are idle nothing else makes the master look: do it.
         self.master.followed()
 
-    def wanted(self) -> bool:
-        """Should the next pass take a timestamp? (On the reactor thread.)"""
-        if any(getattr(conn, "ticks", False) for conn in self.master.connections):
-            return True
-        # Otherwise only now and then, for the safe-time metric.
-        return self.master.reactor.seconds() - self._last_tick_at >= self.interval
+    def wanted(self) -> str | None:
+        """How the next pass takes its time (on the reactor thread).
 
-    def safe_point(self, expire_writers: bool, take_time: bool) -> tuple[int | None, dict[str, int]]:
+        ``"allocate"``: a fresh oracle timestamp, so the safe time advances
+        while streams are idle; about every ``tick_interval``.
+        ``"read"``: the oracle's high-water mark (no commit), which covers every
+        row written meanwhile. ``None``: no time at all.
+        """
+        now = self.master.reactor.seconds()
+        if now - self._allocated_at >= self.interval * 0.9:
+            self._allocated_at = now
+            return "allocate"
+        if any(getattr(conn, "ticks", False) for conn in self.master.connections):
+            return "read"
+        return None
+
+    def safe_point(self, expire_writers: bool, take_time: str | None) -> tuple[int | None, dict[str, int]]:
         """On a database thread: (timestamp taken before, safe positions)."""
-        if take_time:
-            return time_index.safe_point(self.master.store, expire_writers)
+        if take_time is not None:
+            return time_index.safe_point(self.master.store, expire_writers, allocate=take_time == "allocate")
         return None, self.master.store.safe_positions(expire_writers)
 
     def passed(self, tick_ts: int | None, positions: dict[str, int]) -> None:
         """A pass succeeded: every live subscription has every row up to its stream's position."""
         if tick_ts is None:
             return
-        self._last_tick_at = self.master.reactor.seconds()
         master = self.master
         for stream in positions:
             if master.has_stream(stream):
-                self.safe_ts[stream] = tick_ts
+                self.safe_ts[stream] = max(tick_ts, self.safe_ts.get(stream, 0))
+        for key in [key for key in self._sent if key[0] not in master.connections]:
+            del self._sent[key]
         for conn in list(master.connections):
             if not getattr(conn, "ticks", False):
                 continue
@@ -93,6 +105,13 @@ class TimeTicker:
                 safe = positions.get(sub.stream)
                 if not sub.live or safe is None or sub.sent_token < safe:
                     continue
+                # When the safe time or the token moved: after rows of any
+                # stream (they move the oracle), and about every tick_interval
+                # while all is idle (allocate); not on every pass.
+                last_ts, last_token = self._sent.get((conn, sub.stream), (-1, -1))
+                if tick_ts <= last_ts and sub.sent_token == last_token:
+                    continue
+                self._sent[(conn, sub.stream)] = (max(tick_ts, last_ts), sub.sent_token)
                 line = TickCommand(sub.stream, sub.sent_token, tick_ts).encode()
                 conn.send_live(sub, line, sub.sent_token, "TICK")
 

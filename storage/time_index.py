@@ -101,11 +101,22 @@ def oracle_time(store: TimedStore) -> int:
     return store.allocate_timestamps(1)[0]
 
 
-def safe_point(store: TimedStore, expire_writers: bool = True) -> tuple[int, dict[str, int]]:
+def oracle_last(store: TimedStore) -> int:
+    """The oracle's high-water mark: every timestamp handed out so far is at or below it.
+
+    Cheaper than :func:`oracle_time` (a read, no commit) and just as safe, but
+    it moves only when someone allocates.
+    """
+    return int(store.read(lambda cur: cur.execute("SELECT last_ts FROM tickline_tso WHERE id = 1").fetchone()[0]))
+
+
+def safe_point(store: TimedStore, expire_writers: bool = True, allocate: bool = True) -> tuple[int, dict[str, int]]:
     """``(t, positions)``: a safe time ``t`` and, per stream, the safe position.
 
     ``t`` is taken before the positions are read: every row of stream ``s``
-    with ``ts <= t`` has a token ``<= positions[s]`` or never commits.
+    with ``ts <= t`` has a token ``<= positions[s]`` or never commits. With
+    ``allocate`` it is a fresh oracle timestamp (the safe time advances while
+    nobody writes); without, the oracle's high-water mark.
     """
-    t = oracle_time(store)
+    t = oracle_time(store) if allocate else oracle_last(store)
     return t, store.safe_positions(expire_writers)
