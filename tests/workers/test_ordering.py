@@ -237,3 +237,11 @@ def test_rows_held_for_a_stream_that_is_behind_are_bounded_and_asked_for_again(d
     assert h.tokens() == [("events", 1), ("notes", 1), *(("events", i) for i in range(2, 7))]
     stamps = [t for _, _, t in h.got]
     assert stamps == sorted(stamps)
+
+
+def test_handlers_read_the_raw_timestamp_and_its_milliseconds() -> None:
+    from workers.handlers import ReplicatedRow
+
+    row = ReplicatedRow("events", 1, "w", ts(7, 3), ("x",))
+    assert row.ts == ts(7, 3) and row.ts_ms == BASE_MS + 7
+    assert ReplicatedRow("events", 1, "w", None, ()).ts_ms is None
