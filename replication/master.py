@@ -252,7 +252,7 @@ class Master:
         # The safe position: every row up to it has committed (see storage).
         expire, self._expire_writers = self._expire_writers, False
         # A timestamp taken before the safe positions makes each a safe time (TICK).
-        tick_ts, heads = await self.db.run(self.timeticks.safe_point, expire, self.timeticks.wanted())
+        safe_times, heads = await self.db.run(self.timeticks.safe_point, expire, self.timeticks.wanted())
         self._safe.update(heads)
         if any(stream not in self._schemas for stream in heads):
             self._learn(await self.db.run(self.store.catalog))
@@ -275,7 +275,7 @@ class Master:
                     self._timetick(stream, head)
                     break
                 self._fan_out(stream, encoded, last_token, count)
-        self.timeticks.passed(tick_ts, heads)
+        self.timeticks.passed(safe_times, heads)
 
     def _timetick(self, stream: str, safe: int) -> None:
         """No rows in (live, safe]: tell live subscriptions they may move to ``safe``."""

@@ -82,20 +82,21 @@ class TimeTicker:
             return "read"
         return None
 
-    def safe_point(self, expire_writers: bool, take_time: str | None) -> tuple[int | None, dict[str, int]]:
-        """On a database thread: (timestamp taken before, safe positions)."""
+    def safe_point(self, expire_writers: bool, take_time: str | None) -> tuple[dict[str, int] | None, dict[str, int]]:
+        """On a database thread: (safe time per stream, or None; safe positions)."""
         if take_time is not None:
             return time_index.safe_point(self.master.store, expire_writers, allocate=take_time == "allocate")
         return None, self.master.store.safe_positions(expire_writers)
 
-    def passed(self, tick_ts: int | None, positions: dict[str, int]) -> None:
+    def passed(self, times: dict[str, int] | None, positions: dict[str, int]) -> None:
         """A pass succeeded: every live subscription has every row up to its stream's position."""
-        if tick_ts is None:
+        if times is None:
             return
         master = self.master
-        for stream in positions:
+        for stream, safe_ts in times.items():
             if master.has_stream(stream):
-                self.safe_ts[stream] = max(tick_ts, self.safe_ts.get(stream, 0))
+                # A safe time stays true once it was: never go back.
+                self.safe_ts[stream] = max(safe_ts, self.safe_ts.get(stream, 0))
         for key in [key for key in self._sent if key[0] not in master.connections]:
             del self._sent[key]
         for conn in list(master.connections):
@@ -103,7 +104,8 @@ class TimeTicker:
                 continue
             for sub in list(conn.subscriptions.values()):
                 safe = positions.get(sub.stream)
-                if not sub.live or safe is None or sub.sent_token < safe:
+                tick_ts = self.safe_ts.get(sub.stream)
+                if not sub.live or safe is None or tick_ts is None or sub.sent_token < safe:
                     continue
                 # When the safe time or the token moved: after rows of any
                 # stream (they move the oracle), and about every tick_interval

@@ -11,12 +11,10 @@ Two questions the master asks of storage, on either database:
   ``docs/time.md``: SQLite allocates both under the write lock, PostgreSQL in
   one statement under the oracle's row lock).
 
-* :func:`safe_point`: a *safe time* for every stream at once. An oracle
-  timestamp ``t`` is allocated first and the safe positions ``P`` are read
-  after it; then no row of a stream with a timestamp at or below ``t`` can
-  ever have a token above that stream's ``P`` (proof in ``docs/time.md``).
-  Allocating ``t`` moves the oracle on, so the safe time advances while every
-  stream is idle.
+* :func:`safe_point`: a *safe time* for every stream at once: no row of the
+  stream with a timestamp at or below it can ever have a token above the
+  stream's safe position (proof in ``docs/time.md``). An oracle time ``t`` is
+  taken first, then the safe positions and the allocated heads are read.
 """
 
 from __future__ import annotations
@@ -110,13 +108,60 @@ def oracle_last(store: TimedStore) -> int:
     return int(store.read(lambda cur: cur.execute("SELECT last_ts FROM tickline_tso WHERE id = 1").fetchone()[0]))
 
 
-def safe_point(store: TimedStore, expire_writers: bool = True, allocate: bool = True) -> tuple[int, dict[str, int]]:
-    """``(t, positions)``: a safe time ``t`` and, per stream, the safe position.
+def allocated_heads(store: TimedStore, streams: list[str]) -> dict[str, int]:
+    """Per stream, the highest token allocated so far (committed or not).
 
-    ``t`` is taken before the positions are read: every row of stream ``s``
-    with ``ts <= t`` has a token ``<= positions[s]`` or never commits. With
-    ``allocate`` it is a fresh oracle timestamp (the safe time advances while
-    nobody writes); without, the oracle's high-water mark.
+    On SQLite that is the committed head (tokens are allocated in the writing
+    transaction); on PostgreSQL the token sequence's last value.
+    """
+    if not streams:
+        return {}
+    if getattr(store, "dialect", "sqlite") != "postgresql":
+        rows = store.read(lambda cur: cur.execute("SELECT stream, token FROM tickline_stream_heads").fetchall())
+        return {name: int(token) for name, token in rows}
+    p = store.placeholder
+    parts = [
+        f"SELECT {p}, CASE WHEN is_called THEN last_value ELSE 0 END FROM {store.schema(name).table}_token_seq"
+        for name in streams
+    ]
+    rows = store.read(lambda cur: cur.execute(" UNION ALL ".join(parts), tuple(streams)).fetchall())
+    return {name: int(token) for name, token in rows}
+
+
+def last_ts_upto(store: TimedStore, stream: str, token: int) -> int | None:
+    """The timestamp of the last row with a token at or below ``token`` (None: no such row)."""
+    p = store.placeholder
+    table = store.schema(stream).table
+    sql = f"SELECT ts FROM {table} WHERE token <= {p} ORDER BY token DESC LIMIT 1"
+    found = store.read(lambda cur: cur.execute(sql, (token,)).fetchone())
+    return None if found is None else int(found[0])
+
+
+def safe_point(
+    store: TimedStore, expire_writers: bool = True, allocate: bool = True
+) -> tuple[dict[str, int], dict[str, int]]:
+    """``(safe_ts, positions)``: per stream, a safe time and the safe position.
+
+    No row of stream ``s`` with ``ts <= safe_ts[s]`` has a token above
+    ``positions[s]`` (proof in ``docs/time.md``). A time ``t`` is taken from
+    the oracle first (with ``allocate`` a fresh timestamp, so the safe time
+    advances while nobody writes; without, the oracle's high-water mark), then
+    the safe positions and the allocated heads are read. Where nothing is
+    allocated above the safe position, every later token is allocated after
+    ``t`` and has a larger timestamp: the safe time is ``t``. Where tokens above
+    it are allocated (in flight, or committed above a writer still in flight,
+    on PostgreSQL), they have larger timestamps than every token below them:
+    the safe time is the timestamp of the last row at or below the position.
     """
     t = oracle_time(store) if allocate else oracle_last(store)
-    return t, store.safe_positions(expire_writers)
+    positions = store.safe_positions(expire_writers)
+    heads = allocated_heads(store, sorted(positions))
+    times: dict[str, int] = {}
+    for stream, position in positions.items():
+        if heads.get(stream, 0) <= position:
+            times[stream] = t
+        else:
+            last = last_ts_upto(store, stream, position)
+            if last is not None:
+                times[stream] = last
+    return times, positions

@@ -157,3 +157,39 @@ def test_tick_is_a_server_command_only(master) -> None:
 
 def test_compose_round_trip() -> None:
     assert physical_ms(compose(1234, 5)) == 1234
+
+
+def test_tick_never_passes_a_row_still_in_flight_on_postgresql(master, pg_url) -> None:
+    """Writer A holds a row open; B commits after it: no TICK may claim A's row's time."""
+    from tests.integration.test_timeticks import writer
+
+    m = master(TICK_CONFIG, database=pg_url)
+    client = m.connect()
+    client.handshake()
+    client.send("OPTIONS tick", "REPLICATE events 0")
+    collect(client, lambda line: line.startswith("TICK events"))
+    a = writer(pg_url, "A", "hold")
+    try:
+        held = int(a.stdout.readline().split()[1])
+        (b_token,) = m.append("events", [row(2)], instance="B")
+        assert b_token == held + 1
+        ticks = []
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            line = client.try_line(0.1)
+            if line and line.startswith("TICK events"):
+                ticks.append(line.split())
+            assert line is None or not line.startswith("RDATA"), line  # nothing passes the open row
+        # The safe time stays below the open row (it may stop moving meanwhile).
+        a.stdin.write("commit\n")
+        a.stdin.flush()
+        assert a.stdout.readline().strip() == "COMMITTED"
+    finally:
+        if a.poll() is None:
+            a.stdin.close()
+            a.wait(10)
+    lines = collect(client, lambda line: line.startswith("TICK events") and int(line.split()[2]) >= b_token)
+    times = dict(stored(m))
+    assert all(int(t[3]) < times[held] for t in ticks), (ticks, times)
+    assert [t for t, _ in rdata(lines)] == [held, b_token]
+    assert int(lines[-1].split()[3]) >= times[b_token] > times[held]
