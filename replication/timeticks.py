@@ -33,6 +33,7 @@ from storage.tso import physical_ms
 if TYPE_CHECKING:
     from replication.master import Master
     from replication.server import ServerProtocol
+    from replication.subscriptions import FanOutTarget
 
 logger = logging.getLogger(__name__)
 
@@ -47,13 +48,13 @@ class TimeTicker:
         self.interval = interval
         self.safe_ts: dict[str, int] = {}  # per stream: the latest safe time (metrics)
         self._allocated_at = float("-inf")  # reactor time of the last timestamp allocated
-        # Per connection and stream: (safe time, token) of the last TICK sent.
-        self._sent: dict[tuple[ServerProtocol, str], tuple[int, int]] = {}
+        # Per connection (its subscriptions) and stream: (safe time, token) of the last TICK sent.
+        self._sent: dict[tuple[FanOutTarget, str], tuple[int, int]] = {}
         self._loop: task.LoopingCall | None = None
 
     def start(self) -> None:
         self._loop = task.LoopingCall(self._pass)
-        self._loop.clock = self.master.reactor
+        self._loop.clock = self.master.reactor  # type: ignore[assignment]
         self._loop.start(self.interval, now=False).addErrback(
             lambda f: logger.error("timeticks stopped: %s", f.getTraceback())
         )
@@ -78,7 +79,7 @@ class TimeTicker:
         if now - self._allocated_at >= self.interval * 0.9:
             self._allocated_at = now
             return "allocate"
-        if any(getattr(conn, "ticks", False) for conn in self.master.connections):
+        if any(conn.subscriptions.ticks for conn in self.master.connections):
             return "read"
         return None
 
@@ -97,29 +98,32 @@ class TimeTicker:
             if master.has_stream(stream):
                 # A safe time stays true once it was: never go back.
                 self.safe_ts[stream] = max(safe_ts, self.safe_ts.get(stream, 0))
-        for key in [key for key in self._sent if key[0] not in master.connections]:
+        live = {stream: master.live_subscriptions(stream) for stream in positions if master.has_stream(stream)}
+        current = {(target, stream) for stream, subs in live.items() for target, _ in subs}
+        for key in [key for key in self._sent if key not in current]:
             del self._sent[key]
-        for conn in list(master.connections):
-            if not getattr(conn, "ticks", False):
+        for stream, subs in live.items():
+            safe = positions[stream]
+            tick_ts = self.safe_ts.get(stream)
+            if tick_ts is None:
                 continue
-            for sub in list(conn.subscriptions.values()):
-                safe = positions.get(sub.stream)
-                tick_ts = self.safe_ts.get(sub.stream)
-                if not sub.live or safe is None or tick_ts is None or sub.sent_token < safe:
+            for target, sub in subs:
+                if not target.ticks or sub.sent_token < safe:
                     continue
                 # When the safe time or the token moved: after rows of any
                 # stream (they move the oracle), and about every tick_interval
                 # while all is idle (allocate); not on every pass.
-                last_ts, last_token = self._sent.get((conn, sub.stream), (-1, -1))
+                last_ts, last_token = self._sent.get((target, stream), (-1, -1))
                 if tick_ts <= last_ts and sub.sent_token == last_token:
                     continue
-                self._sent[(conn, sub.stream)] = (max(tick_ts, last_ts), sub.sent_token)
-                line = TickCommand(sub.stream, sub.sent_token, tick_ts).encode()
-                conn.send_live(sub, line, sub.sent_token, "TICK")
+                self._sent[(target, stream)] = (max(tick_ts, last_ts), sub.sent_token)
+                line = TickCommand(stream, sub.sent_token, tick_ts).encode()
+                target.send_live(sub, line, sub.sent_token, "TICK")
 
-    def safe_time_seconds(self, stream: str) -> float | None:
+    def safe_time_ms(self, stream: str) -> int | None:
+        """The stream's latest safe time as Unix milliseconds (None: none yet)."""
         ts = self.safe_ts.get(stream)
-        return None if ts is None else physical_ms(ts) / 1000
+        return None if ts is None else physical_ms(ts)
 
 
 def replicate_at(conn: ServerProtocol, command: ReplicateCommand) -> defer.Deferred[None]:
@@ -131,13 +135,13 @@ def replicate_at(conn: ServerProtocol, command: ReplicateCommand) -> defer.Defer
 
     async def answer() -> None:
         await master.followed()  # a stream just created is known, the live token is fresh
-        if conn._closing:
+        if conn.closing:
             return
         if not master.has_stream(stream):
             conn.send_error(f"unknown stream {stream!r} (streams: {', '.join(master.stream_names())})")
             return
-        at: time_index.TokenAt = await master.db.run(time_index.first_token_at, master.store, stream, since_ts)
-        if conn._closing:
+        at = await master.token_at(stream, since_ts)
+        if conn.closing:
             return
         live = master.live_token(stream)
         # Never past the live token: rows above it may still be in flight.
@@ -146,7 +150,7 @@ def replicate_at(conn: ServerProtocol, command: ReplicateCommand) -> defer.Defer
             "[%s] %s from %s: token %s (%d index lookups)", conn.conn_name, stream, command.since_ms, start, at.queries
         )
         conn.send(PositionCommand(stream, master.config.instance_name, start, start))
-        conn.start_subscription(stream, start, since_ts=since_ts)
+        conn.subscriptions.start(stream, start, announce_live=conn.announce_live, since_ts=since_ts)
 
     def failed(failure: Failure) -> None:
         logger.error(
@@ -158,7 +162,7 @@ def replicate_at(conn: ServerProtocol, command: ReplicateCommand) -> defer.Defer
 
     def done(_: object) -> None:
         conn._pending_replicates -= 1
-        if conn.read_closed and not conn._closing:
+        if conn.read_closed and not conn.closing:
             conn.finish_after_half_close()  # a netcat session that half-closed meanwhile
 
     # Counted as a pending REPLICATE: a half-closed connection waits for it.

@@ -35,8 +35,10 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import attr
+
 if TYPE_CHECKING:
-    from workers.consumer import StreamConsumer, _Item
+    from workers.consumer import ConsumerStats, StreamConsumer, _Item
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +93,9 @@ class OrderedDelivery:
         self.max_held_rows = max_held_rows
         self._resubscribe = resubscribe
         self.parks = 0
+        # Off while the master does not acknowledge OPTIONS tick and ts (a
+        # seed-protocol master): without safe times nothing could be released.
+        self.enabled = True
         for consumer in consumers:
             self.lanes[consumer.stream] = _Lane(consumer)
             consumer.gate = self
@@ -100,6 +105,9 @@ class OrderedDelivery:
     def offer(self, consumer: StreamConsumer, item: _Item) -> None:
         """A token received (rows, or a POSITION's move without rows): hold it in its lane."""
         lane = self.lanes[consumer.stream]
+        if not self.enabled:
+            consumer.accept(item)
+            return
         if lane.parked:
             consumer.queued_rows -= len(item.rows)  # asked for again when unparked
             return
@@ -232,6 +240,17 @@ class OrderedDelivery:
         """Rows of the stream wait here, or will be asked for again (parked)."""
         lane = self.lanes[consumer.stream]
         return bool(lane.pending) or lane.parked
+
+    def stats_of(self, consumer: StreamConsumer, stats: ConsumerStats) -> ConsumerStats:
+        """``stats`` with this stream's ordered-delivery figures."""
+        lane = self.lanes[consumer.stream]
+        return attr.evolve(
+            stats,
+            ordered=True,
+            held_rows=lane.pending_rows,
+            blocking=consumer.stream in self.blocking(),
+            released_rows=lane.released_rows,
+        )
 
     # -- metrics ----------------------------------------------------------------------------
 

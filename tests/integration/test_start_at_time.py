@@ -96,6 +96,7 @@ def test_replicate_at_a_time_on_a_million_rows(big) -> None:
     since_ms = BASE_MS + (ROWS - 3000) // 7 + 0  # about 3000 rows before the end
     start = time.monotonic()
     client.send("OPTIONS live ts", f"REPLICATE big @{since_ms}")
+    assert client.expect("OPTIONS") == "OPTIONS live ts"
     position = client.expect("POSITION", timeout=10)
     answered = time.monotonic() - start
     first = first_index(since_ms)

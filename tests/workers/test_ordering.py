@@ -18,9 +18,9 @@ from replication.streams import all_streams
 from storage.schema import Column, StreamSchema
 from storage.tso import compose
 from storage.worker_store import open_worker_store
-from tests.workers.test_worker_protocol import SyncWorker
+from tests.workers.test_worker_protocol import SyncDB
 from workers.handlers import HandlerRegistry
-from workers.worker import WorkerConfig
+from workers.worker import Worker, WorkerConfig
 
 NOTES = StreamSchema("notes", (Column("body", "text"),))
 BASE_MS = 1_790_000_000_000
@@ -38,13 +38,15 @@ class Harness:
         for stream in ("events", "notes"):
             handlers.register(stream, self._record)
         self.store = open_worker_store(url)
-        self.worker = SyncWorker(
+        self.db = SyncDB()
+        self.worker = Worker(
             WorkerConfig(name="w", invalidate_caches=False, **config),
             ProtocolConfig(),
             self.store,
             all_streams([NOTES]),
             self.clock,
             handlers,
+            db=self.db,
         )
         self.worker.prepare()
         self.transport = StringTransport()
@@ -55,7 +57,17 @@ class Harness:
         self.got.extend((r.stream, r.token, r.ts) for r in rows)
 
     def send(self, *lines: str) -> None:
+        # A tickline master answers OPTIONS right after SERVER.
+        lines = tuple(x for line in lines for x in ([line, self.acknowledge] if line.startswith("SERVER ") else [line]))
         self.proto.dataReceived("".join(line + "\n" for line in lines).encode())
+
+    acknowledge = "OPTIONS live tick ts"
+
+    def release(self) -> tuple[str, int]:
+        """Run the oldest held apply; returns its (stream, token)."""
+        d, fn, args, kwargs = self.db.hold.pop(0)
+        d.callback(fn(*args, **kwargs))
+        return args[0], args[1]
 
     def sent(self) -> list[str]:
         out = self.transport.value().decode().splitlines()
@@ -132,16 +144,13 @@ def test_a_stream_that_is_behind_holds_the_others_back_and_shows_it(h) -> None:
 
 def test_applies_keep_the_release_order_across_streams(db_url: str) -> None:
     h = Harness(db_url)
-    h.worker.hold = []
+    h.db.hold = []
     h.start()
     h.send(ev(1, ts(10)), note(1, ts(20)), ev(2, ts(30)), f"TICK notes 1 {ts(40)}", f"TICK events 2 {ts(40)}")
     # One apply at a time, in release order, although both streams have work.
     for expected in [("events", 1), ("notes", 1), ("events", 2)]:
-        assert len(h.worker.hold) == 1
-        d, stream, token, effects = h.worker.hold.pop()
-        assert (stream, token) == expected
-        h.store.apply(stream, token, effects)
-        d.callback(None)
+        assert len(h.db.hold) == 1
+        assert h.release() == expected
     assert h.tokens() == [("events", 1), ("notes", 1), ("events", 2)]
 
 
@@ -184,14 +193,12 @@ def test_lag_is_about_zero_for_an_idle_stream_and_grows_while_rows_wait(db_url: 
     assert h.worker.consumers["notes"].lag_ms(now) is None  # nothing known yet
     h.send(f"TICK notes 0 {ts(999)}")
     assert h.worker.consumers["notes"].lag_ms(now) == 1
-    h.worker.hold = []
+    h.db.hold = []
     h.send(ev(1, ts(500)), f"TICK events 1 {ts(999)}")
     events = h.worker.consumers["events"]
     assert events.lag_ms(now) == 501  # row 1 waits: complete just below it
     assert events.lag_ms(now + 5000) == 5501  # and it grows while nothing is applied
-    d, stream, token, effects = h.worker.hold.pop()
-    h.store.apply(stream, token, effects)
-    d.callback(None)
+    h.release()
     assert events.lag_ms(now) == 1  # applied, and the tick above it counts
 
 
@@ -245,3 +252,13 @@ def test_handlers_read_the_raw_timestamp_and_its_milliseconds() -> None:
     row = ReplicatedRow("events", 1, "w", ts(7, 3), ("x",))
     assert row.ts == ts(7, 3) and row.ts_ms == BASE_MS + 7
     assert ReplicatedRow("events", 1, "w", None, ()).ts_ms is None
+
+
+@pytest.mark.parametrize("answer", ["OPTIONS live ts", "ERROR unknown command 'OPTIONS'"])
+def test_without_tick_acknowledged_the_streams_go_unordered(db_url: str, answer: str) -> None:
+    h = Harness(db_url)
+    h.acknowledge = answer
+    h.start()
+    h.send(ev(1, ts(10)))  # no TICK will ever come: nothing may wait for one
+    assert h.tokens() == [("events", 1)]
+    assert not h.worker.ordering.enabled
