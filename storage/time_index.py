@@ -128,6 +128,14 @@ def allocated_heads(store: TimedStore, streams: list[str]) -> dict[str, int]:
     return {name: int(token) for name, token in rows}
 
 
+def streams_with_live_writers(store: TimedStore) -> set[str] | None:
+    """PostgreSQL: the streams that have a live writer (None on SQLite, where writers hold no tokens)."""
+    if getattr(store, "dialect", "sqlite") != "postgresql":
+        return None
+    rows = store.read(lambda cur: cur.execute("SELECT DISTINCT stream FROM tickline_writers WHERE alive").fetchall())
+    return {row[0] for row in rows}
+
+
 def last_ts_upto(store: TimedStore, stream: str, token: int) -> int | None:
     """The timestamp of the last row with a token at or below ``token`` (None: no such row)."""
     p = store.placeholder
@@ -156,9 +164,13 @@ def safe_point(
     t = oracle_time(store) if allocate else oracle_last(store)
     positions = store.safe_positions(expire_writers)
     heads = allocated_heads(store, sorted(positions))
+    live = streams_with_live_writers(store)
     times: dict[str, int] = {}
     for stream, position in positions.items():
-        if heads.get(stream, 0) <= position:
+        # Without a live writer, tokens above the position can never commit
+        # (dead writers are fenced off and write again with new tokens and
+        # timestamps; a writer that registers later allocates after t).
+        if heads.get(stream, 0) <= position or (live is not None and stream not in live):
             times[stream] = t
         else:
             last = last_ts_upto(store, stream, position)

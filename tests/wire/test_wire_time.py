@@ -197,3 +197,28 @@ def test_tick_never_passes_a_row_still_in_flight_on_postgresql(master, pg_url) -
     assert all(int(t[3]) < times[held] for t in ticks), (ticks, times)
     assert [t for t, _ in rdata(lines)] == [held, b_token]
     assert int(lines[-1].split()[3]) >= times[b_token] > times[held]
+
+
+def test_tick_keeps_moving_after_a_rolled_back_write_once_its_writer_left(master, pg_url) -> None:
+    """A rolled-back transaction burns a token; with no live writer left the safe time must not stall."""
+    from storage.store import open_store
+
+    m = master(TICK_CONFIG, database=pg_url)
+    store = open_store(pg_url)
+    store.append("events", [row(1)], "X")
+    try:
+        with store.writing("events", "X") as txn:
+            txn.append([row(2)])
+            raise RuntimeError("roll back")
+    except RuntimeError:
+        pass
+    store.close()  # the writer leaves: no live writer, a burned token above the last row
+    client = m.connect()
+    client.handshake()
+    client.send("OPTIONS tick", "REPLICATE events 0")
+    assert client.expect("OPTIONS") == "OPTIONS tick"
+    later_ms = int(time.time() * 1000) + 300
+    lines = collect(
+        client, lambda line: line.startswith("TICK events") and physical_ms(int(line.split()[3])) >= later_ms
+    )
+    assert [t for t, _ in rdata(lines)] == [1]
