@@ -139,3 +139,55 @@ def test_tail_since_bad_input(big) -> None:
     assert result.returncode == 2 and "exclude each other" in result.stderr
     result = run_tickline("tail", "--master", big.address, "--since", "-5m", "nosuch")
     assert result.returncode == 1 and "unknown stream 'nosuch'" in result.stderr
+
+
+def test_worker_start_at_a_time_for_a_new_stream(tmp_path) -> None:
+    """worker.start_at: a stream the worker never applied starts at that time; a restart resumes by token."""
+    from tests.integration.procs import Proc, accepts, free_port, query_one, sqlite_url, wait_for
+
+    master_db, worker_db = tmp_path / "m.db", tmp_path / "w.db"
+    from replication.streams import EVENTS
+
+    store = open_store(sqlite_url(master_db))
+    store.register_stream(EVENTS)
+    old = store.append("events", [[f"$old{i}", "!r", "t", None, None] for i in range(5)], "w")
+    time.sleep(0.01)
+    cut_ms = int(time.time() * 1000)
+    time.sleep(0.01)
+    new = store.append("events", [[f"$new{i}", "!r", "t", None, None] for i in range(3)], "w")
+    port = free_port()
+    config = tmp_path / "tickline.yaml"
+    config.write_text(
+        f"database: {sqlite_url(master_db)}\nlisten: 127.0.0.1:{port}\n"
+        f"worker:\n  database: {sqlite_url(worker_db)}\n  replicate: [events]\n  start_at: {cut_ms}\n"
+    )
+    master = Proc(tmp_path / "master.log", "master", "-c", str(config))
+    worker = None
+    try:
+        wait_for(lambda: accepts(port), 15, "the master to listen")
+        worker = Proc(tmp_path / "worker.log", "worker", "-c", str(config))
+        wait_for(
+            lambda: query_one(worker_db, "SELECT token FROM tickline_applied WHERE stream = 'events'", 0) == new[-1],
+            20,
+            "the new rows",
+        )
+        assert worker.stop() == 0
+        worker = None
+        later = store.append("events", [["$later", "!r", "t", None, None]], "w")
+        worker = Proc(tmp_path / "worker2.log", "worker", "-c", str(config))
+        wait_for(
+            lambda: query_one(worker_db, "SELECT token FROM tickline_applied WHERE stream = 'events'", 0) == later[0],
+            20,
+            "the row written while the worker was stopped",
+        )
+    finally:
+        if worker is not None:
+            worker.stop()
+        master.stop()
+        store.close()
+    import sqlite3
+
+    conn = sqlite3.connect(worker_db)
+    tokens = [r[0] for r in conn.execute("SELECT token FROM replicated_events ORDER BY token")]
+    assert tokens == [*new, *later]
+    assert old[-1] < new[0]
