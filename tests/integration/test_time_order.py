@@ -159,3 +159,41 @@ def test_lag_is_zero_when_idle_and_grows_while_the_worker_applies_nothing(tmp_pa
         if worker is not None:
             worker.stop()
         master.stop()
+
+
+def test_idle_stream_written_by_short_lived_tickline_write_processes(pg_url, tmp_path) -> None:
+    """Each ``tickline write`` registers, writes and leaves: between them the idle stream has no live writer."""
+    from tests.conftest import run_tickline
+
+    port, metrics = free_port(), free_port()
+    worker_db = tmp_path / "w.db"
+    config = tmp_path / "tickline.yaml"
+    config.write_text(config_text(pg_url, port, worker_db, metrics))
+    master = Proc(tmp_path / "master.log", "master", "-c", str(config))
+    worker = None
+    busy = None
+    try:
+        wait_for(lambda: accepts(port), 15, "the master to listen")
+        worker = Proc(tmp_path / "worker.log", "worker", "-c", str(config))
+        wait_for(lambda: "delivers events, notes in timestamp order" in worker.output(), 15, "the worker")
+        busy = writer(pg_url, "events", "120x25")
+        for n in range(3):
+            time.sleep(0.8)
+            result = run_tickline("write", "-c", str(config), "notes", f'["cli-{n}"]')
+            assert result.returncode == 0, result.stderr
+        out, _ = busy.communicate(timeout=60)
+        assert busy.returncode == 0, out
+        wait_for(lambda: query_one(worker_db, "SELECT COUNT(*) FROM seen", 0) >= 123, 30, "every row")
+    finally:
+        if busy is not None and busy.poll() is None:
+            busy.kill()
+        if worker is not None:
+            worker.stop()
+        master.stop()
+    conn = sqlite3.connect(worker_db)
+    seen = conn.execute("SELECT stream, ts, applied_ms FROM seen ORDER BY n").fetchall()
+    assert len(seen) == 123
+    stamps = [ts for _, ts, _ in seen]
+    assert stamps == sorted(stamps)
+    delays = sorted(applied - physical_ms(ts) for s, ts, applied in seen if s == "events")
+    assert delays[int(len(delays) * 0.9)] <= TICK_INTERVAL * 1000 + 250, delays
