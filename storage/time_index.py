@@ -156,15 +156,20 @@ def safe_point(
     advances while nobody writes; without, the oracle's high-water mark), then
     the safe positions and the allocated heads are read. Where nothing is
     allocated above the safe position, every later token is allocated after
-    ``t`` and has a larger timestamp: the safe time is ``t``. Where tokens above
+    ``t`` and has a larger timestamp: the safe time is ``t``; so it is on
+    PostgreSQL for a stream that had no live writer when the writers were read
+    (before the positions). Where tokens above
     it are allocated (in flight, or committed above a writer still in flight,
     on PostgreSQL), they have larger timestamps than every token below them:
     the safe time is the timestamp of the last row at or below the position.
     """
     t = oracle_time(store) if allocate else oracle_last(store)
+    # The live writers are read before the positions: a writer that commits
+    # and leaves in between must still count as live here (its row may lie
+    # above a position read while it was in flight).
+    live = streams_with_live_writers(store)
     positions = store.safe_positions(expire_writers)
     heads = allocated_heads(store, sorted(positions))
-    live = streams_with_live_writers(store)
     times: dict[str, int] = {}
     for stream, position in positions.items():
         # Without a live writer, tokens above the position can never commit
