@@ -41,16 +41,17 @@ from replication.commands import PositionCommand
 from replication.dbthreads import DatabaseRunner, DatabaseThreads
 from replication.protocol import ProtocolConfig
 from replication.reactor_types import Reactor
-from replication.rows import RowEncoder, encode_json_rows, encode_rows, row_encoder
+from replication.rows import encode_json_rows
 from replication.server import ServerProtocol
 from replication.settings import MasterConfig
 from replication.stats import STATS, MasterStats, StreamStats
 from replication.streams import cache_invalidation_row
 from replication.subscriptions import FanOutTarget, Subscription
 from replication.timeticks import TimeTicker, read_since
-from storage import time_index
+from storage.contracts import Notifier, StreamStore
 from storage.schema import StreamSchema
 from storage.store import TOKEN, StorageError
+from storage.time_index import TokenAt
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class Master:
         self,
         config: MasterConfig,
         protocol_config: ProtocolConfig,
-        store: Any,
+        store: StreamStore,
         streams: dict[str, StreamSchema],
         reactor: Reactor,
         db: DatabaseRunner | None = None,
@@ -74,7 +75,6 @@ class Master:
         )
         self._declared = streams
         self._schemas: dict[str, StreamSchema] = {}
-        self._encoders: dict[str, RowEncoder] = {}
         self._live: dict[str, int] = {}
         self._safe: dict[str, int] = {}
         self._allocated: dict[str, int] = {}  # the store's heads, see refresh_heads
@@ -159,7 +159,6 @@ class Master:
         for name, schema in catalog.items():
             if name not in self._schemas:
                 self._schemas[name] = schema
-                self._encoders[name] = row_encoder(schema)
                 self._live_subs[name] = {}
 
     # -- streams -------------------------------------------------------------------
@@ -223,13 +222,10 @@ class Master:
         """Like :meth:`read_encoded`, without rows older than ``since_ts`` (start at a time)."""
         return read_since(self, stream, after, upto, limit, with_ts, since_ts)
 
-    def token_at(self, stream: str, since_ts: int) -> defer.Deferred[time_index.TokenAt]:
+    def token_at(self, stream: str, since_ts: int) -> defer.Deferred[TokenAt]:
         """The first token at or after ``since_ts``, from the stream's ``ts`` index, off the reactor."""
-        d: defer.Deferred[time_index.TokenAt] = self.db.run(time_index.first_token_at, self.store, stream, since_ts)
+        d: defer.Deferred[TokenAt] = self.db.run(self.store.first_token_at, stream, since_ts)
         return d
-
-    def encoder(self, stream: str) -> RowEncoder:
-        return self._encoders[stream]
 
     def live_subscriptions(self, stream: str) -> list[tuple[FanOutTarget, Subscription]]:
         """The subscriptions that are live on ``stream`` (for ``TICK``)."""
@@ -239,20 +235,12 @@ class Master:
         self, stream: str, after: int, upto: int, limit: int, variants: tuple[bool, ...]
     ) -> tuple[dict[bool, bytes], int, int]:
         """Runs on a database thread: read rows once, encode each variant once."""
-        read_json = getattr(self.store, "read_rows_json", None)
-        if read_json is not None:
-            # The store builds each row's JSON itself (SQLite's json_array).
-            json_rows = read_json(stream, after, upto, limit)
-            if not json_rows:
-                return {}, after, 0
-            encoded = {v: encode_json_rows(stream, json_rows, v)[0] for v in variants}
-            return encoded, json_rows[-1][TOKEN], len(json_rows)
-        rows = self.store.read_rows(stream, after, upto, limit)
-        if not rows:
+        # The store builds each row's JSON once (SQLite: json_array in SQL).
+        json_rows = self.store.read_rows_json(stream, after, upto, limit)
+        if not json_rows:
             return {}, after, 0
-        encode = self._encoders[stream]
-        encoded = {v: encode_rows(stream, rows, encode, v)[0] for v in variants}
-        return encoded, rows[-1][TOKEN], len(rows)
+        encoded = {v: encode_json_rows(stream, json_rows, v)[0] for v in variants}
+        return encoded, json_rows[-1][TOKEN], len(json_rows)
 
     def notify(self) -> None:
         """Rows were committed by this process: fan them out now."""
@@ -269,7 +257,7 @@ class Master:
             self.db.run(self.store.notifier).addCallbacks(self._listening_again, self._not_listening_yet)
         return self._follow_heads()
 
-    def _listening_again(self, notifier: Any) -> None:
+    def _listening_again(self, notifier: Notifier) -> None:
         self._relistening = False
         if self._notifications is None:  # stopped meanwhile
             notifier.close()
@@ -411,7 +399,7 @@ class Master:
 class NotificationReader:
     """Watches the store's notification connection on the reactor (non-blocking)."""
 
-    def __init__(self, notifier: Any, wake: Callable[[], None]) -> None:
+    def __init__(self, notifier: Notifier, wake: Callable[[], None]) -> None:
         self._notifier = notifier
         # A duplicate descriptor of our own: psycopg2 closes its descriptor when the
         # server goes away, and the reactor must still be able to unregister ours.

@@ -19,13 +19,13 @@ starts a replay that drops rows older than the instant (:func:`read_since`).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from twisted.internet import defer, task
 from twisted.python.failure import Failure
 
 from replication.commands import PositionCommand, ReplicateCommand, TickCommand
-from replication.rows import encode_json_rows, encode_rows
+from replication.rows import encode_json_rows
 from storage import time_index
 from storage.store import TOKEN, TS
 from storage.tso import physical_ms
@@ -86,7 +86,7 @@ class TimeTicker:
     def safe_point(self, expire_writers: bool, take_time: str | None) -> tuple[dict[str, int] | None, dict[str, int]]:
         """On a database thread: (safe time per stream, or None; safe positions)."""
         if take_time is not None:
-            return time_index.safe_point(self.master.store, expire_writers, allocate=take_time == "allocate")
+            return self.master.store.safe_point(expire_writers, allocate=take_time == "allocate")
         return None, self.master.store.safe_positions(expire_writers)
 
     def passed(self, times: dict[str, int] | None, positions: dict[str, int]) -> None:
@@ -183,20 +183,12 @@ def read_since(
     """
 
     def run() -> tuple[bytes, int, int]:
-        store = master.store
-        read_json = getattr(store, "read_rows_json", None)
-        if read_json is not None:
-            rows: list[Any] = read_json(stream, after, upto, limit)
-        else:
-            rows = store.read_rows(stream, after, upto, limit)
+        rows = master.store.read_rows_json(stream, after, upto, limit)
         if not rows:
             return b"", after, 0
         last_read = rows[-1][TOKEN]
         kept = [row for row in rows if row[TS] >= since_ts]
-        if read_json is not None:
-            data, _ = encode_json_rows(stream, kept, with_ts)
-        else:
-            data, _ = encode_rows(stream, kept, master.encoder(stream), with_ts)
+        data, _ = encode_json_rows(stream, kept, with_ts)
         last_sent = kept[-1][TOKEN] if kept else after
         if last_sent != last_read:
             data += PositionCommand(stream, master.config.instance_name, last_sent, last_read).encode()

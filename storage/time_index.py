@@ -28,14 +28,25 @@ from storage import tso
 from storage.schema import StreamSchema
 
 
-class TimedStore(Protocol):
-    """What this module needs of a stream store (both stores have it)."""
+class TimedDatabase(Protocol):
+    """The database a store holds (``SqliteDatabase`` or ``PgDatabase``)."""
 
-    placeholder: str
+    @property
+    def dialect(self) -> str: ...
 
-    def schema(self, stream: str) -> StreamSchema: ...
+    @property
+    def placeholder(self) -> str: ...
 
     def read(self, fn: Callable[[Any], Any]) -> Any: ...
+
+
+class TimedStore(Protocol):
+    """What this module needs of a stream store (both stores have it; storage-internal)."""
+
+    @property
+    def database(self) -> TimedDatabase: ...
+
+    def schema(self, stream: str) -> StreamSchema: ...
 
     def allocate_timestamps(self, count: int = 1) -> list[int]: ...
 
@@ -69,7 +80,7 @@ def ts_at_ms(unix_ms: int) -> int:
 def first_token_at(store: TimedStore, stream: str, since_ts: int) -> TokenAt:
     """The first token of ``stream`` whose row has ``ts >= since_ts`` (see the module doc)."""
     schema = store.schema(stream)
-    p = store.placeholder
+    p = store.database.placeholder
     table = schema.table
     by_ts = f"SELECT token, ts FROM {table} WHERE ts >= {p} ORDER BY ts LIMIT 1"
     before = f"SELECT token, ts FROM {table} WHERE token < {p} ORDER BY token DESC LIMIT 1"
@@ -91,7 +102,8 @@ def first_token_at(store: TimedStore, stream: str, since_ts: int) -> TokenAt:
             token, ts = int(previous[0]), int(previous[1])
         return TokenAt(token, ts, queries)
 
-    return store.read(run)
+    result: TokenAt = store.database.read(run)
+    return result
 
 
 def oracle_time(store: TimedStore) -> int:
@@ -105,7 +117,9 @@ def oracle_last(store: TimedStore) -> int:
     Cheaper than :func:`oracle_time` (a read, no commit) and just as safe, but
     it moves only when someone allocates.
     """
-    return int(store.read(lambda cur: cur.execute("SELECT last_ts FROM tickline_tso WHERE id = 1").fetchone()[0]))
+    return int(
+        store.database.read(lambda cur: cur.execute("SELECT last_ts FROM tickline_tso WHERE id = 1").fetchone()[0])
+    )
 
 
 def allocated_heads(store: TimedStore, streams: list[str]) -> dict[str, int]:
@@ -116,32 +130,35 @@ def allocated_heads(store: TimedStore, streams: list[str]) -> dict[str, int]:
     """
     if not streams:
         return {}
-    if getattr(store, "dialect", "sqlite") != "postgresql":
-        rows = store.read(lambda cur: cur.execute("SELECT stream, token FROM tickline_stream_heads").fetchall())
+    db = store.database
+    if db.dialect != "postgresql":
+        rows = db.read(lambda cur: cur.execute("SELECT stream, token FROM tickline_stream_heads").fetchall())
         return {name: int(token) for name, token in rows}
-    p = store.placeholder
+    p = db.placeholder
     parts = [
         f"SELECT {p}, CASE WHEN is_called THEN last_value ELSE 0 END FROM {store.schema(name).table}_token_seq"
         for name in streams
     ]
-    rows = store.read(lambda cur: cur.execute(" UNION ALL ".join(parts), tuple(streams)).fetchall())
+    rows = db.read(lambda cur: cur.execute(" UNION ALL ".join(parts), tuple(streams)).fetchall())
     return {name: int(token) for name, token in rows}
 
 
 def streams_with_live_writers(store: TimedStore) -> set[str] | None:
     """PostgreSQL: the streams that have a live writer (None on SQLite, where writers hold no tokens)."""
-    if getattr(store, "dialect", "sqlite") != "postgresql":
+    if store.database.dialect != "postgresql":
         return None
-    rows = store.read(lambda cur: cur.execute("SELECT DISTINCT stream FROM tickline_writers WHERE alive").fetchall())
+    rows = store.database.read(
+        lambda cur: cur.execute("SELECT DISTINCT stream FROM tickline_writers WHERE alive").fetchall()
+    )
     return {row[0] for row in rows}
 
 
 def last_ts_upto(store: TimedStore, stream: str, token: int) -> int | None:
     """The timestamp of the last row with a token at or below ``token`` (None: no such row)."""
-    p = store.placeholder
+    p = store.database.placeholder
     table = store.schema(stream).table
     sql = f"SELECT ts FROM {table} WHERE token <= {p} ORDER BY token DESC LIMIT 1"
-    found = store.read(lambda cur: cur.execute(sql, (token,)).fetchone())
+    found = store.database.read(lambda cur: cur.execute(sql, (token,)).fetchone())
     return None if found is None else int(found[0])
 
 

@@ -39,7 +39,7 @@ def fill(url: str) -> None:
             conn.execute("UPDATE tickline_stream_heads SET token = ? WHERE stream = 'big'", (ROWS,))
             conn.execute("UPDATE tickline_tso SET last_ts = MAX(last_ts, ?)", (last_ts,))
 
-        store.write(run)
+        store.database.write(run)
     else:
 
         def run(cur) -> None:
@@ -52,7 +52,7 @@ def fill(url: str) -> None:
             cur.execute("UPDATE tickline_tso SET last_ts = GREATEST(last_ts, %s)", (last_ts,))
             cur.execute("ANALYZE stream_big")
 
-        store.write(run)
+        store.database.write(run)
     store.close()
 
 
@@ -80,7 +80,7 @@ def test_the_search_is_a_few_index_lookups(db_url) -> None:
         at = time_index.first_token_at(store, "big", time_index.ts_at_ms(BASE_MS + ROWS))
         assert at.token is None and at.before is None
         if db_url.startswith("sqlite"):
-            plan = store.read(
+            plan = store.database.read(
                 lambda c: c.execute(
                     "EXPLAIN QUERY PLAN SELECT token, ts FROM stream_big WHERE ts >= ? ORDER BY ts LIMIT 1", (0,)
                 ).fetchall()
