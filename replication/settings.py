@@ -37,3 +37,4 @@ class MasterConfig:
     fanout_rows: int = 10000  # rows per storage read for live fan-out
     db_threads: int = 4
     recent_bytes: int = 64 << 20  # recent rows kept encoded in memory, all streams together
+    tick_interval: float = 0.2  # seconds: the longest gap between TICKs of an idle stream

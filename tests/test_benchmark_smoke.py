@@ -71,3 +71,14 @@ def test_fanout_scenario_prints_a_ratio_line_per_variant_and_a_plot(tmp_path) ->
             assert re.search(RATIO_LINE.format(name=f"fanout {mode}-{clients}"), proc.stdout, re.M), proc.stdout
     assert re.search(r"^  master CPU per delivered row [\d.]+ us .*peak memory \d+ MiB", proc.stdout, re.M)
     assert png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_ordered_scenario_is_ordered_and_exactly_once(tmp_path) -> None:
+    """A short run of the "ordered" scenario (PostgreSQL, two writer processes, two workers)."""
+    from scripts import bench_ordered
+
+    r = bench_ordered.run_ordered(str(tmp_path), seconds=2.0)
+    assert r["ordered"]["backwards"] == 0
+    assert r["ordered"]["exactly_once"] and r["unordered"]["exactly_once"]
+    assert r["replay-ordered"] > 0 and r["replay-unordered"] > 0
+    bench_ordered.print_results(r)
