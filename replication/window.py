@@ -137,13 +137,6 @@ class RecentWindow:
         chunks = self._streams.get(stream)
         return chunks[0].after if chunks else None
 
-    def bytes_after(self, stream: str, after: int) -> int:
-        """How many bytes of the window follow ``after`` (for a lagging connection)."""
-        chunks = self._streams.get(stream)
-        if not chunks:
-            return 0
-        return sum(c.size for c in chunks if c.last > after)
-
     def read(self, stream: str, after: int, upto: int, limit_rows: int, with_ts: bool) -> Read | None:
         """Rows after ``after`` (up to ``upto``, about ``limit_rows``) from memory; None if not all here.
 
