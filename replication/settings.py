@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import attr
 
+from storage.limits import DEFAULT_MAX_LINE_BYTES
+
 
 @attr.s(slots=True, frozen=True, auto_attribs=True)
 class ProtocolConfig:
@@ -16,7 +18,7 @@ class ProtocolConfig:
 
     ping_interval: float = 5.0  # seconds between our PINGs
     ping_timeout: float = 15.0  # drop a peer silent this long (after its first PING)
-    max_line_bytes: int = 65536  # longest accepted line, without its line ending
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES  # longest accepted line (and RDATA line written), without its ending
     max_pause: float = 30.0  # drop a client that has not read for this long
     close_grace: float = 5.0  # after an ERROR and close, abort if still not flushed
     catchup_rows: int = 5000  # rows per storage read when replaying

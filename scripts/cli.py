@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from scripts.config import Config, ConfigError, load_config, setup_logging
 from storage.schema import RowError, SchemaError
@@ -142,47 +143,59 @@ def database_url(args: argparse.Namespace, config: Config) -> str:
     return url
 
 
-def _read_rows(texts: Sequence[str]) -> list:
+def _json_rows(texts: Sequence[str]) -> Iterator[tuple[str, Any]]:
+    """``(where, row)`` for each ROW_JSON argument and each line of stdin for ``-``, read lazily.
+
+    A line that is not JSON (or not UTF-8) raises UsageError naming its line
+    and column; blank lines are skipped.
+    """
     import orjson
 
-    rows = []
-    sources: list[tuple[str, str]] = []
     for i, text in enumerate(texts, 1):
-        if text == "-":
-            sources.extend((f"stdin line {n}", line) for n, line in enumerate(sys.stdin, 1) if line.strip())
-        else:
-            sources.append((f"row {i}", text))
-    for where, text in sources:
-        try:
-            rows.append(orjson.loads(text))
-        except orjson.JSONDecodeError as e:
-            raise UsageError(f"{where} is not valid JSON ({e}): {text.strip()[:80]!r}") from None
-    return rows
+        if text != "-":
+            yield f"row {i}", _parse_json(orjson, f"row {i}", text.encode("utf-8", "surrogateescape"))
+            continue
+        stream = getattr(sys.stdin, "buffer", sys.stdin)
+        for n, line in enumerate(stream, 1):
+            raw = line if isinstance(line, bytes) else line.encode("utf-8", "surrogateescape")
+            if raw.strip():
+                yield f"stdin line {n}", _parse_json(orjson, f"stdin line {n}", raw)
+
+
+def _parse_json(orjson: Any, where: str, raw: bytes) -> Any:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{where} is not valid UTF-8 at byte {e.start + 1}") from None
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        shown = raw.strip()[:80].decode("utf-8", "replace")
+        raise UsageError(f"{where} is not valid JSON at column {e.colno} ({e.msg}): {shown!r}") from None
 
 
 def run_write(args: argparse.Namespace, config: Config) -> int:
+    from storage.bulk import write_rows
+    from storage.schema import check_instance_name
     from storage.store import open_store
 
-    rows = _read_rows(args.rows)
-    if not rows:
-        raise UsageError("no rows to write (stdin was empty)")
-    store = open_store(database_url(args, config))
-    for schema in config.streams.values():
-        store.register_stream(schema)
-    streams = store.catalog()
-    if args.stream not in streams:
-        raise UsageError(f"unknown stream {args.stream!r} (streams: {', '.join(sorted(streams))})")
-    # One transaction per chunk keeps huge stdin loads from holding the lock for long.
-    chunk = len(rows) if args.batch else 10_000
-    out = []
+    check_instance_name(args.instance)
+    if args.rows.count("-") > 1:
+        raise UsageError("'-' (rows from stdin) may be given once")
+    store = open_store(database_url(args, config), max_line_bytes=config.protocol.max_line_bytes)
     try:
-        for start in range(0, len(rows), chunk):
-            tokens = store.append(args.stream, rows[start : start + chunk], args.instance, batch=args.batch)
-            out.append("\n".join(map(str, tokens)))
+        for schema in config.streams.values():
+            store.register_stream(schema)
+        streams = store.catalog()
+        if args.stream not in streams:
+            raise UsageError(f"unknown stream {args.stream!r} (streams: {', '.join(sorted(streams))})")
+        # One transaction for every row, streamed in chunks: all rows or none.
+        tokens = write_rows(store, args.stream, _json_rows(args.rows), args.instance, batch=args.batch)
     finally:
         store.close()  # a PostgreSQL writer stops holding the stream back
-    if out:
-        sys.stdout.write("\n".join(out) + "\n")
+    if not tokens:
+        raise UsageError("no rows to write (stdin was empty)")
+    tokens.write_lines(sys.stdout)  # only now: every row has committed
     return 0
 
 

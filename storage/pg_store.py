@@ -38,6 +38,7 @@ import psycopg2
 import psycopg2.extensions
 
 from storage.pg_db import Cursor, PgDatabase
+from storage.limits import DEFAULT_MAX_LINE_BYTES, check_rows
 from storage.schema import StreamSchema, check_instance_name
 from storage.store import DatabaseUnavailable, StoredRow, StreamCatalog
 
@@ -67,6 +68,7 @@ def _seq(schema: StreamSchema) -> str:
 
 
 class PgStreamStore(StreamCatalog, PgDatabase):
+    max_line_bytes: int | None = DEFAULT_MAX_LINE_BYTES  # refuse rows whose RDATA line could be longer
     def __init__(
         self,
         dsn: str,
@@ -392,26 +394,32 @@ class WriteTransaction:
         self._id = txn_id
         self._cur = cur
         self._last_token = 0
+        self._batch_token: int | None = None  # every batch append of the transaction shares it
         names = ", ".join(("token", "instance_name", "ts", *schema.column_names))
         self._insert = f"INSERT INTO {schema.table} ({names}) VALUES %s"
 
     def append(self, rows: Iterable[Row], batch: bool = False) -> list[int]:
-        values = [self._schema.check_row(row) for row in rows]
+        values = check_rows(self._schema, rows, self._store.max_line_bytes)
         if not values:
             return []
         count = len(values)
         first_ts = self._store.allocate_timestamps(count)[0]
         store, cur = self._store, self._cur
-        # Allocation and registration as in flight happen under the lock, so
-        # a concurrent report never claims a token still in flight.
-        with store._lock:
-            allocated = [
-                r[0]
-                for r in cur.execute(
-                    "SELECT nextval(%s) FROM generate_series(1, %s)", (_seq(self._schema), 1 if batch else count)
-                ).fetchall()
-            ]
-            self._state.inflight.setdefault(self._id, allocated[0])
+        if batch and self._batch_token is not None:
+            allocated = [self._batch_token]
+        else:
+            # Allocation and registration as in flight happen under the lock, so
+            # a concurrent report never claims a token still in flight.
+            with store._lock:
+                allocated = [
+                    r[0]
+                    for r in cur.execute(
+                        "SELECT nextval(%s) FROM generate_series(1, %s)", (_seq(self._schema), 1 if batch else count)
+                    ).fetchall()
+                ]
+                self._state.inflight.setdefault(self._id, allocated[0])
+            if batch:
+                self._batch_token = allocated[0]
         tokens = [allocated[0]] * count if batch else allocated
         cur.execute_values(
             self._insert,

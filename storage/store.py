@@ -88,9 +88,14 @@ def open_store(
     url: str | DatabaseUrl,
     clock: Callable[[], float] = time.time,
     base_dir: str | None = None,
+    max_line_bytes: int | None = None,
     **pg_options: Any,
 ):
-    """Open (and migrate) the stream store behind a database URL."""
+    """Open (and migrate) the stream store behind a database URL.
+
+    ``max_line_bytes`` (the protocol's line limit; the default's when None)
+    bounds the RDATA line of every row written through this store.
+    """
     parsed = url if isinstance(url, DatabaseUrl) else parse_database_url(url, base_dir)
     store: Any
     if parsed.is_sqlite:
@@ -105,5 +110,7 @@ def open_store(
         assert parsed.dsn is not None
 
         store = PgStreamStore(parsed.dsn, clock=clock, **pg_options)
+    if max_line_bytes is not None:
+        store.max_line_bytes = max_line_bytes
     store.migrate()
     return store
