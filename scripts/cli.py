@@ -158,6 +158,7 @@ def _json_rows(texts: Sequence[str]) -> Iterator[tuple[str, Any]]:
         stream = getattr(sys.stdin, "buffer", sys.stdin)
         for n, line in enumerate(stream, 1):
             raw = line if isinstance(line, bytes) else line.encode("utf-8", "surrogateescape")
+            raw = raw.rstrip(b"\r\n")
             if raw.strip():
                 yield f"stdin line {n}", _parse_json(orjson, f"stdin line {n}", raw)
 
