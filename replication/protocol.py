@@ -68,6 +68,7 @@ class LineCommandProtocol(Protocol):
         self._tick = 1.0
         self._abort_call: DelayedCall | None = None
         self.read_closed = False
+        self.close_reason: str | None = None  # why this side closed with ERROR, if it did
         self.rtt_ms: float | None = None  # kernel's smoothed TCP round trip
         self.clock_offset_ms: float | None = None  # peer's clock minus ours, from its PINGs
 
@@ -136,9 +137,13 @@ class LineCommandProtocol(Protocol):
     def close_with_error(self, message: str) -> None:
         """Tell the peer what was wrong, then close."""
         if not self._closing:
-            logger.warning("[%s] closing: %s", self.conn_name, message)
+            self.close_reason = message
+            self.log_closing(message)
             self.send(ErrorCommand(message))
         self.close()
+
+    def log_closing(self, message: str) -> None:
+        logger.warning("[%s] closing: %s", self.conn_name, message)
 
     def _abort(self) -> None:
         # A peer that does not read never lets loseConnection finish.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from scripts.config import Config, ConfigError, load_config, setup_logging
 from storage.schema import RowError, SchemaError
@@ -17,12 +17,38 @@ class UsageError(Exception):
     """A command-line mistake: printed as ``tickline: error: ...``, exit code 2."""
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit code 2): ``tickline <command>: error: ...``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def count_arg(text: str) -> int:
+    """A whole number >= 0 (a count or a token)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def positive_arg(text: str) -> int:
+    """A whole number >= 1."""
+    value = count_arg(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
 def _add_config(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-c", "--config", metavar="FILE", help="configuration file (YAML)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tickline", description="Line-based TCP replication.")
+    parser = Parser(prog="tickline", description="Line-based TCP replication.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
 
@@ -49,8 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     tail = commands.add_parser("tail", help="follow streams like a worker, print rows as JSON")
     _add_config(tail)
     tail.add_argument("--master", metavar="HOST:PORT", help="master address (default: the config's listen)")
-    tail.add_argument("--from", dest="from_token", metavar="TOKEN", type=int, help="replay rows after TOKEN first")
-    tail.add_argument("--count", metavar="N", type=int, help="exit after N rows")
+    tail.add_argument(
+        "--from", dest="from_token", metavar="TOKEN", type=count_arg, help="replay rows after TOKEN first"
+    )
+    tail.add_argument("--count", metavar="N", type=count_arg, help="exit after N rows")
     tail.add_argument("--ts", action="store_true", help='add each row\'s timestamp as "ts"')
     tail.add_argument("--name", default="tail", help="client name sent in NAME (default: tail)")
     tail.add_argument("streams", metavar="STREAM", nargs="+")
@@ -77,14 +105,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     snapshot.add_argument("--stream", metavar="NAME", required=True, help="the stream (table replicated_NAME)")
     snapshot.add_argument(
-        "--partitions", metavar="N", type=int, help="token ranges read in parallel (default: spark.num_partitions)"
+        "--partitions",
+        metavar="N",
+        type=positive_arg,
+        help="token ranges read in parallel (default: spark.num_partitions)",
     )
     snapshot_range = snapshot.add_mutually_exclusive_group()
     snapshot_range.add_argument(
-        "--as-of", metavar="TOKEN", type=int, help="rows with token <= TOKEN (default: the applied token)"
+        "--as-of", metavar="TOKEN", type=count_arg, help="rows with token <= TOKEN (default: the applied token)"
     )
     snapshot_range.add_argument(
-        "--after", metavar="TOKEN", type=int, help="incremental: rows with TOKEN < token <= the applied token"
+        "--after", metavar="TOKEN", type=count_arg, help="incremental: rows with TOKEN < token <= the applied token"
     )
     snapshot.add_argument(
         "--out", metavar="DIR", help="write Parquet and a manifest into DIR/<stream>_<after>_<token>/"
@@ -95,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="run benchmarks, print ratios against baselines")
     bench.add_argument("scenarios", nargs="*", metavar="SCENARIO", help="default: all")
-    bench.add_argument("--rows", type=int, default=None, help="rows per scenario")
+    bench.add_argument("--rows", type=positive_arg, default=None, help="rows per scenario")
     return parser
 
 
@@ -132,9 +163,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_tail(args, config)
     except (ConfigError, UsageError, BadDatabaseUrl, SchemaError, RowError, StorageError) as e:
-        print(f"tickline {args.command}: error: {e}", file=sys.stderr)
+        print(f"tickline {args.command}: error: {one_line(e)}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        if not _is_database_error(e):
+            raise
+        print(f"tickline {args.command}: error: database error: {one_line(e)}", file=sys.stderr)
         return 2
     raise AssertionError(args.command)
+
+
+def one_line(error: Exception, limit: int = 500) -> str:
+    """An error's message as one bounded line (database drivers add DETAIL and HINT lines)."""
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _is_database_error(error: Exception) -> bool:
+    from storage.bulk import _is_database_error as is_database_error
+
+    return is_database_error(error)
 
 
 def database_url(args: argparse.Namespace, config: Config) -> str:

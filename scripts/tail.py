@@ -62,7 +62,12 @@ class TailHandler(ReplicationHandler):
             record = {"stream": stream, "instance": instance, "token": token, "row": values}
             if self.with_ts:
                 record["ts"] = ts
-            self._out.write(orjson.dumps(record) + b"\n")
+            try:
+                line = orjson.dumps(record)
+            except orjson.JSONEncodeError as e:
+                self.fail(f"cannot print the row of {stream} at token {token}: {e}")
+                return
+            self._out.write(line + b"\n")
             if self.remaining is not None:
                 self.remaining -= 1
                 if self.remaining <= 0:
@@ -79,7 +84,11 @@ class TailHandler(ReplicationHandler):
         self.fail(f"master said: {message}")
 
     def disconnected(self, client: ClientProtocol, reason: Failure) -> None:
-        if not self.done:
+        if self.done:
+            return
+        if client.close_reason is not None:  # we closed it: the master sent what we cannot handle
+            self.fail(client.close_reason)
+        else:
             self.fail(f"connection to the master closed: {reason.getErrorMessage()}")
 
     def fail(self, message: str) -> None:
@@ -134,9 +143,6 @@ def run_tail(args: argparse.Namespace, config: Config) -> int:
         host, port = config.master.listen_host, config.master.listen_port
         if host in ("0.0.0.0", "::"):
             host = "127.0.0.1"
-    if args.from_token is not None and args.from_token < 0:
-        print("tickline tail: error: --from must be a non-negative token", file=sys.stderr)
-        return 2
     handler = TailHandler(reactor, list(args.streams), args.from_token, args.count, args.ts)
     reactor.connectTCP(host, port, TailFactory(handler, args.name, config, reactor, args.ts))
     # Stopped by a signal (Ctrl-C, SIGTERM): a normal end, not a lost master.

@@ -37,8 +37,8 @@ from typing import Any
 import psycopg2
 import psycopg2.extensions
 
-from storage.pg_db import Cursor, PgDatabase
 from storage.limits import DEFAULT_MAX_LINE_BYTES, check_rows
+from storage.pg_db import Cursor, PgDatabase
 from storage.schema import StreamSchema, check_instance_name
 from storage.store import DatabaseUnavailable, StoredRow, StreamCatalog
 
@@ -69,6 +69,7 @@ def _seq(schema: StreamSchema) -> str:
 
 class PgStreamStore(StreamCatalog, PgDatabase):
     max_line_bytes: int | None = DEFAULT_MAX_LINE_BYTES  # refuse rows whose RDATA line could be longer
+
     def __init__(
         self,
         dsn: str,

@@ -21,7 +21,7 @@ COLUMN_NAME = re.compile(r"[a-z][a-z0-9_]{0,62}")
 RESERVED_COLUMNS = frozenset({"seq", "token", "instance_name", "ts"})
 # Instance and server names travel as one word of the wire protocol.
 MAX_NAME_BYTES = 200
-NAME_WORD = re.compile(r"[!-~]{1,%d}" % MAX_NAME_BYTES)
+NAME_WORD = re.compile(rf"[!-~]{{1,{MAX_NAME_BYTES}}}")
 
 # Declared type -> (SQLite type, PostgreSQL type)
 COLUMN_TYPES: dict[str, tuple[str, str]] = {

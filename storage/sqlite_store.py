@@ -25,6 +25,7 @@ Row = Sequence[Any] | Mapping[str, Any]
 
 class SqliteStreamStore(StreamCatalog, SqliteDatabase):
     max_line_bytes: int | None = DEFAULT_MAX_LINE_BYTES  # refuse rows whose RDATA line could be longer
+
     def __init__(
         self,
         path: str,

@@ -79,6 +79,8 @@ class Worker(ReplicationHandler):
         # replay reached the live rows (the POSITION that OPTIONS live adds).
         self._answered: set[str] = set()
         self._live_streams: set[str] = set()
+        self._connected_at = 0.0
+        self._rows_on_connection = False
         self.stopping = False
 
     # -- set-up --------------------------------------------------------------------
@@ -172,6 +174,8 @@ class Worker(ReplicationHandler):
 
     def connected(self, client: ClientProtocol) -> None:
         self.client = client
+        self._connected_at = self.reactor.seconds()
+        self._rows_on_connection = False
         # REPLICATE waits for SERVER, so a wrong master is refused before any row.
 
     def on_server(self, client: ClientProtocol, server_name: str) -> None:
@@ -186,8 +190,6 @@ class Worker(ReplicationHandler):
             )
             client.close_with_error(f"wrong server: expected {expected!r}, got {server_name!r}")
             return
-        if self.factory is not None:
-            self.factory.resetDelay()
         logger.info("connected to master %s", server_name)
         for stream, consumer in sorted(self.consumers.items()):
             self._replicate(client, stream, consumer.resume_token())
@@ -215,6 +217,7 @@ class Worker(ReplicationHandler):
         consumer = self.consumers.get(stream)
         if consumer is None:
             return
+        self._rows_on_connection = True
         consumer.rows_received(instance, token, rows)
         if not self._reading_paused and self._pending_rows() > self.config.max_pending_rows:
             self._reading_paused = True
@@ -256,9 +259,22 @@ class Worker(ReplicationHandler):
                 call.cancel()
         self._retry_calls.clear()
         self._reading_paused = False
-        if not self.stopping:
-            self.reconnects += 1
-            logger.warning("connection to the master lost: %s", reason.getErrorMessage())
+        if self.stopping:
+            return
+        self.reconnects += 1
+        # The backoff starts again only after a healthy connection: one that
+        # brought rows or lasted, and that we did not have to close. A master
+        # that sends what this worker cannot handle is retried ever more slowly.
+        lived = self.reactor.seconds() - self._connected_at
+        healthy = client.close_reason is None and (self._rows_on_connection or lived >= self.config.reconnect_max)
+        factory = self.factory
+        if factory is not None and healthy:
+            factory.resetDelay()
+        next_try = "" if factory is None else f" (reconnecting in about {_next_delay(factory):.1f} s)"
+        if client.close_reason is not None:
+            logger.error("closed the connection to the master: %s%s", client.close_reason, next_try)
+        else:
+            logger.warning("connection to the master lost: %s%s", reason.getErrorMessage(), next_try)
 
     # -- progress --------------------------------------------------------------------
 
@@ -353,6 +369,11 @@ class WorkerFactory(ReconnectingClientFactory):
                 self.delay,
             )
         super().clientConnectionFailed(connector, reason)
+
+
+def _next_delay(factory: ReconnectingClientFactory) -> float:
+    """The delay the factory's next retry takes (before its jitter)."""
+    return min(factory.delay * factory.factor, factory.maxDelay)
 
 
 def _sleep(reactor: Any, seconds: float) -> defer.Deferred[None]:
