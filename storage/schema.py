@@ -16,9 +16,29 @@ from typing import Any
 import attr
 import orjson
 
-STREAM_NAME = re.compile(r"[a-z][a-z0-9_]{0,62}")
+# A stream's tables and their indexes (replicated_<name>_token, stream_<name>_token_seq)
+# must fit PostgreSQL's 63-byte identifiers: 46 characters at most.
+STREAM_NAME = re.compile(r"[a-z][a-z0-9_]{0,45}")
 COLUMN_NAME = re.compile(r"[a-z][a-z0-9_]{0,62}")
 RESERVED_COLUMNS = frozenset({"seq", "token", "instance_name", "ts"})
+# Column names go into SQL unquoted, so a name that is an SQL keyword is refused:
+# every word that fails as a column name in the statements tickline runs, on
+# PostgreSQL (its reserved keywords: categories R and T of pg_get_keywords())
+# or on SQLite (the keywords it does not take as identifiers). Found by trying
+# every keyword of both; tests/unit/test_config_validation.py checks it again.
+_SQL_KEYWORDS = """
+    add all alter analyse analyze and any array as asc asymmetric authorization autoincrement
+    between binary both case cast check collate collation column commit concurrently constraint
+    create cross current_catalog current_date current_role current_schema current_time
+    current_timestamp current_user default deferrable delete desc distinct do drop else end
+    escape except exists false fetch for foreign freeze from full grant group having ilike in
+    index initially inner insert intersect into is isnull join lateral leading left like limit
+    localtime localtimestamp natural not nothing notnull null offset on only or order outer
+    overlaps placing primary raise references returning right select session_user set similar
+    some symmetric table tablesample then to trailing transaction true union unique update user
+    using values variadic verbose when where window with
+    """
+SQL_KEYWORDS = frozenset(_SQL_KEYWORDS.split())
 # Instance and server names travel as one word of the wire protocol.
 MAX_NAME_BYTES = 200
 NAME_WORD = re.compile(rf"[!-~]{{1,{MAX_NAME_BYTES}}}")
@@ -104,6 +124,11 @@ class Column:
             )
         if self.name in RESERVED_COLUMNS:
             raise SchemaError(f"column name {self.name!r} is reserved")
+        if self.name in SQL_KEYWORDS:
+            raise SchemaError(
+                f"column name {self.name!r} is an SQL keyword, which tickline does not quote: "
+                f"choose another name (such as {self.name + '_'!r})"
+            )
         if self.type not in COLUMN_TYPES:
             raise SchemaError(f"column {self.name!r} has unknown type {self.type!r} (known: {', '.join(COLUMN_TYPES)})")
         if not isinstance(self.nullable, bool):
@@ -160,7 +185,8 @@ class StreamSchema:
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.name, str) or not STREAM_NAME.fullmatch(self.name):
             raise SchemaError(
-                f"bad stream name {self.name!r}: lower-case letters, digits and _ , starting with a letter"
+                f"bad stream name {self.name!r}: lower-case letters, digits and _ , starting with a letter, "
+                "at most 46 characters"
             )
         if not self.columns:
             raise SchemaError(f"stream {self.name!r} has no columns")
