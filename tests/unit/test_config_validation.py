@@ -33,7 +33,7 @@ def _numeric_keys() -> list[tuple[str, type]]:
             kind = {"float": float, "int": int}.get(str(field.type))
             if kind is not None and field.name not in skip:
                 keys.append((prefix + field.name, kind))
-    return keys + [("caches.max_size", int)]
+    return [*keys, ("caches.max_size", int)]
 
 
 def _mapping(key: str, value) -> dict:
@@ -82,7 +82,10 @@ def test_every_numeric_key_takes_its_bounds(key, kind) -> None:
         ({"master": {"poll_interval": -1}}, "master.poll_interval: expected a positive number, got -1"),
         ({"protocol": {"max_line_bytes": 10**12}}, "protocol.max_line_bytes: 1000000000000 is out of range"),
         ({"protocol": {"ping_interval": 20}}, "protocol.ping_interval (20 s) must be below protocol.ping_timeout"),
-        ({"worker": {"reconnect_initial": 10}}, "worker.reconnect_initial (10 s) must not be above worker.reconnect_max"),
+        (
+            {"worker": {"reconnect_initial": 10}},
+            "worker.reconnect_initial (10 s) must not be above worker.reconnect_max",
+        ),
         ({"master": {"db_threads": 100000}}, "master.db_threads: 100000 is out of range (1 to 64)"),
     ],
 )
@@ -113,7 +116,7 @@ def test_invalid_utf8_and_deep_nesting_in_the_file(tmp_path) -> None:
         load_config(str(bad))
     deep = tmp_path / "deep.yaml"
     deep.write_text("streams: " + "[" * 100_000 + "]" * 100_000 + "\n")
-    with pytest.raises(ConfigError, match="nested too deeply|not valid YAML|streams"):
+    with pytest.raises(ConfigError, match=r"nested too deeply|not valid YAML|streams"):
         load_config(str(deep))
     big = tmp_path / "big.yaml"
     big.write_text("# " + "x" * 2_000_000 + "\n")
