@@ -112,9 +112,16 @@ def write_rows(
                     chunk, places = [], []
             if chunk:
                 tokens.add(_append(txn, chunk, places, batch))
-    except (StorageError, RowError):
+    except RowError:
         raise
+    except StorageError as e:
+        raise StorageError(f"the write failed, nothing was committed: {_first_line(e)}") from None
     except Exception as e:
+        if type(e).__name__ == "Fenced":
+            raise StorageError(
+                "the write failed, nothing was committed: this writer was declared dead while writing "
+                "(it did not report for master.writer_timeout); run it again"
+            ) from None
         if _is_database_error(e):
             raise StorageError(f"the write failed, nothing was committed: {_first_line(e)}") from None
         raise
@@ -134,9 +141,7 @@ def _is_database_error(e: Exception) -> bool:
     if isinstance(e, sqlite3.Error):
         return True
     psycopg2 = sys.modules.get("psycopg2")
-    if psycopg2 is not None and isinstance(e, psycopg2.Error):
-        return True
-    return type(e).__name__ == "Fenced"  # a PostgreSQL writer declared dead: its transaction may not commit
+    return psycopg2 is not None and isinstance(e, psycopg2.Error)
 
 
 def _first_line(e: Exception) -> str:

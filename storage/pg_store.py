@@ -38,7 +38,7 @@ import psycopg2
 import psycopg2.extensions
 
 from storage.limits import DEFAULT_MAX_LINE_BYTES, check_rows
-from storage.pg_db import Cursor, PgDatabase
+from storage.pg_db import Cursor, PgDatabase, _safe_dsn
 from storage.schema import StreamSchema, check_instance_name
 from storage.store import DatabaseUnavailable, StoredRow, StreamCatalog
 
@@ -126,7 +126,9 @@ class PgStreamStore(StreamCatalog, PgDatabase):
             except psycopg2.Error:
                 pass
             self._side.conn = None
-            raise DatabaseUnavailable(f"PostgreSQL at {self.dsn}: {str(e).strip().splitlines()[0]}") from None
+            raise DatabaseUnavailable(
+                f"PostgreSQL at {_safe_dsn(self.dsn)}: {str(e).strip().splitlines()[0]}"
+            ) from None
 
     def _head_sql(self, schema: StreamSchema) -> str:
         return f"SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {_seq(schema)}"
@@ -220,7 +222,7 @@ class PgStreamStore(StreamCatalog, PgDatabase):
             conn.commit()
         except psycopg2.OperationalError as e:
             self._drop_broken(conn)
-            raise DatabaseUnavailable(f"PostgreSQL at {self.dsn}: {str(e).strip()}") from None
+            raise DatabaseUnavailable(f"PostgreSQL at {_safe_dsn(self.dsn)}: {str(e).strip()}") from None
         except Fenced:
             conn.rollback()
             with self._lock:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import resource
 import subprocess
+import sys
 
 import orjson
 import pytest
@@ -124,3 +125,31 @@ def test_token_runs_are_compact_and_in_order() -> None:
     tokens = list(runs)
     assert tokens[:2] == [1, 2] and tokens[99_999:100_006] == [100_000] + [100_001] * 5 + [200_000]
     assert tokens[-2:] == [200_001, 300_000]
+
+
+def test_a_large_input_streams_in_bounded_memory(tmp_path) -> None:
+    """200,000 lines (about 50 MB): held at once they would take several hundred MB."""
+    source = tmp_path / "rows.txt"
+    with open(source, "wb") as f:
+        for n in range(200_000):
+            f.write(orjson.dumps([f"$e{n}" + "x" * 200, "!room", "m.room.message", None, None]) + b"\n")
+    url = f"sqlite:///{tmp_path}/t.db"
+    # A wrapper process, so that the peak resident set measured is the writer's alone.
+    measure = (
+        "import resource, subprocess, sys\n"
+        "with open(sys.argv[1], 'rb') as f:\n"
+        "    code = subprocess.run(sys.argv[2:], stdin=f, stdout=subprocess.DEVNULL).returncode\n"
+        "print(code, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", measure, str(source), *tickline_command(), "write", "--database", url, "events", "-"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=_env(),
+    )
+    code, peak_kb = map(int, out.stdout.split())
+    assert code == 0, out.stderr
+    assert count_rows(url) == 200_000
+    assert peak_kb < 80_000, f"peak RSS {peak_kb} kB"  # about 25 MB; holding every row took 210 MB
