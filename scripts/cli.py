@@ -107,15 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
     snapshot.add_argument(
         "--partitions",
         metavar="N",
-        type=positive_arg,
+        type=int,
         help="token ranges read in parallel (default: spark.num_partitions)",
     )
     snapshot_range = snapshot.add_mutually_exclusive_group()
     snapshot_range.add_argument(
-        "--as-of", metavar="TOKEN", type=count_arg, help="rows with token <= TOKEN (default: the applied token)"
+        "--as-of", metavar="TOKEN", type=int, help="rows with token <= TOKEN (default: the applied token)"
     )
     snapshot_range.add_argument(
-        "--after", metavar="TOKEN", type=count_arg, help="incremental: rows with TOKEN < token <= the applied token"
+        "--after", metavar="TOKEN", type=int, help="incremental: rows with TOKEN < token <= the applied token"
     )
     snapshot.add_argument(
         "--out", metavar="DIR", help="write Parquet and a manifest into DIR/<stream>_<after>_<token>/"
@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="run benchmarks, print ratios against baselines")
     bench.add_argument("scenarios", nargs="*", metavar="SCENARIO", help="default: all")
-    bench.add_argument("--rows", type=positive_arg, default=None, help="rows per scenario")
+    bench.add_argument("--rows", type=int, default=None, help="rows per scenario")
     return parser
 
 

@@ -168,7 +168,8 @@ class Column:
             try:
                 text = orjson.dumps(value).decode("utf-8")
             except TypeError as e:  # orjson.JSONEncodeError: an object JSON cannot hold, or nested too deep
-                raise RowError(f"stream {stream!r}: column {self.name!r}: not storable as JSON ({e})") from None
+                why = "nested too deeply" if "ecursion" in str(e) else str(e)
+                raise RowError(f"stream {stream!r}: column {self.name!r}: not storable as JSON ({why})") from None
             if "\\u0000" in text and _contains_nul(value):
                 raise RowError(f"stream {stream!r}: column {self.name!r}: JSON strings may not contain NUL (\\u0000)")
             return text
