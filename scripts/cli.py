@@ -35,14 +35,6 @@ def count_arg(text: str) -> int:
     return value
 
 
-def positive_arg(text: str) -> int:
-    """A whole number >= 1."""
-    value = count_arg(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
-    return value
-
-
 def _add_config(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-c", "--config", metavar="FILE", help="configuration file (YAML)")
 
