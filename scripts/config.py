@@ -151,6 +151,8 @@ def _check_type(value: Any, kind: Any, key: str) -> Any:
         raise ConfigError(f"{key}: expected true or false, got {_shown(value)}")
     if kind in ("Optional[int]", "int | None", Optional[int]):  # noqa: UP045 (a runtime type to compare)
         return None if value is None else _check_type(value, int, key)
+    if kind in ("Optional[float]", "float | None", Optional[float]):  # noqa: UP045 (a runtime type to compare)
+        return None if value is None else _check_type(value, float, key)
     if kind in ("Optional[str]", "str | None", Optional[str]):  # noqa: UP045 (a runtime type to compare)
         return None if value is None else _check_type(value, str, key)
     raise AssertionError(f"no type check for {kind!r}")
