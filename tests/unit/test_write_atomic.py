@@ -153,3 +153,27 @@ def test_a_large_input_streams_in_bounded_memory(tmp_path) -> None:
     assert code == 0, out.stderr
     assert count_rows(url) == 200_000
     assert peak_kb < 80_000, f"peak RSS {peak_kb} kB"  # about 25 MB; holding every row took 210 MB
+
+
+def test_a_storage_error_mid_write_on_postgresql_commits_nothing(pg_url) -> None:
+    """A trigger that fails on the 7,000th row stands in for PostgreSQL running out of disk."""
+    import psycopg2
+
+    assert run_tickline("write", "--database", pg_url, "events", event(0).decode()).returncode == 0
+    conn = psycopg2.connect(pg_url)
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        cur.execute(
+            "CREATE FUNCTION fail_at_7000() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            "IF NEW.event_id = '$e7000' THEN RAISE EXCEPTION 'could not extend file: No space left on device' "
+            "USING HINT = 'Check free disk space.'; END IF; RETURN NEW; END $$"
+        )
+        cur.execute(
+            "CREATE TRIGGER disk_full BEFORE INSERT ON stream_events FOR EACH ROW EXECUTE FUNCTION fail_at_7000()"
+        )
+    conn.close()
+    result = run_tickline("write", "--database", pg_url, "events", "-", input=stdin_with(event(10_001)))
+    assert result.returncode == 2 and result.stdout == ""
+    (line,) = result.stderr.strip().splitlines()
+    assert "nothing was committed" in line and "No space left on device" in line and "Traceback" not in line
+    assert count_rows(pg_url) == 1
