@@ -91,22 +91,7 @@ def row_json_bytes(schema: StreamSchema, values: Sequence[Any], originals: Seque
     ``originals`` are the values before checking (JSON columns as Python
     objects); without them the JSON columns' stored text is parsed again.
     """
-    json_columns = schema.json_columns
-    double_columns = schema.double_columns
-    if not json_columns and not double_columns:
-        return len(orjson.dumps(values))
-    plain = list(values)
-    extra = 0
-    for i in double_columns:
-        if plain[i] is not None:
-            plain[i] = None
-            extra += DOUBLE_BYTES - _NULL_BYTES
-    for i in json_columns:
-        if plain[i] is not None:
-            value = originals[i] if originals is not None else orjson.loads(plain[i])
-            plain[i] = None
-            extra += max(json_value_bytes(value, schema.columns[i].name), len(values[i])) - _NULL_BYTES
-    return len(orjson.dumps(plain)) + extra
+    return _RowSizer(schema).row_json_bytes(values, originals)
 
 
 def rdata_line_bytes(schema: StreamSchema, values: Sequence[Any], originals: Sequence[Any] | None = None) -> int:
@@ -119,19 +104,50 @@ def max_row_json_bytes(stream: str, max_line_bytes: int) -> int:
     return max_line_bytes - rdata_overhead(stream)
 
 
+class _RowSizer:
+    """The size computation for one stream, its column positions looked up once."""
+
+    __slots__ = ("double_columns", "json_columns", "names", "schema")
+
+    def __init__(self, schema: StreamSchema) -> None:
+        self.schema = schema
+        self.json_columns = schema.json_columns
+        self.double_columns = schema.double_columns
+        self.names = schema.column_names
+
+    def row_json_bytes(self, values: Sequence[Any], originals: Sequence[Any] | None) -> int:
+        if not self.json_columns and not self.double_columns:
+            return len(orjson.dumps(values))
+        plain = list(values)
+        extra = 0
+        for i in self.double_columns:
+            if plain[i] is not None:
+                plain[i] = None
+                extra += DOUBLE_BYTES - _NULL_BYTES
+        for i in self.json_columns:
+            if plain[i] is not None:
+                value = originals[i] if originals is not None else orjson.loads(plain[i])
+                plain[i] = None
+                extra += max(json_value_bytes(value, self.names[i]), len(values[i])) - _NULL_BYTES
+        return len(orjson.dumps(plain)) + extra
+
+    def check(self, row: Row, max_line_bytes: int | None, overhead: int) -> tuple[Any, ...]:
+        values = self.schema.check_row(row)
+        if max_line_bytes is not None:
+            originals = _originals(self.schema, row) if self.json_columns else None
+            size = overhead + self.row_json_bytes(values, originals)
+            if size > max_line_bytes:
+                raise RowError(
+                    f"stream {self.schema.name!r}: the row's RDATA line could be {size} bytes, "
+                    f"over the line limit of {max_line_bytes} (protocol.max_line_bytes; "
+                    f"row JSON up to {max_line_bytes - overhead} bytes as sent)"
+                )
+        return values
+
+
 def check_row(schema: StreamSchema, row: Row, max_line_bytes: int | None) -> tuple[Any, ...]:
     """One row checked against its columns and the line limit; the values as stored."""
-    values = schema.check_row(row)
-    if max_line_bytes is not None:
-        originals = _originals(schema, row) if schema.json_columns else None
-        size = rdata_line_bytes(schema, values, originals)
-        if size > max_line_bytes:
-            raise RowError(
-                f"stream {schema.name!r}: the row's RDATA line could be {size} bytes, "
-                f"over the line limit of {max_line_bytes} (protocol.max_line_bytes; "
-                f"row JSON up to {max_row_json_bytes(schema.name, max_line_bytes)} bytes as sent)"
-            )
-    return values
+    return _RowSizer(schema).check(row, max_line_bytes, rdata_overhead(schema.name))
 
 
 def _originals(schema: StreamSchema, row: Row) -> Sequence[Any]:
@@ -142,10 +158,13 @@ def _originals(schema: StreamSchema, row: Row) -> Sequence[Any]:
 
 def check_rows(schema: StreamSchema, rows: Iterable[Row], max_line_bytes: int | None) -> list[tuple[Any, ...]]:
     """Every row checked; a RowError names the row (``index``: its position in ``rows``)."""
+    sizer = _RowSizer(schema)
+    overhead = rdata_overhead(schema.name)
+    check = sizer.check
     checked = []
     for index, row in enumerate(rows):
         try:
-            checked.append(check_row(schema, row, max_line_bytes))
+            checked.append(check(row, max_line_bytes, overhead))
         except RowError as e:
             raise RowError(e.reason, index=index) from None
     return checked
