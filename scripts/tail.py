@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -69,7 +70,8 @@ class TailHandler(ReplicationHandler):
             except orjson.JSONEncodeError as e:
                 self.fail(f"cannot print the row of {stream} at token {token}: {e}")
                 return
-            self._out.write(line + b"\n")
+            if not self._write(line + b"\n"):
+                return
             if self.remaining is not None:
                 self.remaining -= 1
                 if self.remaining <= 0:
@@ -80,7 +82,21 @@ class TailHandler(ReplicationHandler):
 
     def _flush(self) -> None:
         self._flush_call = None
-        self._out.flush()
+        self._write(b"")
+
+    def _write(self, data: bytes) -> bool:
+        """Write and flush-if-empty; a reader that went away (``| head``) ends the tail quietly."""
+        try:
+            if data:
+                self._out.write(data)
+            else:
+                self._out.flush()
+        except BrokenPipeError:
+            # Like other Unix tools: no error when the reader has all it wanted.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            self.finish(0)
+            return False
+        return True
 
     def on_error(self, client: ClientProtocol, message: str) -> None:
         self.fail(f"master said: {message}")
@@ -101,14 +117,14 @@ class TailHandler(ReplicationHandler):
     def stopping(self) -> None:
         if not self.done:
             self.done = True
-            self._out.flush()
+            self._write(b"")
 
     def finish(self, code: int) -> None:
         if self.done:
             return
         self.done = True
         self.exit_code = code
-        self._out.flush()
+        self._write(b"")
         stop_reactor(self.reactor)
 
 

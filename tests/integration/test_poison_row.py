@@ -77,3 +77,32 @@ def test_tail_and_worker_report_a_line_they_cannot_take(tmp_path) -> None:
         if worker is not None:
             worker.stop()
         master.stop()
+
+
+def test_tail_into_a_reader_that_goes_away_ends_quietly(tmp_path) -> None:
+    """``tickline tail ... | head -1``: no traceback, exit code 0, like other Unix tools."""
+    import subprocess
+
+    from tests.conftest import _env, tickline_command
+
+    port = free_port()
+    database = sqlite_url(tmp_path / "m.db")
+    rows = "".join(_event(n, pad=200) + "\n" for n in range(20_000))
+    assert run_tickline("write", "--database", database, "events", "-", input=rows).returncode == 0
+    master = Proc(tmp_path / "master.log", "master", "--database", database, "--listen", f"127.0.0.1:{port}")
+    try:
+        wait_for(lambda: accepts(port), 15, "the master to listen")
+        tail = subprocess.Popen(
+            [*tickline_command(), "tail", "--master", f"127.0.0.1:{port}", "--from", "0", "events"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=_env(),
+        )
+        assert tail.stdout is not None and tail.stderr is not None
+        assert b'"token":1,' in tail.stdout.readline()
+        tail.stdout.close()  # the reader goes away
+        code = tail.wait(timeout=30)
+        err = tail.stderr.read().decode()
+        assert code == 0 and err == "", err
+    finally:
+        master.stop()
