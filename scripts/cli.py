@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
@@ -236,7 +237,12 @@ def run_write(args: argparse.Namespace, config: Config) -> int:
         store.close()  # a PostgreSQL writer stops holding the stream back
     if not tokens:
         raise UsageError("no rows to write (stdin was empty)")
-    tokens.write_lines(sys.stdout)  # only now: every row has committed
+    try:
+        tokens.write_lines(sys.stdout)  # only now: every row has committed
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The rows are committed; a reader that stopped early (| head) wanted no more.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

@@ -177,3 +177,24 @@ def test_a_storage_error_mid_write_on_postgresql_commits_nothing(pg_url) -> None
     (line,) = result.stderr.strip().splitlines()
     assert "nothing was committed" in line and "No space left on device" in line and "Traceback" not in line
     assert count_rows(pg_url) == 1
+
+
+def test_tokens_into_a_reader_that_goes_away(tmp_path) -> None:
+    """``tickline write ... | head -1``: the rows are committed, no traceback, exit 0."""
+    url = f"sqlite:///{tmp_path}/t.db"
+    proc = subprocess.Popen(
+        [*tickline_command(), "write", "--database", url, "events", "-"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+        env=_env(),
+    )
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    proc.stdin.write(stdin_with(event(-1), 50_000))
+    proc.stdin.close()
+    assert proc.stdout.readline() == b"1\n"
+    proc.stdout.close()
+    assert proc.wait(timeout=120) == 0
+    assert proc.stderr.read() == b""
+    assert count_rows(url) == 50_001
