@@ -173,7 +173,7 @@ def one_line(error: Exception, limit: int = 500) -> str:
 
 
 def _is_database_error(error: Exception) -> bool:
-    from storage.bulk import _is_database_error as is_database_error
+    from storage.bulk import is_database_error
 
     return is_database_error(error)
 

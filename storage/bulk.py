@@ -122,7 +122,7 @@ def write_rows(
                 "the write failed, nothing was committed: this writer was declared dead while writing "
                 "(it did not report for master.writer_timeout); run it again"
             ) from None
-        if _is_database_error(e):
+        if is_database_error(e):
             raise StorageError(f"the write failed, nothing was committed: {_first_line(e)}") from None
         raise
     return tokens
@@ -137,7 +137,7 @@ def _append(txn: WriteTransaction, chunk: list[Row], places: list[str], batch: b
         raise RowError(f"{places[e.index]}: {e.reason}") from None
 
 
-def _is_database_error(e: Exception) -> bool:
+def is_database_error(e: Exception) -> bool:
     if isinstance(e, sqlite3.Error):
         return True
     psycopg2 = sys.modules.get("psycopg2")
