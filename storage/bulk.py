@@ -14,24 +14,14 @@ from __future__ import annotations
 import sqlite3
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import IO, Any, Protocol
+from typing import IO, Any
 
+from storage.contracts import StreamStore, WriteTransaction
 from storage.schema import RowError
 from storage.store import StorageError
 
 Row = Sequence[Any] | Mapping[str, Any]
 CHUNK_ROWS = 2000  # rows checked and inserted per statement batch
-
-
-class WriteTransaction(Protocol):
-    def append(self, rows: Iterable[Row], batch: bool = False) -> list[int]: ...
-
-
-class WritingStore(Protocol):
-    """What ``write_rows`` needs of a store (both stores have it)."""
-
-    def writing(self, stream: str, instance_name: str) -> Any:
-        """A context manager giving a :class:`WriteTransaction`; commits on exit."""
 
 
 class TokenRuns:
@@ -86,7 +76,7 @@ class TokenRuns:
 
 
 def write_rows(
-    store: WritingStore,
+    store: StreamStore,
     stream: str,
     rows: Iterable[tuple[str, Row]],
     instance_name: str,
