@@ -171,8 +171,7 @@ def test_keywords_not_refused_work_as_columns_on_both_backends(db_url) -> None:
     for i, word in enumerate(ALLOWED_KEYWORDS[:20]):
         schema = StreamSchema(f"k{i}", (Column(word, "text"),))
         worker.create_replicated_table(schema)
-        sql = schema.insert_replicated_sql(worker.placeholder)
-        worker.write(lambda conn, sql=sql: conn.execute(sql, (1, "w", 1, "v")))
+        worker.apply(schema.name, 1, lambda txn, schema=schema: txn.replicate(schema, [(1, "w", 1, "v")]))
     worker.close()
 
 
