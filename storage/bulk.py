@@ -90,6 +90,11 @@ def write_rows(
     in every failure nothing is committed.
     """
     tokens = TokenRuns()
+    if batch:
+        # One token for every row: they are checked and inserted in one append,
+        # so that their timestamps are allocated with the token (a stream's ts
+        # increases with its token). Every client holds a batch whole anyway.
+        chunk_rows = 2**62
     try:
         with store.writing(stream, instance_name) as txn:
             chunk: list[Row] = []

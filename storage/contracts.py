@@ -26,6 +26,7 @@ from contextlib import AbstractContextManager
 from typing import Any, Protocol, TypeVar
 
 from storage.schema import StreamSchema
+from storage.time_index import TokenAt
 
 # A stored row as read back: (seq, token, instance_name, ts, *column values).
 # JSON columns are JSON text; booleans may come back as 0/1 from SQLite.
@@ -60,7 +61,7 @@ class WriteTransaction(Protocol):
     """One open write transaction of a writer (``StreamStore.writing``)."""
 
     def append(self, rows: Iterable[Row], batch: bool = False) -> list[int]:
-        """Check and insert rows; with ``batch`` every batch append of the transaction shares one token."""
+        """Check and insert rows: each gets its own token, or with ``batch`` all share one."""
         ...
 
 
@@ -112,6 +113,14 @@ class StreamStore(Protocol):
 
     def retire_writers(self) -> None:
         """This process's writers stop holding their streams back (at shutdown)."""
+        ...
+
+    def first_token_at(self, stream: str, since_ts: int) -> TokenAt:
+        """The first token whose row has ``ts >= since_ts``, from the ``ts`` index (``storage.time_index``)."""
+        ...
+
+    def safe_point(self, expire_writers: bool = True, allocate: bool = True) -> tuple[dict[str, int], dict[str, int]]:
+        """Per stream a safe time and the safe position (``storage.time_index.safe_point``)."""
         ...
 
     def notifier(self) -> Notifier | None:

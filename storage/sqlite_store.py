@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from storage import tso
+from storage import time_index, tso
 from storage.contracts import JsonRow, Row, StoredRow
 from storage.limits import DEFAULT_MAX_LINE_BYTES, check_rows
 from storage.schema import StreamSchema, check_instance_name
@@ -49,6 +49,14 @@ class SqliteStreamStore:
 
     def catalog(self) -> dict[str, StreamSchema]:
         return self._catalog.catalog()
+
+    # -- time (storage.time_index) ------------------------------------------------------
+
+    def first_token_at(self, stream: str, since_ts: int) -> time_index.TokenAt:
+        return time_index.first_token_at(self, stream, since_ts)
+
+    def safe_point(self, expire_writers: bool = True, allocate: bool = True) -> tuple[dict[str, int], dict[str, int]]:
+        return time_index.safe_point(self, expire_writers, allocate)
 
     def schema(self, stream: str) -> StreamSchema:
         return self._catalog.schema(stream)
@@ -183,17 +191,13 @@ class SqliteStreamStore:
 
 
 class SqliteWriteTransaction:
-    """Rows appended in one open write transaction (see ``SqliteStreamStore.writing``).
-
-    With ``batch``, every batch append of the transaction shares one token.
-    """
+    """Rows appended in one open write transaction (see ``SqliteStreamStore.writing``)."""
 
     def __init__(self, store: SqliteStreamStore, conn: sqlite3.Connection, schema: StreamSchema, instance: str) -> None:
         self._store = store
         self._conn = conn
         self._schema = schema
         self._instance = instance
-        self._batch_token: int | None = None
         placeholders = ", ".join("?" * (3 + len(schema.columns)))
         self._insert = (
             f"INSERT INTO {schema.table} (token, instance_name, ts, {', '.join(schema.column_names)}) "
@@ -206,20 +210,13 @@ class SqliteWriteTransaction:
             return []
         conn = self._conn
         count = len(values)
-        if batch and self._batch_token is not None:
-            tokens = [self._batch_token] * count
-        else:
-            token_count = 1 if batch else count
-            (head,) = conn.execute(
-                "UPDATE tickline_stream_heads SET token = token + ? WHERE stream = ? RETURNING token",
-                (token_count, self._schema.name),
-            ).fetchone()
-            first_token = head - token_count + 1
-            if batch:
-                self._batch_token = first_token
-                tokens = [first_token] * count
-            else:
-                tokens = list(range(first_token, first_token + count))
+        token_count = 1 if batch else count
+        (head,) = conn.execute(
+            "UPDATE tickline_stream_heads SET token = token + ? WHERE stream = ? RETURNING token",
+            (token_count, self._schema.name),
+        ).fetchone()
+        first_token = head - token_count + 1
+        tokens = [first_token] * count if batch else list(range(first_token, first_token + count))
         first_ts = self._store._allocate_timestamps(conn, count)
         instance = self._instance
         conn.executemany(
