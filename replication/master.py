@@ -18,16 +18,23 @@ from typing import Any
 from twisted.internet import defer, task
 from twisted.internet.error import ConnectionLost
 from twisted.internet.interfaces import IReadDescriptor
-from twisted.internet.protocol import Factory
 from zope.interface import implementer
 
 from replication.client_commands import ClientCommandHandlers
 from replication.commands import PositionCommand
 from replication.dbthreads import DatabaseThreads
+from replication.limits import (
+    ConnectionLimiter,
+    ConnectionSlot,
+    LimitedFactory,
+    SharedLogBudget,
+    ensure_file_limit,
+    watch_accept_errors,
+)
 from replication.protocol import ProtocolConfig
 from replication.rows import RowEncoder, encode_json_rows, encode_rows, row_encoder
 from replication.server import ServerProtocol, Subscription
-from replication.settings import MasterConfig
+from replication.settings import LimitsConfig, MasterConfig, TLSConfig
 from replication.streams import cache_invalidation_row
 from storage.schema import StreamSchema
 from storage.store import TOKEN, StorageError
@@ -43,8 +50,14 @@ class Master:
         store: Any,
         streams: dict[str, StreamSchema],
         reactor: Any,
+        limits: LimitsConfig | None = None,
+        tls: TLSConfig | None = None,
     ) -> None:
         self.config = config
+        self.limits = limits or LimitsConfig()
+        self.tls = tls or TLSConfig()
+        self.limiter = ConnectionLimiter(self.limits, reactor)
+        self.log_budget = SharedLogBudget(reactor, self.limits.max_log_lines_per_second)
         self.protocol_config = protocol_config
         self.store = store
         self.reactor = reactor
@@ -91,17 +104,34 @@ class Master:
         self._poller.start(interval, now=False).addErrback(
             lambda f: logger.error("following stream heads stopped: %s", f.getTraceback())
         )
-        factory = Factory.forProtocol(lambda: ServerProtocol(self, self.protocol_config, self.reactor))
-        self.port = self.reactor.listenTCP(self.config.listen_port, factory, interface=self.config.listen_host)
+        self.port = self._listen()
         address = self.port.getHost()
         logger.info(
-            "master %s listening on %s:%s with streams %s",
+            "master %s listening on %s:%s%s with streams %s",
             self.config.server_name,
             address.host,
             address.port,
+            " (TLS)" if self.tls.server_enabled else "",
             ", ".join(f"{s}@{t}" for s, t in sorted(self._live.items())),
         )
         return self.port
+
+    def _listen(self) -> Any:
+        """Listen with the connection limits (replication.limits), over TLS when configured."""
+        ensure_file_limit(self.limits.max_connections)
+        factory: Any = LimitedFactory(self.limiter, self._build_protocol)
+        if self.tls.server_enabled:
+            from replication.tls import server_factory
+
+            factory = server_factory(self.tls, factory)
+        port = self.reactor.listenTCP(self.config.listen_port, factory, interface=self.config.listen_host)
+        watch_accept_errors(port, self.reactor)
+        return port
+
+    def _build_protocol(self, addr: Any, slot: ConnectionSlot) -> ServerProtocol:
+        protocol = ServerProtocol(self, self.protocol_config, self.reactor)
+        protocol.slot = slot
+        return protocol
 
     async def stop(self) -> None:
         if self._poller is not None and self._poller.running:

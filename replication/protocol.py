@@ -36,11 +36,14 @@ from replication.commands import (
     UnknownCommand,
     parse_line,
 )
+from replication.limits import LogBudget
 from replication.reactor_types import Clock, DelayedCall, Transport
-from replication.settings import ProtocolConfig
+from replication.settings import LimitsConfig, ProtocolConfig
 from replication.stats import STATS
 
 logger = logging.getLogger(__name__)
+# Longest ERROR message we send: peer text echoed in it is cut (replies are bounded).
+MAX_ERROR_CHARS = 512
 _TCP_INFO_RTT = struct.Struct("I")  # tcpi_rtt: microseconds, at offset 68 of struct tcp_info
 
 
@@ -59,6 +62,9 @@ class LineCommandProtocol(Protocol):
         self.config = config
         self.clock = clock
         self.conn_name = "?"
+        self.peer_address = "?"  # host:port of the peer
+        # Log lines about this peer are rate-limited (the server shares a budget over all peers).
+        self.log_budget = LogBudget(clock, LimitsConfig().log_lines_per_second, None)
         self._buffer = b""
         self._closing = False
         self._peer_pinged = False
@@ -76,7 +82,8 @@ class LineCommandProtocol(Protocol):
     def connectionMade(self) -> None:
         assert self.transport is not None
         peer = self.transport.getPeer()
-        self.conn_name = f"{getattr(peer, 'host', '?')}:{getattr(peer, 'port', '?')}"
+        self.peer_address = f"{getattr(peer, 'host', '?')}:{getattr(peer, 'port', '?')}"
+        self.conn_name = self.peer_address
         now = self.clock.seconds()
         self._last_received = now
         self._keepalive = task.LoopingCall(self._keepalive_tick)
@@ -91,6 +98,11 @@ class LineCommandProtocol(Protocol):
             self._keepalive.stop()
         if self._abort_call is not None and self._abort_call.active():
             self._abort_call.cancel()
+        self.log_budget.flush(logger, self.conn_name)
+
+    def peer_log(self, level: int, message: str, *args: object) -> None:
+        """Log a line about this peer: rate-limited, every argument escaped (peer text is safe)."""
+        self.log_budget.log(logger, level, self.conn_name, message, *args)
 
     def readConnectionLost(self) -> None:
         """The peer will send no more; finish what we owe, then close."""
@@ -136,8 +148,8 @@ class LineCommandProtocol(Protocol):
     def close_with_error(self, message: str) -> None:
         """Tell the peer what was wrong, then close."""
         if not self._closing:
-            logger.warning("[%s] closing: %s", self.conn_name, message)
-            self.send(ErrorCommand(message))
+            self.peer_log(logging.WARNING, "closing: %s", message)
+            self.send(ErrorCommand(_cut(message)))
         self.close()
 
     def _abort(self) -> None:
@@ -155,6 +167,7 @@ class LineCommandProtocol(Protocol):
         buffer = self._buffer + data if self._buffer else data
         lines = buffer.split(b"\n")
         self._buffer = lines.pop()
+        self.input_progress(len(lines) > 0, len(self._buffer))
         limit = self.config.max_line_bytes
         for line in lines:
             if self._closing:
@@ -165,6 +178,16 @@ class LineCommandProtocol(Protocol):
             self._handle_line(line)
         if len(self._buffer) > limit + 1:
             self._line_too_long(len(self._buffer))
+
+    def input_progress(self, had_newline: bool, pending: int) -> None:
+        """Hook: bytes arrived (``had_newline`` if a line ended; ``pending`` bytes of a line wait)."""
+
+    def command_received(self) -> None:
+        """Hook: a line parsed as a command the peer may send."""
+
+    def check_limits(self, now: float) -> bool:
+        """Hook run every keepalive tick; True if it closed the connection."""
+        return False
 
     def _line_too_long(self, length: int) -> None:
         self._buffer = b""
@@ -190,6 +213,7 @@ class LineCommandProtocol(Protocol):
             self.send_error(f"{command.NAME} may not be sent by the {self.peer_side}")
             return
         STATS.received[command.NAME] += 1
+        self.command_received()
         handler: Callable[[Command], None] = getattr(self, f"on_{command.NAME}")
         handler(command)
 
@@ -199,8 +223,8 @@ class LineCommandProtocol(Protocol):
 
     def send_error(self, message: str) -> None:
         """Answer bad input; the connection stays open."""
-        logger.info("[%s] bad input: %s", self.conn_name, message)
-        self.send(ErrorCommand(message))
+        self.peer_log(logging.INFO, "bad input: %s", message)
+        self.send(ErrorCommand(_cut(message)))
 
     # -- keepalive -------------------------------------------------------------
 
@@ -208,6 +232,8 @@ class LineCommandProtocol(Protocol):
         if self._closing:
             return
         now = self.clock.seconds()
+        if self.check_limits(now):
+            return
         if self._peer_pinged and now - self._last_received >= self.config.ping_timeout:
             self.close_with_error(f"ping timeout: nothing received for {self.config.ping_timeout:g} s")
             return
@@ -224,7 +250,14 @@ class LineCommandProtocol(Protocol):
         self.clock_offset_ms = command.unix_ms + (self.rtt_ms or 0.0) / 2 - now_ms
 
     def on_ERROR(self, command: ErrorCommand) -> None:
-        logger.warning("[%s] %s sent ERROR %s", self.conn_name, self.peer_side, command.message)
+        self.peer_log(logging.WARNING, "%s sent ERROR %s", self.peer_side, command.message)
+
+
+def _cut(message: str) -> str:
+    """An ERROR message of bounded length (it may echo what the peer sent)."""
+    if len(message) <= MAX_ERROR_CHARS:
+        return message
+    return message[:MAX_ERROR_CHARS] + f"...({len(message) - MAX_ERROR_CHARS} more chars)"
 
 
 def tcp_rtt_ms(transport: object) -> float | None:

@@ -23,6 +23,7 @@ from replication.commands import (
     CLIENT_COMMANDS,
     AuthCommand,
     ClearUserSyncCommand,
+    Command,
     FederationAckCommand,
     NameCommand,
     OptionsCommand,
@@ -34,6 +35,7 @@ from replication.commands import (
     ServerCommand,
     UserSyncCommand,
 )
+from replication.limits import LIMIT_STATS, ConnectionSlot, InputWatch, LogBudget, too_long
 from replication.protocol import LineCommandProtocol, ProtocolConfig
 from replication.reactor_types import Clock
 from replication.stats import STATS
@@ -77,6 +79,12 @@ class ServerProtocol(LineCommandProtocol):
         self._pause_timer = None
         self._pending_replicates = 0  # REPLICATEs waiting for the master to follow the store
         self._half_close_synced = False
+        # Limits (replication.limits): timeouts, the connection's slot, replies queued while paused.
+        self.limits = master.limits
+        self.log_budget = LogBudget(clock, self.limits.log_lines_per_second, master.log_budget)
+        self.slot: ConnectionSlot | None = None  # set by the master's LimitedFactory
+        self._watch = InputWatch(self.limits, clock.seconds(), master.config.secret is not None)
+        self._queued_while_paused = 0
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -89,7 +97,11 @@ class ServerProtocol(LineCommandProtocol):
         self.send_ping()
 
     def connectionLost(self, reason: Failure | None = None) -> None:
+        if reason is not None and _is_tls_error(reason):
+            self.peer_log(logging.INFO, "TLS failed: %s", reason.getErrorMessage())
         super().connectionLost(reason)
+        if self.slot is not None:
+            self.slot.release()
         if self._pause_timer is not None and self._pause_timer.active():
             self._pause_timer.cancel()
         for sub in self.subscriptions.values():
@@ -116,7 +128,50 @@ class ServerProtocol(LineCommandProtocol):
 
     @property
     def display_name(self) -> str:
-        return self.client_name or self.conn_name
+        # name@host:port: unique per connection, so two peers with one NAME
+        # never share a metric series.
+        return self.conn_name
+
+    # -- limits (replication.limits) ---------------------------------------------
+
+    def input_progress(self, had_newline: bool, pending: int) -> None:
+        self._watch.data(self.clock.seconds(), had_newline, pending)
+
+    def command_received(self) -> None:
+        self._watch.command(self.clock.seconds())
+
+    def check_limits(self, now: float) -> bool:
+        if self.paused:
+            return False  # a client that does not read is max_pause's business
+        timeout = self._watch.check(now, self.authenticated, len(self._buffer))
+        if timeout is None:
+            return False
+        reason, message = timeout
+        LIMIT_STATS.closed[reason] += 1
+        self.close_with_error(message)
+        return True
+
+    def send(self, command: Command) -> None:
+        if self.paused and not self._closing:
+            # The client does not read: replies wait in memory. Bounded.
+            self._queued_while_paused += len(command.encode())
+            if self._queued_while_paused > self.limits.max_queued_bytes:
+                LIMIT_STATS.closed["queued_bytes"] += 1
+                self.close_with_error(
+                    f"client does not read: more than {self.limits.max_queued_bytes} bytes of replies queued"
+                )
+                return
+        super().send(command)
+
+    def relay(self, data: bytes) -> bool:
+        """Write a relayed line (REMOTE_SERVER_UP); dropped for a client that does not read."""
+        if self._closing or self.transport is None:
+            return False
+        if self.paused:
+            LIMIT_STATS.relays_dropped += 1
+            return False
+        self.write(data)
+        return True
 
     # -- commands from the client -------------------------------------------
 
@@ -140,9 +195,15 @@ class ServerProtocol(LineCommandProtocol):
 
     def on_NAME(self, command: NameCommand) -> None:
         if self._allowed("NAME"):
+            problem = too_long(self.limits, client_name=command.client_name)
+            if problem is not None:
+                LIMIT_STATS.rejected["name_bytes"] += 1
+                self.send_error(f"NAME refused: {problem}")
+                return
+            # A new NAME replaces the old one (it is never prepended).
             self.client_name = command.client_name
-            self.conn_name = f"{command.client_name}@{self.conn_name}"
-            logger.info("[%s] named itself", self.conn_name)
+            self.conn_name = f"{command.client_name}@{self.peer_address}"
+            self.peer_log(logging.INFO, "named itself")
 
     def on_OPTIONS(self, command: OptionsCommand) -> None:
         if self._allowed("OPTIONS"):
@@ -269,7 +330,7 @@ class ServerProtocol(LineCommandProtocol):
             if generation != sub.generation:
                 return
             sub.reading = False
-            logger.error("[%s] reading %s for replay failed: %s", self.conn_name, sub.stream, failure.getErrorMessage())
+            self.peer_log(logging.ERROR, "reading %s for replay failed: %s", sub.stream, failure.getErrorMessage())
             self.close_with_error(f"internal error reading stream {sub.stream!r}; reconnect to resume")
 
         d.addCallbacks(got, failed)
@@ -293,6 +354,7 @@ class ServerProtocol(LineCommandProtocol):
         if self.paused:
             return
         self.paused = True
+        self._queued_while_paused = 0
         self._pause_timer = self.clock.callLater(self.config.max_pause, self._paused_too_long)
 
     def resumeProducing(self) -> None:
@@ -309,3 +371,12 @@ class ServerProtocol(LineCommandProtocol):
 
     def _paused_too_long(self) -> None:
         self.close_with_error(f"client stopped reading: paused for more than {self.config.max_pause:g} s")
+
+
+def _is_tls_error(reason: Failure) -> bool:
+    """Whether a connection was lost to TLS (a handshake refused, a plaintext peer)."""
+    try:
+        from OpenSSL import SSL
+    except ImportError:
+        return False
+    return reason.check(SSL.Error) is not None

@@ -31,7 +31,7 @@ def run_master(args: argparse.Namespace, config: Config) -> int:
         parse_metrics_address(args.metrics_listen, "--metrics-listen") if args.metrics_listen else config.metrics_listen
     )
     store = open_store(database_url(args, config), writer_timeout=master_config.writer_timeout)
-    master = Master(master_config, config.protocol, store, config.streams, reactor)
+    master = Master(master_config, config.protocol, store, config.streams, reactor, config.limits, config.tls)
     heads: dict[str, int] = {}
 
     async def start() -> None:

@@ -13,6 +13,7 @@ from twisted.python.failure import Failure
 from replication.client import ClientProtocol, ReplicationHandler
 from replication.commands import PositionCommand
 from replication.rows import split_ts
+from replication.tls import TLSFileError, connect
 from scripts.config import Config, parse_address
 from scripts.stopping import stop_reactor
 
@@ -138,7 +139,11 @@ def run_tail(args: argparse.Namespace, config: Config) -> int:
         print("tickline tail: error: --from must be a non-negative token", file=sys.stderr)
         return 2
     handler = TailHandler(reactor, list(args.streams), args.from_token, args.count, args.ts)
-    reactor.connectTCP(host, port, TailFactory(handler, args.name, config, reactor, args.ts))
+    try:
+        connect(reactor, host, port, TailFactory(handler, args.name, config, reactor, args.ts), config.tls)
+    except TLSFileError as e:
+        print(f"tickline tail: error: {e}", file=sys.stderr)
+        return 2
     # Stopped by a signal (Ctrl-C, SIGTERM): a normal end, not a lost master.
     reactor.addSystemEventTrigger("before", "shutdown", handler.stopping)
     reactor.run()

@@ -34,6 +34,8 @@ from replication.commands import (
 )
 from replication.dbthreads import DatabaseThreads
 from replication.protocol import ProtocolConfig
+from replication.settings import TLSConfig
+from replication.tls import connect as tls_connect
 from storage.schema import StreamSchema
 from workers.caches import CacheRegistry
 from workers.consumer import StreamConsumer
@@ -55,9 +57,11 @@ class Worker(ReplicationHandler):
         handlers: HandlerRegistry | None = None,
         caches: CacheRegistry | None = None,
         secret: str | None = None,
+        tls: TLSConfig | None = None,
     ) -> None:
         self.config = config
         self.secret = secret  # sent in AUTH when the master requires it
+        self.tls = tls  # connect over TLS when it turns TLS on for clients
         self.protocol_config = protocol_config
         self.store = store
         self.reactor = reactor
@@ -128,7 +132,7 @@ class Worker(ReplicationHandler):
     def start(self) -> None:
         self.db.start()
         self.factory = WorkerFactory(self)
-        self.reactor.connectTCP(self.config.master_host, self.config.master_port, self.factory)
+        tls_connect(self.reactor, self.config.master_host, self.config.master_port, self.factory, self.tls)
 
     async def stop(self) -> None:
         """Clean stop: tell the master our users stopped syncing, finish the current apply."""
