@@ -128,7 +128,14 @@ class ClientCommandHandlers:
     def remove_pusher(self, conn: ServerProtocol, command: RemovePusherCommand) -> None:
         if not self._names_ok(conn, command, app_id=command.app_id, push_key=command.push_key, user_id=command.user_id):
             return
-        conn.peer_log(logging.INFO, "remove pusher %s %s for %s", command.app_id, command.push_key, command.user_id)
+        conn.peer_log(
+            logging.INFO,
+            "remove pusher %s %s for %s",
+            command.app_id,
+            command.push_key,
+            command.user_id,
+            log=logger,
+        )
         self.removed_pushers.append((command.app_id, command.push_key, command.user_id))
         del self.removed_pushers[:-1000]
         self._notify(conn, command)

@@ -117,22 +117,28 @@ class LogBudget:
         self.shared = shared
         self._window = _Window()
 
-    def _take(self) -> bool:
-        if self._window.count >= self.per_second:
+    def _take(self, force: bool = False) -> bool:
+        if self._window.count >= self.per_second and not force:
             return False
         if self.shared is not None and not self.shared.take():
             return False
         self._window.count += 1
         return True
 
-    def log(self, log: logging.Logger, level: int, conn_name: str, message: str, *args: object) -> None:
-        """``log.log(level, "[conn] " + message, *args)`` within the budget; args are escaped."""
+    def log(
+        self, log: logging.Logger, level: int, conn_name: str, message: str, *args: object, force: bool = False
+    ) -> None:
+        """``log.log(level, "[conn] " + message, *args)`` within the budget; args are escaped.
+
+        ``force``: a line that comes once per connection (why it was closed)
+        passes the connection's own limit, but not the limit over all peers.
+        """
         if not log.isEnabledFor(level):
             return
         now = self.clock.seconds()
         if self._window.roll(now) and self._window.suppressed:
             self._summary(log, conn_name)
-        if self._take():
+        if self._take(force):
             log.log(level, "[%s] " + message, conn_name, *(safe(a) for a in args))
         else:
             self._window.suppressed += 1

@@ -100,9 +100,11 @@ class LineCommandProtocol(Protocol):
             self._abort_call.cancel()
         self.log_budget.flush(logger, self.conn_name)
 
-    def peer_log(self, level: int, message: str, *args: object) -> None:
+    def peer_log(
+        self, level: int, message: str, *args: object, log: logging.Logger = logger, force: bool = False
+    ) -> None:
         """Log a line about this peer: rate-limited, every argument escaped (peer text is safe)."""
-        self.log_budget.log(logger, level, self.conn_name, message, *args)
+        self.log_budget.log(log, level, self.conn_name, message, *args, force=force)
 
     def readConnectionLost(self) -> None:
         """The peer will send no more; finish what we owe, then close."""
@@ -148,7 +150,7 @@ class LineCommandProtocol(Protocol):
     def close_with_error(self, message: str) -> None:
         """Tell the peer what was wrong, then close."""
         if not self._closing:
-            self.peer_log(logging.WARNING, "closing: %s", message)
+            self.peer_log(logging.WARNING, "closing: %s", message, force=True)
             self.send(ErrorCommand(_cut(message)))
         self.close()
 

@@ -157,6 +157,7 @@ class ServerProtocol(LineCommandProtocol):
             self._queued_while_paused += len(command.encode())
             if self._queued_while_paused > self.limits.max_queued_bytes:
                 LIMIT_STATS.closed["queued_bytes"] += 1
+                self._queued_while_paused = -(1 << 62)  # the ERROR below is the last reply
                 self.close_with_error(
                     f"client does not read: more than {self.limits.max_queued_bytes} bytes of replies queued"
                 )
@@ -203,7 +204,7 @@ class ServerProtocol(LineCommandProtocol):
             # A new NAME replaces the old one (it is never prepended).
             self.client_name = command.client_name
             self.conn_name = f"{command.client_name}@{self.peer_address}"
-            self.peer_log(logging.INFO, "named itself")
+            self.peer_log(logging.INFO, "named itself", log=logger)
 
     def on_OPTIONS(self, command: OptionsCommand) -> None:
         if self._allowed("OPTIONS"):
@@ -330,7 +331,9 @@ class ServerProtocol(LineCommandProtocol):
             if generation != sub.generation:
                 return
             sub.reading = False
-            self.peer_log(logging.ERROR, "reading %s for replay failed: %s", sub.stream, failure.getErrorMessage())
+            self.peer_log(
+                logging.ERROR, "reading %s for replay failed: %s", sub.stream, failure.getErrorMessage(), log=logger
+            )
             self.close_with_error(f"internal error reading stream {sub.stream!r}; reconnect to resume")
 
         d.addCallbacks(got, failed)

@@ -17,6 +17,7 @@ from twisted.internet import task
 from twisted.web.resource import Resource
 from twisted.web.server import Site
 
+from replication.limits import LIMIT_STATS
 from replication.stats import STATS
 from storage.tso import physical_ms
 
@@ -49,6 +50,44 @@ def _peer_metrics(connections: Iterable[Any]) -> Iterable[Metric]:
             offset.add_metric([name], conn.clock_offset_ms / 1000)
     yield rtt
     yield offset
+
+
+def _limit_metrics(stats: Any) -> Iterable[Metric]:
+    """What the master's limits did (replication.limits)."""
+    refused = CounterMetricFamily(
+        "tickline_limit_refused_connections", "Connections refused by a limit", labels=["reason"]
+    )
+    for reason in ("total", "per_address"):
+        refused.add_metric([reason], stats.refused.get(reason, 0))
+    yield refused
+    closed = CounterMetricFamily(
+        "tickline_limit_closed_connections", "Connections closed by a limit or timeout", labels=["reason"]
+    )
+    for reason in ("auth_timeout", "idle_timeout", "line_timeout", "queued_bytes"):
+        closed.add_metric([reason], stats.closed.get(reason, 0))
+    yield closed
+    rejected = CounterMetricFamily(
+        "tickline_limit_rejected_commands", "Commands refused by a limit (answered with ERROR)", labels=["reason"]
+    )
+    for reason in ("name_bytes", "instances", "users"):
+        rejected.add_metric([reason], stats.rejected.get(reason, 0))
+    yield rejected
+    yield CounterMetricFamily(
+        "tickline_limit_dropped_relays",
+        "REMOTE_SERVER_UP relays not sent to a peer that does not read",
+        value=stats.relays_dropped,
+    )
+    yield CounterMetricFamily(
+        "tickline_limit_suppressed_log_lines",
+        "Log lines about peers suppressed by the per-second limits",
+        value=stats.log_lines_suppressed,
+    )
+    errors = CounterMetricFamily(
+        "tickline_limit_accept_errors", "accept() failures (EMFILE: out of file descriptors)", labels=["error"]
+    )
+    for error, count in sorted(stats.accept_errors.items()):
+        errors.add_metric([error], count)
+    yield errors
 
 
 def _pending_bytes(transport: Any) -> int:
@@ -101,6 +140,7 @@ class MasterCollector:
         yield CounterMetricFamily("tickline_live_rows", "Rows fanned out live", value=master.counters["live_rows"])
         yield from _protocol_metrics(STATS)
         yield from _peer_metrics(list(master.connections))
+        yield from _limit_metrics(LIMIT_STATS)
 
 
 class WorkerCollector:
