@@ -340,3 +340,71 @@ def test_relays_to_a_peer_that_does_not_read_are_dropped(master, unused_port) ->
     assert rss_kib(m.pid) - rss_before < 30_000
     deaf.close()
     still_serves(m)
+
+
+# -- file descriptors ----------------------------------------------------------------
+
+
+def test_running_out_of_file_descriptors_is_logged_and_recovers(tmp_path) -> None:
+    import resource
+    import subprocess
+
+    from tests.conftest import _env, free_port, sqlite_url, tickline_command, wait_for_port
+
+    port = free_port()
+    log_path = tmp_path / "master.log"
+
+    def low_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (60, 60))
+
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [
+                *tickline_command(),
+                "master",
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--database",
+                sqlite_url(tmp_path / "t.db"),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=_env(),
+            preexec_fn=low_limit,
+        )
+    clients: list[socket.socket] = []
+    try:
+        wait_for_port("127.0.0.1", port, process=proc)
+        text = log_path.read_text()
+        assert "master.max_connections is 1000 but the file descriptor limit is 60" in text
+        for _ in range(80):
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            clients.append(s)
+        # The last ones were accepted and closed at once (EOF): the descriptors ran out.
+        s = clients[-1]
+        s.settimeout(5)
+        assert s.recv(100) == b""
+        wait_until(lambda: "cannot accept a connection: EMFILE" in log_path.read_text(), 5, "the EMFILE line")
+        for s in clients:
+            s.close()
+        clients.clear()
+        deadline = time.monotonic() + 10
+        while True:  # the closes free descriptors again
+            client = LineClient("127.0.0.1", port)
+            try:
+                if client.try_line(2) is not None and client.read_line().startswith("PING "):
+                    break
+            except AssertionError:
+                pass
+            finally:
+                client.close()
+            assert time.monotonic() < deadline, "the master did not recover"
+            time.sleep(0.05)  # polling interval, not synchronization
+        text = log_path.read_text()
+        assert text.count("cannot accept a connection") <= 3, text
+        assert "Traceback" not in text and proc.poll() is None
+    finally:
+        for s in clients:
+            s.close()
+        proc.terminate()
+        proc.wait(10)
