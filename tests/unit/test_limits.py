@@ -155,7 +155,7 @@ def test_input_watch_timeouts() -> None:
 def test_connection_limiter_counts_and_releases() -> None:
     limiter = ConnectionLimiter(LimitsConfig(max_connections=3, max_connections_per_address=2), Clock())
     a1, _ = limiter.acquire("10.0.0.1")
-    a2, _ = limiter.acquire("10.0.0.1")
+    limiter.acquire("10.0.0.1")
     refused, why = limiter.acquire("10.0.0.1")
     assert refused is None and why == "too many connections from 10.0.0.1: the limit is 2 per address"
     b1, _ = limiter.acquire("10.0.0.2")
