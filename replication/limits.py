@@ -185,8 +185,12 @@ class InputWatch:
     def command(self, now: float) -> None:
         self.last_command = now
 
-    def check(self, now: float, authenticated: bool, pending: int) -> tuple[str, str] | None:
-        """(reason, ERROR message) once a timeout has passed, else None."""
+    def check(self, now: float, authenticated: bool, pending: int, consuming: bool = False) -> tuple[str, str] | None:
+        """(reason, ERROR message) once a timeout has passed, else None.
+
+        ``consuming``: the peer replicates streams, so it did something useful
+        and only listens now (as ``nc`` following live rows): no idle timeout.
+        """
         limits = self.limits
         if self.needs_auth and not authenticated and now - self.connected_at >= limits.auth_timeout:
             return "auth_timeout", f"authentication timeout: no AUTH within {limits.auth_timeout:g} s"
@@ -195,7 +199,7 @@ class InputWatch:
                 "line_timeout",
                 f"line timeout: {pending} bytes without a newline for {limits.line_timeout:g} s",
             )
-        if now - self.last_command >= limits.idle_timeout:
+        if not consuming and now - self.last_command >= limits.idle_timeout:
             return "idle_timeout", f"idle timeout: no command for {limits.idle_timeout:g} s"
         return None
 

@@ -143,7 +143,7 @@ class ServerProtocol(LineCommandProtocol):
     def check_limits(self, now: float) -> bool:
         if self.paused:
             return False  # a client that does not read is max_pause's business
-        timeout = self._watch.check(now, self.authenticated, len(self._buffer))
+        timeout = self._watch.check(now, self.authenticated, len(self._buffer), bool(self.subscriptions))
         if timeout is None:
             return False
         reason, message = timeout

@@ -48,7 +48,7 @@ class LimitsConfig:
     """
 
     max_connections: int = 1000  # open connections in total; more are refused
-    max_connections_per_address: int = 32  # open connections from one IP address
+    max_connections_per_address: int = 64  # open connections from one IP address
     auth_timeout: float = 30.0  # with a secret: close a connection not authenticated by then
     idle_timeout: float = 60.0  # close a connection that sent no valid command for this long
     line_timeout: float = 30.0  # close a connection whose line stays incomplete this long

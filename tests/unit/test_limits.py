@@ -150,6 +150,7 @@ def test_input_watch_timeouts() -> None:
     watch.command(70.0)
     assert watch.check(129.9, True, 0) is None
     assert watch.check(130.0, True, 0) == ("idle_timeout", "idle timeout: no command for 60 s")
+    assert watch.check(130.0, True, 0, consuming=True) is None  # it replicates: it listens
 
 
 def test_connection_limiter_counts_and_releases() -> None:

@@ -249,6 +249,10 @@ def test_idle_connection_is_closed_but_a_pinging_one_is_kept(master) -> None:
     garbage.handshake()
     pinging = m.connect()
     pinging.handshake()
+    listening = m.connect()  # replicates, then only listens (nc following live rows)
+    listening.handshake()
+    listening.send("REPLICATE events 0")
+    assert listening.next_command() == "POSITION events master 0 0"
     start = time.monotonic()
     for _ in range(8):
         pinging.send("PING 1")
@@ -264,6 +268,8 @@ def test_idle_connection_is_closed_but_a_pinging_one_is_kept(master) -> None:
     pinging.send("REPLICATE caches 0")
     assert pinging.next_command() == "POSITION caches master 0 0"
     m.wait_for_log("closing: idle timeout")
+    (token,) = m.append("events", [EVENT_ROW])
+    assert listening.next_command().startswith(f"RDATA events writer {token} ")
 
 
 def test_a_line_that_never_ends_is_closed_even_after_a_ping(master) -> None:
