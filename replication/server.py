@@ -128,9 +128,9 @@ class ServerProtocol(LineCommandProtocol):
 
     @property
     def display_name(self) -> str:
-        # name@host:port: unique per connection, so two peers with one NAME
-        # never share a metric series.
-        return self.conn_name
+        # Metrics label peers with this and with peer_address (host:port), so
+        # two peers with one NAME are two series.
+        return self.client_name or self.conn_name
 
     # -- limits (replication.limits) ---------------------------------------------
 

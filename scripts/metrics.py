@@ -38,16 +38,19 @@ def _protocol_metrics(stats: Any) -> Iterable[Metric]:
 
 
 def _peer_metrics(connections: Iterable[Any]) -> Iterable[Metric]:
-    rtt = GaugeMetricFamily("tickline_ping_rtt_seconds", "TCP round-trip time to the peer", labels=["peer"])
+    # "address" (the peer's host:port) keeps two peers with the same NAME apart.
+    labels = ["peer", "address"]
+    rtt = GaugeMetricFamily("tickline_ping_rtt_seconds", "TCP round-trip time to the peer", labels=labels)
     offset = GaugeMetricFamily(
-        "tickline_clock_offset_seconds", "Peer's clock minus ours, estimated from its PING timestamps", labels=["peer"]
+        "tickline_clock_offset_seconds", "Peer's clock minus ours, estimated from its PING timestamps", labels=labels
     )
     for conn in connections:
         name = getattr(conn, "display_name", None) or conn.conn_name
+        address = getattr(conn, "peer_address", "?")
         if conn.rtt_ms is not None:
-            rtt.add_metric([name], conn.rtt_ms / 1000)
+            rtt.add_metric([name, address], conn.rtt_ms / 1000)
         if conn.clock_offset_ms is not None:
-            offset.add_metric([name], conn.clock_offset_ms / 1000)
+            offset.add_metric([name, address], conn.clock_offset_ms / 1000)
     yield rtt
     yield offset
 

@@ -94,9 +94,9 @@ def test_two_peers_with_one_name_are_two_metric_series(master, unused_port) -> N
         client.send("NAME twin", "PING 1", "REPLICATE caches 0")
         assert client.next_command() == "POSITION caches master 0 0"
     text = scrape(unused_port)
-    peers = re.findall(r'tickline_clock_offset_seconds\{peer="([^"]+)"\}', text)
+    series = re.findall(r'tickline_clock_offset_seconds\{(address="[^"]+",peer="[^"]+")\}', text)
     ports = sorted(c.sock.getsockname()[1] for c in clients)
-    assert sorted(peers) == sorted(f"twin@127.0.0.1:{p}" for p in ports), peers
+    assert sorted(series) == sorted(f'address="127.0.0.1:{p}",peer="twin"' for p in ports), text
 
 
 # -- instance names ----------------------------------------------------------------------
