@@ -12,6 +12,7 @@ from twisted.python.failure import Failure
 
 from replication.client import ClientProtocol, ReplicationHandler
 from replication.commands import PositionCommand
+from replication.logsafe import safe
 from replication.rows import split_ts
 from replication.tls import TLSFileError, connect
 from scripts.config import Config, parse_address
@@ -77,7 +78,7 @@ class TailHandler(ReplicationHandler):
         self._out.flush()
 
     def on_error(self, client: ClientProtocol, message: str) -> None:
-        self.fail(f"master said: {message}")
+        self.fail(f"master said: {safe(message)}")
 
     def disconnected(self, client: ClientProtocol, reason: Failure) -> None:
         if not self.done:

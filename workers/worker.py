@@ -226,7 +226,8 @@ class Worker(ReplicationHandler):
                 client.transport.pauseProducing()
 
     def on_error(self, client: ClientProtocol, message: str) -> None:
-        logger.error("master refused: %s", message)
+        # Peer text: escaped and rate-limited with the connection's other log lines.
+        client.peer_log(logging.ERROR, "master refused: %s", message, log=logger)
         # A REPLICATE the master refused (e.g. a token above its head) is
         # retried later, never rewound.
         for stream in self.consumers:
@@ -246,7 +247,8 @@ class Worker(ReplicationHandler):
         client.replicate(stream, token)
 
     def on_remote_server_up(self, client: ClientProtocol, server: str) -> None:
-        logger.info("remote server up: %s", server)
+        # Relayed from any other peer of the master: escaped and rate-limited.
+        client.peer_log(logging.INFO, "remote server up: %s", server, log=logger)
 
     def disconnected(self, client: ClientProtocol, reason: Failure) -> None:
         if client is self.client:
