@@ -34,6 +34,7 @@ from twisted.logger import ILogObserver, Logger, globalLogPublisher
 from replication.logsafe import safe
 from replication.reactor_types import Clock, Transport
 from replication.settings import LimitsConfig
+from replication.stats import LimitCounters
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,16 @@ class LimitStats:
         self.relays_dropped = 0  # REMOTE_SERVER_UP not relayed to a peer that does not read
         self.log_lines_suppressed = 0
         self.accept_errors: collections.Counter[str] = collections.Counter()  # accept() failures, by errno name
+
+    def snapshot(self) -> LimitCounters:
+        return LimitCounters(
+            refused=tuple(sorted(self.refused.items())),
+            closed=tuple(sorted(self.closed.items())),
+            rejected=tuple(sorted(self.rejected.items())),
+            relays_dropped=self.relays_dropped,
+            log_lines_suppressed=self.log_lines_suppressed,
+            accept_errors=tuple(sorted(self.accept_errors.items())),
+        )
 
 
 LIMIT_STATS = LimitStats()

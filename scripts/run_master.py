@@ -16,7 +16,8 @@ def run_master(args: argparse.Namespace, config: Config) -> int:
     from twisted.internet import defer, reactor
 
     from replication.master import Master
-    from scripts.metrics import MasterCollector, follow_heads, serve_metrics
+    from replication.master_metrics import MasterCollector, follow_heads
+    from scripts.metrics import serve_metrics
     from storage.store import open_store
 
     master_config = config.master
@@ -31,14 +32,16 @@ def run_master(args: argparse.Namespace, config: Config) -> int:
         parse_metrics_address(args.metrics_listen, "--metrics-listen") if args.metrics_listen else config.metrics_listen
     )
     store = open_store(database_url(args, config), writer_timeout=master_config.writer_timeout)
-    master = Master(master_config, config.protocol, store, config.streams, reactor, config.limits, config.tls)
-    heads: dict[str, int] = {}
+    # The database threads (DatabaseThreads of master.db_threads) are built by default.
+    master = Master(
+        master_config, config.protocol, store, config.streams, reactor, limits=config.limits, tls=config.tls
+    )
 
     async def start() -> None:
         await master.start()
         if metrics is not None:
-            serve_metrics(reactor, MasterCollector(master, heads), *metrics)
-            follow_heads(reactor, master, heads)
+            serve_metrics(reactor, MasterCollector(master), *metrics)
+            follow_heads(reactor, master)
 
     def ready() -> defer.Deferred[str]:
         address = master.port.getHost()

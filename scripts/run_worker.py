@@ -45,7 +45,8 @@ def worker_config(args: argparse.Namespace, config: Config) -> WorkerConfig:
 def run_worker(args: argparse.Namespace, config: Config) -> int:
     from twisted.internet import defer, reactor
 
-    from scripts.metrics import WorkerCollector, serve_metrics
+    from scripts.metrics import serve_metrics
+    from workers.worker_metrics import WorkerCollector
 
     wc = worker_config(args, config)
     handlers = HandlerRegistry()
@@ -62,7 +63,7 @@ def run_worker(args: argparse.Namespace, config: Config) -> int:
     caches = CacheRegistry(config.caches.special, config.caches.max_size)
     store = open_worker_store(wc.database)
     worker = Worker(
-        wc, config.protocol, store, config.streams, reactor, handlers, caches, config.master.secret, config.tls
+        wc, config.protocol, store, config.streams, reactor, handlers, caches, config.master.secret, tls=config.tls
     )
     try:
         worker.prepare()
