@@ -105,6 +105,7 @@ class ServerProtocol(LineCommandProtocol):
         self.slot: ConnectionSlot | None = None  # set by the master's LimitedFactory
         self._watch = InputWatch(self.limits, clock.seconds(), master.config.secret is not None)
         self._queued_while_paused = 0
+        self._replies_overflowed = False
 
     @property
     def with_ts(self) -> bool:
@@ -179,12 +180,12 @@ class ServerProtocol(LineCommandProtocol):
         return True
 
     def send(self, command: Command) -> None:
-        if self.paused and not self._closing:
+        if self.paused and not self._closing and not self._replies_overflowed:
             # The client does not read: replies wait in memory. Bounded.
             self._queued_while_paused += len(command.encode())
             if self._queued_while_paused > self.limits.max_queued_bytes:
                 LIMIT_STATS.closed["queued_bytes"] += 1
-                self._queued_while_paused = -(1 << 62)  # the ERROR below is the last reply
+                self._replies_overflowed = True  # the ERROR below is the last reply
                 self.close_with_error(
                     f"client does not read: more than {self.limits.max_queued_bytes} bytes of replies queued"
                 )
