@@ -227,8 +227,8 @@ def _limits_config(master_section: Mapping[str, Any]) -> tuple[dict[str, Any], L
     rest = {k: v for k, v in master_section.items() if k not in limit_keys}
     values = _checked(LimitsConfig, {k: v for k, v in master_section.items() if k in limit_keys}, "master.", limit_keys)
     for key, value in values.items():
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"master.{key}: expected a finite number of seconds, got {value!r}")
+        if isinstance(value, float) and not (math.isfinite(value) and value >= 0.1):
+            raise ConfigError(f"master.{key}: expected a finite number of seconds, at least 0.1, got {value!r}")
     return rest, LimitsConfig(**values)
 
 

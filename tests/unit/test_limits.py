@@ -199,3 +199,23 @@ def test_auth_keeps_inner_spaces_and_needs_a_secret() -> None:
     assert parse_line("AUTH two words") == AuthCommand("two words")
     with pytest.raises(MalformedCommand):
         parse_line("AUTH   ")
+
+
+# -- configuration -------------------------------------------------------------------
+
+
+def test_limit_and_tls_keys_are_checked() -> None:
+    from scripts.config import ConfigError, config_from_mapping
+
+    config = config_from_mapping({"master": {"max_connections": 5, "idle_timeout": 2.5, "poll_interval": 0.1}})
+    assert config.limits.max_connections == 5 and config.limits.idle_timeout == 2.5
+    assert config.master.poll_interval == 0.1
+    for bad, message in [
+        ({"master": {"idle_timeout": float("inf")}}, "master.idle_timeout: expected a finite number of seconds"),
+        ({"master": {"line_timeout": 1e-300}}, "master.line_timeout: expected a finite number of seconds"),
+        ({"master": {"max_connections": 0}}, "master.max_connections: expected a positive whole number"),
+        ({"tls": {"bogus": 1}}, "tls.bogus: unknown key"),
+        ({"tls": {"ca": "/nonexistent/ca.pem"}}, "tls.ca: cannot read /nonexistent/ca.pem"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            config_from_mapping(bad)
