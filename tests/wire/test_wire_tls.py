@@ -17,6 +17,7 @@ import pytest
 
 from tests.conftest import run_tickline, sqlite_url
 from tests.integration.procs import wait_for
+from tests.ops.helpers import sample, scrape
 
 OPENSSL = shutil.which("openssl") or "/usr/bin/openssl"
 EVENT_ROW = ["$e", "!room", "m.type", None, None]
@@ -181,8 +182,8 @@ def test_a_client_that_does_not_trust_the_master_refuses(master, certs, tmp_path
     assert result.returncode == 1 and result.stdout == ""
 
 
-def test_openssl_s_client_is_the_netcat_of_tls(master, certs) -> None:
-    m = master(master_tls(certs))
+def test_openssl_s_client_is_the_netcat_of_tls(master, certs, unused_port) -> None:
+    m = master(master_tls(certs) + f"metrics_listen: 127.0.0.1:{unused_port}\n")
     m.append("events", [EVENT_ROW])
     proc = subprocess.Popen(
         [
@@ -205,6 +206,10 @@ def test_openssl_s_client_is_the_netcat_of_tls(master, certs) -> None:
         assert lines[0] == "SERVER tickline", lines
         assert "POSITION events master 0 0" in lines
         assert any(line.startswith("RDATA events writer 1 ") for line in lines), lines
+        # /metrics reads a TLS connection like any other (the PING gave a clock offset).
+        text = scrape(unused_port)
+        assert sample(text, "tickline_connections") == 1
+        assert sample(text, "tickline_clock_offset_seconds") is not None
     finally:
         proc.kill()
         proc.communicate(timeout=5)
