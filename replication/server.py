@@ -106,6 +106,7 @@ class ServerProtocol(LineCommandProtocol):
         self._watch = InputWatch(self.limits, clock.seconds(), master.config.secret is not None)
         self._queued_while_paused = 0
         self._replies_overflowed = False
+        self._seen_data = False
 
     @property
     def with_ts(self) -> bool:
@@ -161,6 +162,16 @@ class ServerProtocol(LineCommandProtocol):
         return self.client_name or self.conn_name
 
     # -- limits (replication.limits) ---------------------------------------------
+
+    def dataReceived(self, data: bytes) -> None:
+        if not self._seen_data:
+            self._seen_data = True
+            if data.startswith(_TLS_HANDSHAKE):
+                # A TLS client on a plaintext port: say so in the log (the
+                # client cannot read our ERROR, but an operator can).
+                self.close_with_error("TLS handshake on a plaintext port: this master does not use TLS")
+                return
+        super().dataReceived(data)
 
     def input_progress(self, had_newline: bool, pending: int) -> None:
         self._watch.data(self.clock.seconds(), had_newline, pending)
@@ -338,6 +349,10 @@ class ServerProtocol(LineCommandProtocol):
 
     def _paused_too_long(self) -> None:
         self.close_with_error(f"client stopped reading: paused for more than {self.config.max_pause:g} s")
+
+
+# A TLS record of type handshake (22), version 3.x: how every TLS connection starts.
+_TLS_HANDSHAKE = b"\x16\x03"
 
 
 def _is_tls_error(reason: Failure) -> bool:

@@ -153,6 +153,18 @@ def test_plaintext_client_to_a_tls_port_fails_cleanly(master, certs, tmp_path) -
     assert m.alive() and "Traceback" not in m.log()
 
 
+def test_a_tls_client_to_a_plaintext_port_fails_cleanly(master, certs, tmp_path) -> None:
+    m = master()
+    result = tail(client_config(tmp_path, "ca", ca=certs / "ca.pem"), m, "--from", "0", "--count", "1", "events")
+    assert result.returncode == 1 and result.stdout == ""
+    assert "tickline tail: error:" in result.stderr and "Traceback" not in result.stderr
+    m.wait_for_log("closing: TLS handshake on a plaintext port: this master does not use TLS")
+    plain = m.connect()
+    plain.handshake()
+    plain.send("REPLICATE caches 0")
+    assert plain.next_command() == "POSITION caches master 0 0"
+
+
 def test_a_client_without_the_required_certificate_is_refused(master, certs, tmp_path) -> None:
     m = master(master_tls(certs))
     m.append("events", [EVENT_ROW])
