@@ -97,16 +97,24 @@ class SharedLogBudget:
         self.per_second = per_second
         self._window = _Window()
 
+    def _report(self) -> None:
+        suppressed, self._window.suppressed = self._window.suppressed, 0
+        self._window.count += 1
+        logger.warning(
+            "suppressed %d log lines about peers (more than %d per second over all connections)",
+            suppressed,
+            self.per_second,
+        )
+
+    def tick(self) -> None:
+        """Report what was suppressed once its second is over, even if no line follows."""
+        if self._window.suppressed and self._window.roll(self.clock.seconds()):
+            self._report()
+
     def take(self) -> bool:
         now = self.clock.seconds()
         if self._window.roll(now) and self._window.suppressed:
-            suppressed, self._window.suppressed = self._window.suppressed, 0
-            self._window.count += 1
-            logger.warning(
-                "suppressed %d log lines about peers (more than %d per second over all connections)",
-                suppressed,
-                self.per_second,
-            )
+            self._report()
         if self._window.count < self.per_second:
             self._window.count += 1
             return True
@@ -161,6 +169,14 @@ class LogBudget:
             log.warning(
                 "[%s] suppressed %d log lines (more than %d per second)", conn_name, suppressed, self.per_second
             )
+
+    def tick(self, log: logging.Logger, conn_name: str) -> None:
+        """Called now and then (every keepalive tick): report what was suppressed once
+        its second is over, even if no further line comes."""
+        if self._window.suppressed and self._window.roll(self.clock.seconds()):
+            self._summary(log, conn_name)
+        if self.shared is not None:
+            self.shared.tick()
 
     def flush(self, log: logging.Logger, conn_name: str) -> None:
         """The connection is closing: report what was suppressed (or leave it to the shared summary)."""

@@ -266,6 +266,7 @@ class LineCommandProtocol(Protocol):
         if self._closing:
             return
         now = self.clock.seconds()
+        self.log_budget.tick(logger, self.conn_name)
         if self.check_limits(now):
             return
         if self._peer_pinged and now - self._last_received >= self.config.ping_timeout:

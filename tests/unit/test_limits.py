@@ -219,3 +219,21 @@ def test_limit_and_tls_keys_are_checked() -> None:
     ]:
         with pytest.raises(ConfigError, match=message):
             config_from_mapping(bad)
+
+
+def test_the_summary_comes_without_a_further_line(recorder, caplog) -> None:
+    log, handler = recorder
+    clock = Clock()
+    shared = SharedLogBudget(clock, 3)
+    budget = LogBudget(clock, 2, shared)
+    other = LogBudget(clock, 2, shared)
+    for _ in range(5):
+        budget.log(log, logging.INFO, "c1", "x")
+        other.log(log, logging.INFO, "c2", "y")
+    budget.tick(log, "c1")
+    assert len(handler.lines) == 3  # the second is not over yet
+    clock.advance(1.0)
+    budget.tick(log, "c1")
+    assert "[c1] suppressed 3 log lines (more than 2 per second)" in handler.lines
+    # The shared budget's own summary (over all connections) is logged by replication.limits.
+    assert any("log lines about peers (more than 3 per second over all connections)" in m for m in caplog.messages)
