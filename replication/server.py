@@ -179,10 +179,15 @@ class ServerProtocol(LineCommandProtocol):
     def command_received(self) -> None:
         self._watch.command(self.clock.seconds())
 
+    def listening(self) -> bool:
+        """Whether the client asked for something that keeps coming (streams it
+        replicates): it may then stay silent, exempt from the idle timeout."""
+        return len(self.subscriptions) > 0
+
     def check_limits(self, now: float) -> bool:
         if self.paused:
             return False  # a client that does not read is max_pause's business
-        timeout = self._watch.check(now, self.authenticated, len(self._buffer), bool(self.subscriptions))
+        timeout = self._watch.check(now, self.authenticated, len(self._buffer), self.listening())
         if timeout is None:
             return False
         reason, message = timeout
