@@ -271,18 +271,20 @@ class ConnectionLimiter:
         self._refusals = _Window()
         self.clock = clock
 
-    def acquire(self, host: str) -> tuple[ConnectionSlot | None, str]:
-        """A slot for a new connection from ``host``, or (None, why it is refused)."""
+    def acquire(self, host: str) -> tuple[ConnectionSlot | None, str, str]:
+        """(a slot for a new connection from ``host``, "", ""), or (None, reason, message)."""
         limits = self.limits
         if self.total >= limits.max_connections:
-            return None, f"too many connections: the limit is {limits.max_connections}"
+            return None, "total", f"too many connections: the limit is {limits.max_connections}"
         if self.by_address[host] >= limits.max_connections_per_address:
-            return None, (
-                f"too many connections from {host}: the limit is {limits.max_connections_per_address} per address"
+            return (
+                None,
+                "per_address",
+                f"too many connections from {host}: the limit is {limits.max_connections_per_address} per address",
             )
         self.total += 1
         self.by_address[host] += 1
-        return ConnectionSlot(self, host), ""
+        return ConnectionSlot(self, host), "", ""
 
     def _release(self, host: str) -> None:
         self.total -= 1
@@ -332,9 +334,8 @@ class LimitedFactory(Factory):
 
     def buildProtocol(self, addr: Any) -> Protocol | None:
         host = str(getattr(addr, "host", "?"))
-        slot, message = self.limiter.acquire(host)
+        slot, reason, message = self.limiter.acquire(host)
         if slot is None:
-            reason = "total" if message.startswith("too many connections:") else "per_address"
             self.limiter.refused(reason, host, message)
             refused = RefusedProtocol(message)
             refused.factory = self

@@ -155,18 +155,19 @@ def test_input_watch_timeouts() -> None:
 
 def test_connection_limiter_counts_and_releases() -> None:
     limiter = ConnectionLimiter(LimitsConfig(max_connections=3, max_connections_per_address=2), Clock())
-    a1, _ = limiter.acquire("10.0.0.1")
+    a1, _, _ = limiter.acquire("10.0.0.1")
     limiter.acquire("10.0.0.1")
-    refused, why = limiter.acquire("10.0.0.1")
-    assert refused is None and why == "too many connections from 10.0.0.1: the limit is 2 per address"
-    b1, _ = limiter.acquire("10.0.0.2")
-    refused, why = limiter.acquire("10.0.0.3")
-    assert refused is None and why == "too many connections: the limit is 3"
+    refused, reason, why = limiter.acquire("10.0.0.1")
+    assert refused is None and reason == "per_address"
+    assert why == "too many connections from 10.0.0.1: the limit is 2 per address"
+    b1, _, _ = limiter.acquire("10.0.0.2")
+    refused, reason, why = limiter.acquire("10.0.0.3")
+    assert refused is None and reason == "total" and why == "too many connections: the limit is 3"
     assert a1 is not None and b1 is not None
     a1.release()
     a1.release()  # only once
     assert limiter.total == 2 and limiter.by_address["10.0.0.1"] == 1
-    again, _ = limiter.acquire("10.0.0.3")
+    again, _, _ = limiter.acquire("10.0.0.3")
     assert again is not None
 
 
