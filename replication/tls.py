@@ -52,13 +52,16 @@ def _certificates(path: str, what: str) -> list[ssl.Certificate]:
 
 def _private_certificate(cert_path: str, key_path: str, what: str) -> tuple[ssl.PrivateCertificate, list[Any]]:
     """The leaf certificate with its key, and the rest of the chain in the file."""
-    chain = _certificates(cert_path, f"{what} certificate")
-    key_pem = _read(key_path, f"{what} key")
+    chain = _certificates(cert_path, f"{what}: certificate")
+    key_pem = _read(key_path, f"{what}: key")
     try:
         key = ssl.KeyPair.load(key_pem, crypto.FILETYPE_PEM)
+    except Exception:
+        raise TLSFileError(f"{what}: key {key_path}: no PEM private key in it") from None
+    try:
         leaf = ssl.PrivateCertificate.fromCertificateAndKeyPair(chain[0], key)
-    except Exception as e:
-        raise TLSFileError(f"{what} key {key_path}: not a usable private key: {e}") from None
+    except Exception:
+        raise TLSFileError(f"{what}: the key {key_path} does not belong to the certificate {cert_path}") from None
     return leaf, [c.original for c in chain[1:]]
 
 
@@ -66,7 +69,7 @@ def server_options(tls: TLSConfig) -> ssl.CertificateOptions:
     """The master's TLS settings: its certificate, and client certificates when asked for."""
     if tls.cert is None or tls.key is None:
         raise TLSFileError("tls.cert and tls.key are both needed for the master to listen with TLS")
-    leaf, extra = _private_certificate(tls.cert, tls.key, "tls.cert/tls.key:")
+    leaf, extra = _private_certificate(tls.cert, tls.key, "tls.cert/tls.key")
     kwargs: dict[str, Any] = {}
     if tls.client_ca is not None:
         # trustRoot makes the server ask for a client certificate and require one.
@@ -98,8 +101,20 @@ def client_options(tls: TLSConfig, host: str) -> Any:
     if tls.client_cert is not None or tls.client_key is not None:
         if tls.client_cert is None or tls.client_key is None:
             raise TLSFileError("tls.client_cert and tls.client_key go together")
-        client_cert, _ = _private_certificate(tls.client_cert, tls.client_key, "tls.client_cert/tls.client_key:")
+        client_cert, _ = _private_certificate(tls.client_cert, tls.client_key, "tls.client_cert/tls.client_key")
     return ssl.optionsForClientTLS(hostname, trustRoot=trust, clientCertificate=client_cert)
+
+
+def check_files(tls: TLSConfig) -> None:
+    """Load every file the settings name, as the master and the clients will; raises TLSFileError."""
+    if tls.server_enabled:
+        server_options(tls)
+    elif tls.client_ca is not None:
+        _certificates(tls.client_ca, "tls.client_ca")
+    if tls.ca is not None:
+        _certificates(tls.ca, "tls.ca")
+    if tls.client_cert is not None and tls.client_key is not None:
+        _private_certificate(tls.client_cert, tls.client_key, "tls.client_cert/tls.client_key")
 
 
 def connect(reactor: Any, host: str, port: int, factory: Any, tls: TLSConfig | None) -> Any:

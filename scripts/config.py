@@ -258,7 +258,15 @@ def _tls_config(section: Mapping[str, Any]) -> TLSConfig:
             raise ConfigError(f"tls.{a} and tls.{b} must be given together")
     if "client_ca" in values and "cert" not in values:
         raise ConfigError("tls.client_ca needs tls.cert and tls.key (client certificates are asked for over TLS)")
-    return TLSConfig(**values)
+    tls = TLSConfig(**values)
+    if values:
+        from replication.tls import TLSFileError, check_files  # pyOpenSSL only when TLS is configured
+
+        try:
+            check_files(tls)
+        except TLSFileError as e:
+            raise ConfigError(str(e)) from None
+    return tls
 
 
 def parse_metrics_address(value: Any, key: str) -> tuple[str, int] | None:

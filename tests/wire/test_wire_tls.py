@@ -242,3 +242,11 @@ def test_bad_tls_files_are_one_line_errors(tmp_path, certs) -> None:
     bad.write_text(f"tls:\n  ca: {garbage}\n")
     result = run_tickline("tail", "-c", str(bad), "--master", "127.0.0.1:1", "events")
     assert result.returncode == 2 and "no PEM certificate" in result.stderr and "Traceback" not in result.stderr
+    # A key that does not belong to the certificate, for the master and check-config alike.
+    mismatched = tmp_path / "mismatched.yaml"
+    mismatched.write_text(f"tls:\n  cert: {certs / 'server.pem'}\n  key: {certs / 'client.key'}\n")
+    for command in (["check-config"], ["master", "--listen", "127.0.0.1:0"]):
+        result = run_tickline(*command, "-c", str(mismatched))
+        assert result.returncode == 2, result.stderr
+        assert "tls.cert/tls.key" in result.stderr and "Traceback" not in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
