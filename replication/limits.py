@@ -212,6 +212,13 @@ class InputWatch:
     def command(self, now: float) -> None:
         self.last_command = now
 
+    def shift(self, seconds: float) -> None:
+        """We stood still for ``seconds``: the peer's clocks stop for that long too."""
+        self.connected_at += seconds
+        self.last_command += seconds
+        if self.partial_since is not None:
+            self.partial_since += seconds
+
     def check(self, now: float, authenticated: bool, pending: int, consuming: bool = False) -> tuple[str, str] | None:
         """(reason, ERROR message) once a timeout has passed, else None.
 

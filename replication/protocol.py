@@ -74,6 +74,7 @@ class LineCommandProtocol(Protocol):
         self._last_sent = 0.0
         self._keepalive: task.LoopingCall | None = None
         self._tick = 1.0
+        self._last_tick = 0.0  # when the keepalive last ran (a late run means we stood still)
         self._abort_call: DelayedCall | None = None
         self.read_closed = False
         self.rtt_ms: float | None = None  # kernel's smoothed TCP round trip
@@ -120,6 +121,7 @@ class LineCommandProtocol(Protocol):
         self._keepalive.clock = self.clock  # type: ignore[assignment]
         tick = min(self.config.ping_interval, self.config.ping_timeout) / 5
         self._tick = max(tick, 0.01)
+        self._last_tick = now
         self._keepalive.start(self._tick, now=False)
 
     def connectionLost(self, reason: Failure | None = None) -> None:
@@ -223,6 +225,9 @@ class LineCommandProtocol(Protocol):
         """Hook run every keepalive tick; True if it closed the connection."""
         return False
 
+    def stalled(self, seconds: float) -> None:
+        """Hook: this process could not run for ``seconds`` (timeouts should not count them)."""
+
     def _line_too_long(self, length: int) -> None:
         self._buffer = b""
         self.close_with_error(
@@ -266,6 +271,14 @@ class LineCommandProtocol(Protocol):
         if self._closing:
             return
         now = self.clock.seconds()
+        stalled = now - self._last_tick
+        self._last_tick = now
+        if stalled > 2 * self._tick:
+            # This process stood still (a blocked reactor, a stopped process):
+            # what the peer sent meanwhile waits unread in the socket, so the
+            # time we could not read is not the peer's silence.
+            self._last_received += stalled
+            self.stalled(stalled)
         self.log_budget.tick(logger, self.conn_name)
         if self.check_limits(now):
             return

@@ -179,6 +179,9 @@ class ServerProtocol(LineCommandProtocol):
     def command_received(self) -> None:
         self._watch.command(self.clock.seconds())
 
+    def stalled(self, seconds: float) -> None:
+        self._watch.shift(seconds)
+
     def listening(self) -> bool:
         """Whether the client asked for something that keeps coming (streams it
         replicates): it may then stay silent, exempt from the idle timeout."""

@@ -883,3 +883,19 @@ def test_invalidate_cache_records_a_caches_row_and_fans_it_out_at_once(env: Env)
         ("caches", 2, ["state", None]),
     ]
     assert all(isinstance(r[2], int) for _, _, _, r in rows)  # invalidation_ts in ms
+
+
+def test_a_stall_of_our_own_is_not_the_peers_silence(env: Env) -> None:
+    """A reactor blocked for 30 s (here: the clock jumps) times nobody out on its next tick;
+    the peer gets the usual ping_timeout from then on."""
+    conn = env.connected()
+    conn.send("PING 1")
+    env.reactor.advance(30.0)  # one late keepalive tick
+    assert not conn.closing
+    env.advance_by(14.0)
+    assert not conn.closing
+    env.advance_by(3.0)
+    assert conn.closing
+    assert [line for line in conn.lines() if line.startswith("ERROR")] == [
+        "ERROR ping timeout: nothing received for 15 s"
+    ]
