@@ -19,7 +19,8 @@ from typing import Any, Optional
 import attr
 import yaml
 
-from replication.settings import MasterConfig, ProtocolConfig
+from replication.logsafe import SafeFormatter
+from replication.settings import LimitsConfig, MasterConfig, ProtocolConfig, TLSConfig
 from replication.streams import all_streams, schema_from_config
 from scripts.when import BadInstant, parse_when
 from storage.schema import NAME_WORD, SchemaError, StreamSchema
@@ -57,6 +58,8 @@ class Config:
     metrics_listen: tuple[str, int] | None = None  # the master's /metrics; None: off
     worker_metrics_listen: tuple[str, int] | None = None  # a worker's /metrics; None: off
     spark: SparkSettings = SparkSettings()  # tickline snapshot and workers.snapshot
+    limits: LimitsConfig = LimitsConfig()  # the master's limits (keys under master:)
+    tls: TLSConfig = TLSConfig()  # the tls: section
 
 
 def parse_address(value: Any, key: str) -> tuple[str, int]:
@@ -184,6 +187,7 @@ TOP_KEYS = (
     "worker",
     "caches",
     "spark",
+    "tls",
 )
 
 
@@ -234,7 +238,8 @@ def config_from_mapping(raw: Any, source: str | None = None) -> Config:
     section_keys = tuple(
         f.name for f in attr.fields(MasterConfig) if f.name not in (*top_keys, "listen_host", "listen_port")
     )
-    master_values = _checked(MasterConfig, _section(raw, "master"), "master.", section_keys)
+    master_section, limits = _limits_config(_section(raw, "master"))
+    master_values = _checked(MasterConfig, master_section, "master.", section_keys)
     master_values.update(_checked(MasterConfig, {k: raw[k] for k in top_keys if k in raw}, "", top_keys))
     if "listen" in raw:
         master_values["listen_host"], master_values["listen_port"] = parse_address(raw["listen"], "listen")
@@ -276,9 +281,73 @@ def config_from_mapping(raw: Any, source: str | None = None) -> Config:
     metrics = parse_metrics_address(raw.get("metrics_listen"), "metrics_listen")
     spark_keys = tuple(f.name for f in attr.fields(SparkSettings))
     spark = SparkSettings(**_checked(SparkSettings, _section(raw, "spark"), "spark.", spark_keys))
+    tls = _tls_config(_section(raw, "tls"))
     return Config(
-        master, protocol, database, level, streams, source, worker, caches, metrics, worker_metrics, spark=spark
+        master,
+        protocol,
+        database,
+        level,
+        streams,
+        source,
+        worker,
+        caches,
+        metrics,
+        worker_metrics,
+        spark=spark,
+        limits=limits,
+        tls=tls,
     )
+
+
+# -- limits and TLS (issue 10: bounded resources, TLS) ------------------------------------
+
+
+def _limits_config(master_section: Mapping[str, Any]) -> tuple[dict[str, Any], LimitsConfig]:
+    """Split the ``master:`` section: the limit keys (``LimitsConfig``) and the rest."""
+    limit_keys = tuple(f.name for f in attr.fields(LimitsConfig))
+    rest = {k: v for k, v in master_section.items() if k not in limit_keys}
+    values = _checked(LimitsConfig, {k: v for k, v in master_section.items() if k in limit_keys}, "master.", limit_keys)
+    for key, value in values.items():
+        if isinstance(value, float) and not (math.isfinite(value) and value >= 0.1):
+            raise ConfigError(f"master.{key}: expected a finite number of seconds, at least 0.1, got {value!r}")
+    return rest, LimitsConfig(**values)
+
+
+TLS_KEYS = tuple(f.name for f in attr.fields(TLSConfig))
+_TLS_FILES = ("cert", "key", "client_ca", "ca", "client_cert", "client_key")
+
+
+def _tls_config(section: Mapping[str, Any]) -> TLSConfig:
+    """The ``tls:`` section: file paths (checked to be readable) and a host name."""
+    values: dict[str, str | None] = {}
+    for key, value in section.items():
+        if key not in TLS_KEYS:
+            raise ConfigError(f"tls.{key}: unknown key (known: {', '.join(TLS_KEYS)})")
+        if value is None:
+            continue
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"tls.{key}: expected a file path, got {value!r}")
+        if key in _TLS_FILES:
+            try:
+                with open(value, "rb"):
+                    pass
+            except OSError as e:
+                raise ConfigError(f"tls.{key}: cannot read {value}: {e.strerror}") from None
+        values[key] = value
+    for a, b in (("cert", "key"), ("client_cert", "client_key")):
+        if (a in values) != (b in values):
+            raise ConfigError(f"tls.{a} and tls.{b} must be given together")
+    if "client_ca" in values and "cert" not in values:
+        raise ConfigError("tls.client_ca needs tls.cert and tls.key (client certificates are asked for over TLS)")
+    tls = TLSConfig(**values)
+    if values:
+        from replication.tls import TLSFileError, check_files  # pyOpenSSL only when TLS is configured
+
+        try:
+            check_files(tls)
+        except TLSFileError as e:
+            raise ConfigError(str(e)) from None
+    return tls
 
 
 def parse_metrics_address(value: Any, key: str) -> tuple[str, int] | None:
@@ -374,7 +443,7 @@ def setup_logging(level: str) -> None:
     fmt = "%(levelname)s %(name)s: %(message)s"
     if not os.environ.get("JOURNAL_STREAM"):
         fmt = "%(asctime)s " + fmt
-    handler.setFormatter(logging.Formatter(fmt))
+    handler.setFormatter(SafeFormatter(fmt))  # peer text escaped even where a call forgot it
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(getattr(logging, level))

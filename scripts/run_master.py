@@ -37,7 +37,9 @@ def run_master(args: argparse.Namespace, config: Config) -> int:
         max_line_bytes=config.protocol.max_line_bytes,
     )
     # The database threads (DatabaseThreads of master.db_threads) are built by default.
-    master = Master(master_config, config.protocol, store, config.streams, reactor)
+    master = Master(
+        master_config, config.protocol, store, config.streams, reactor, limits=config.limits, tls=config.tls
+    )
 
     async def start() -> None:
         await master.start()

@@ -13,7 +13,9 @@ from twisted.python.failure import Failure
 
 from replication.client import ClientProtocol, ReplicationHandler
 from replication.commands import PositionCommand
+from replication.logsafe import safe
 from replication.rows import split_ts
+from replication.tls import TLSFileError, connect
 from scripts.config import Config, parse_address
 from scripts.stopping import stop_reactor
 from scripts.when import BadInstant, iso_ms, parse_when
@@ -112,7 +114,7 @@ class TailHandler(ReplicationHandler):
         return True
 
     def on_error(self, client: ClientProtocol, message: str) -> None:
-        self.fail(f"master said: {message}")
+        self.fail(f"master said: {safe(message)}")
 
     def disconnected(self, client: ClientProtocol, reason: Failure) -> None:
         if self.done:
@@ -185,7 +187,11 @@ def run_tail(args: argparse.Namespace, config: Config) -> int:
             print(f"tickline tail: error: --since {e}", file=sys.stderr)
             return 2
     handler = TailHandler(reactor, list(args.streams), args.from_token, args.count, args.ts, since_ms)
-    reactor.connectTCP(host, port, TailFactory(handler, args.name, config, reactor, args.ts))
+    try:
+        connect(reactor, host, port, TailFactory(handler, args.name, config, reactor, args.ts), config.tls)
+    except TLSFileError as e:
+        print(f"tickline tail: error: {e}", file=sys.stderr)
+        return 2
     # Stopped by a signal (Ctrl-C, SIGTERM): a normal end, not a lost master.
     reactor.addSystemEventTrigger("before", "shutdown", handler.stopping)
     reactor.run()

@@ -38,7 +38,9 @@ from replication.commands import (
 )
 from replication.dbthreads import DatabaseRunner, DatabaseThreads
 from replication.protocol import ProtocolConfig
+from replication.settings import TLSConfig
 from replication.stats import STATS, ConnectionStats, ProtocolCounters
+from replication.tls import connect as tls_connect
 from storage.contracts import Effects, WorkerStore
 from storage.schema import StreamSchema
 from workers.caches import CacheRegistry
@@ -71,9 +73,11 @@ class Worker(ReplicationHandler):
         caches: CacheRegistry | None = None,
         secret: str | None = None,
         db: DatabaseRunner | None = None,
+        tls: TLSConfig | None = None,
     ) -> None:
         self.config = config
         self.secret = secret  # sent in AUTH when the master requires it
+        self.tls = tls  # connect over TLS when it turns TLS on for clients
         self.protocol_config = protocol_config
         self.store = store
         self.reactor = reactor
@@ -173,7 +177,7 @@ class Worker(ReplicationHandler):
     def start(self) -> None:
         self.db.start()
         self.factory = WorkerFactory(self)
-        self.reactor.connectTCP(self.config.master_host, self.config.master_port, self.factory)
+        tls_connect(self.reactor, self.config.master_host, self.config.master_port, self.factory, self.tls)
 
     async def stop(self) -> None:
         """Clean stop: tell the master our users stopped syncing, finish the current apply."""
@@ -292,7 +296,8 @@ class Worker(ReplicationHandler):
             consumer.tick(command.safe_token, command.safe_ts)
 
     def on_error(self, client: ClientProtocol, message: str) -> None:
-        logger.error("master refused: %s", message)
+        # Peer text: escaped and rate-limited with the connection's other log lines.
+        client.peer_log(logging.ERROR, "master refused: %s", message, log=logger)
         # A REPLICATE the master refused (e.g. a token above its head) is
         # retried later, never rewound.
         for stream in self.consumers:
@@ -319,7 +324,8 @@ class Worker(ReplicationHandler):
         client.replicate(stream, token)
 
     def on_remote_server_up(self, client: ClientProtocol, server: str) -> None:
-        logger.info("remote server up: %s", server)
+        # Relayed from any other peer of the master: escaped and rate-limited.
+        client.peer_log(logging.INFO, "remote server up: %s", server, log=logger)
 
     def disconnected(self, client: ClientProtocol, reason: Failure) -> None:
         if client is self.client:
