@@ -104,6 +104,11 @@ NUMBER_RANGES: dict[str, tuple[float, float]] = {
     "caches.max_size": (1, 1_000_000_000),
     "spark.num_partitions": (1, 1024),
     "spark.fetchsize": (1, 10_000_000),
+    "master.auth_timeout": (0.1, 86400.0),
+    "master.idle_timeout": (0.1, 86400.0),
+    "master.line_timeout": (0.1, 86400.0),
+    "master.max_queued_bytes": (4096, 1024**3),
+    "master.max_name_bytes": (16, 65536),
 }
 SECONDS = (0.001, 31_536_000.0)  # any other duration: 1 ms to a year
 COUNT = (1, 2**31 - 1)  # any other whole number
@@ -307,9 +312,6 @@ def _limits_config(master_section: Mapping[str, Any]) -> tuple[dict[str, Any], L
     limit_keys = tuple(f.name for f in attr.fields(LimitsConfig))
     rest = {k: v for k, v in master_section.items() if k not in limit_keys}
     values = _checked(LimitsConfig, {k: v for k, v in master_section.items() if k in limit_keys}, "master.", limit_keys)
-    for key, value in values.items():
-        if isinstance(value, float) and not (math.isfinite(value) and value >= 0.1):
-            raise ConfigError(f"master.{key}: expected a finite number of seconds, at least 0.1, got {value!r}")
     return rest, LimitsConfig(**values)
 
 
