@@ -1,0 +1,449 @@
+"""The timeline store on SQLite and PostgreSQL (one SQL text, two dialects).
+
+Composition: the store holds a database object (``SqliteDatabase`` or
+``PgDatabase``) and runs each operation as one transaction whose change is
+ONE conditional statement (an ``UPDATE``/``INSERT`` whose ``WHERE`` is the
+operation's condition and the caller's version). When the statement changes
+nothing, a read of the row names the condition that failed; nothing changed.
+
+Leasing due messages takes ``FOR UPDATE SKIP LOCKED`` on PostgreSQL, so two
+masters (or two connections) racing for one message never both get it; on
+SQLite every write holds the database's write lock.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+from storage.timeline_contract import (
+    AVAILABLE,
+    LEASE_EXPIRED,
+    LEASED,
+    NOT_DUE,
+    NOT_HOLDER,
+    NOT_OWNER,
+    PROCESSING,
+    STALE_VERSION,
+    STATUSES,
+    UNKNOWN_MESSAGE,
+    WAITING,
+    Database,
+    Leased,
+    Outcome,
+    TimelineMessage,
+    new_message_id,
+)
+from storage.urls import DatabaseUrl, parse_database_url
+
+TABLE = "tickline_timeline"
+_COLUMNS = "topic, id, ts, body, producer_group, consumer, bucket, version, created_ms"
+
+
+def _message(row: Any) -> TimelineMessage:
+    topic, mid, ts, body, group, consumer, bucket, version, created = row
+    return TimelineMessage(topic, mid, int(ts), body, group, consumer, int(bucket), int(version), int(created))
+
+
+class SqlTimelineStore:
+    """A timeline store over a database object (see the module's doc)."""
+
+    def __init__(self, db: Database, buckets: int = 1, id_factory: Callable[[int], str] = new_message_id) -> None:
+        if buckets < 1:
+            raise ValueError("buckets must be at least 1")
+        self.db = db
+        self.buckets = buckets
+        self._new_id = id_factory
+        self._pg = db.dialect == "postgresql"
+
+    def _sql(self, text: str) -> str:
+        return text.replace("?", "%s") if self._pg else text
+
+    def _one(self, cur: Any, sql: str, params: tuple[Any, ...]) -> Any:
+        return cur.execute(self._sql(sql), params).fetchone()
+
+    def _all(self, cur: Any, sql: str, params: tuple[Any, ...]) -> list[Any]:
+        return list(cur.execute(self._sql(sql), params).fetchall())
+
+    def close(self) -> None:
+        self.db.close()
+
+    def migrate(self) -> list[int]:
+        return list(self.db.migrate())
+
+    # -- producers -------------------------------------------------------------------
+
+    def schedule(self, topic: str, group: str, message_id: str | None, at_ms: int, body: str, now_ms: int) -> Outcome:
+        """A new message at ``at_ms``; the same id again returns the existing message unchanged.
+
+        An id whose message was deleted (marked, not yet removed) is scheduled
+        anew, with a higher version than the deleted one had.
+        """
+        mid = message_id if message_id is not None else self._new_id(now_ms)
+        bucket = random.randrange(self.buckets) if self.buckets > 1 else 0
+
+        def run(cur: Any) -> Outcome:
+            row = self._one(
+                cur,
+                f"INSERT INTO {TABLE} ({_COLUMNS}, deleted_ms) VALUES (?, ?, ?, ?, ?, NULL, ?, 1, ?, NULL) "
+                f"ON CONFLICT (topic, id) DO UPDATE SET ts = excluded.ts, body = excluded.body, "
+                f"producer_group = excluded.producer_group, consumer = NULL, bucket = excluded.bucket, "
+                f"version = {TABLE}.version + 1, created_ms = excluded.created_ms, deleted_ms = NULL "
+                f"WHERE {TABLE}.deleted_ms IS NOT NULL "
+                f"RETURNING {_COLUMNS}",
+                (topic, mid, at_ms, body, group, bucket, now_ms),
+            )
+            if row is not None:
+                return Outcome(True, _message(row), created=True)
+            existing = self._get(cur, topic, mid)
+            if existing is None:  # removed between the two statements: try again
+                return Outcome.refused(UNKNOWN_MESSAGE)
+            if existing.group != group:
+                return Outcome.refused(NOT_OWNER)
+            return Outcome(True, existing, created=False)
+
+        for _ in range(3):
+            outcome: Outcome = self.db.write(run)
+            if outcome.ok or outcome.reason != UNKNOWN_MESSAGE:
+                return outcome
+        return outcome
+
+    def move(self, topic: str, group: str, message_id: str, at_ms: int, now_ms: int) -> Outcome:
+        """The owner moves a message that has no active lease (an expired lease is dropped)."""
+        return self._owner_change(
+            topic,
+            group,
+            message_id,
+            now_ms,
+            f"UPDATE {TABLE} SET ts = ?, consumer = NULL, version = version + 1 "
+            "WHERE topic = ? AND id = ? AND deleted_ms IS NULL AND producer_group = ? "
+            "AND (consumer IS NULL OR ts <= ?) "
+            f"RETURNING {_COLUMNS}",
+            (at_ms, topic, message_id, group, now_ms),
+        )
+
+    def cancel(self, topic: str, group: str, message_id: str, now_ms: int) -> Outcome:
+        """The owner deletes a message that has no active lease."""
+        return self._owner_change(
+            topic,
+            group,
+            message_id,
+            now_ms,
+            f"UPDATE {TABLE} SET deleted_ms = ?, version = version + 1 "
+            "WHERE topic = ? AND id = ? AND deleted_ms IS NULL AND producer_group = ? "
+            "AND (consumer IS NULL OR ts <= ?) "
+            f"RETURNING {_COLUMNS}",
+            (now_ms, topic, message_id, group, now_ms),
+        )
+
+    def _owner_change(
+        self, topic: str, group: str, message_id: str, now_ms: int, sql: str, params: tuple[Any, ...]
+    ) -> Outcome:
+        def run(cur: Any) -> Outcome:
+            row = self._one(cur, sql, params)
+            if row is not None:
+                return Outcome(True, _message(row))
+            current = self._get(cur, topic, message_id)
+            if current is None:
+                return Outcome.refused(UNKNOWN_MESSAGE)
+            if current.group != group:
+                return Outcome.refused(NOT_OWNER)
+            return Outcome.refused(LEASED)
+
+        result: Outcome = self.db.write(run)
+        return result
+
+    # -- the master, for consumers ---------------------------------------------------
+
+    def lease(self, topic: str, message_id: str, consumer: str, lease_ms: int, now_ms: int) -> Outcome:
+        """Lease one available message to ``consumer`` until ``now + lease``."""
+
+        def run(cur: Any) -> Outcome:
+            row = self._one(
+                cur,
+                f"UPDATE {TABLE} SET consumer = ?, ts = ?, version = version + 1 "
+                "WHERE topic = ? AND id = ? AND deleted_ms IS NULL AND ts <= ? "
+                f"RETURNING {_COLUMNS}",
+                (consumer, now_ms + lease_ms, topic, message_id, now_ms),
+            )
+            if row is not None:
+                return Outcome(True, _message(row))
+            current = self._get(cur, topic, message_id)
+            if current is None:
+                return Outcome.refused(UNKNOWN_MESSAGE)
+            return Outcome.refused(LEASED if current.consumer is not None and current.ts > now_ms else NOT_DUE)
+
+        result: Outcome = self.db.write(run)
+        return result
+
+    def lease_due(self, topic: str, consumer: str, lease_ms: int, limit: int, now_ms: int) -> list[Leased]:
+        """Lease up to ``limit`` available messages (earliest first) to ``consumer``.
+
+        One conditional ``UPDATE`` per bucket: a message is leased only while
+        its timestamp is due, so an active lease is never taken twice.
+        """
+        if limit <= 0:
+            return []
+        until = now_ms + lease_ms
+
+        def run(cur: Any) -> list[Leased]:
+            leased: list[Leased] = []
+            for bucket in self._bucket_order():
+                want = limit - len(leased)
+                if want <= 0:
+                    break
+                if self._pg:
+                    rows = self._all(
+                        cur,
+                        f"UPDATE {TABLE} AS t SET consumer = ?, ts = ?, version = t.version + 1 "
+                        f"FROM (SELECT id, ts FROM {TABLE} WHERE topic = ? AND bucket = ? AND deleted_ms IS NULL "
+                        "AND ts <= ? ORDER BY ts LIMIT ? FOR UPDATE SKIP LOCKED) AS d "
+                        "WHERE t.topic = ? AND t.id = d.id AND t.deleted_ms IS NULL AND t.ts <= ? "
+                        "RETURNING t.topic, t.id, t.ts, t.body, t.producer_group, t.consumer, t.bucket, "
+                        "t.version, t.created_ms, d.ts",
+                        (consumer, until, topic, bucket, now_ms, want, topic, now_ms),
+                    )
+                    found = [(_message(r[:9]), int(r[9])) for r in rows]
+                else:
+                    # The write lock is held: the due times read here are the
+                    # ones the conditional UPDATE changes.
+                    due = dict(
+                        self._all(
+                            cur,
+                            f"SELECT id, ts FROM {TABLE} WHERE topic = ? AND bucket = ? AND deleted_ms IS NULL "
+                            "AND ts <= ? ORDER BY ts LIMIT ?",
+                            (topic, bucket, now_ms, want),
+                        )
+                    )
+                    if not due:
+                        continue
+                    marks = ", ".join("?" * len(due))
+                    rows = self._all(
+                        cur,
+                        f"UPDATE {TABLE} SET consumer = ?, ts = ?, version = version + 1 "
+                        f"WHERE topic = ? AND id IN ({marks}) AND deleted_ms IS NULL AND ts <= ? "
+                        f"RETURNING {_COLUMNS}",
+                        (consumer, until, topic, *due, now_ms),
+                    )
+                    found = [(_message(r), int(due[r[1]])) for r in rows]
+                found.sort(key=lambda pair: (pair[1], pair[0].id))
+                leased.extend(Leased(m, d) for m, d in found)
+            return leased
+
+        result: list[Leased] = self.db.write(run)
+        return result
+
+    def _bucket_order(self) -> list[int]:
+        if self.buckets == 1:
+            return [0]
+        start = random.randrange(self.buckets)
+        return [(start + i) % self.buckets for i in range(self.buckets)]
+
+    # -- the lease holder --------------------------------------------------------------
+
+    def extend(self, topic: str, message_id: str, consumer: str, version: int, lease_ms: int, now_ms: int) -> Outcome:
+        """The holder, with its version, while the lease is active: the lease ends at now + lease."""
+        return self._holder_change(
+            topic,
+            message_id,
+            consumer,
+            version,
+            now_ms,
+            f"UPDATE {TABLE} SET ts = ?, version = version + 1 "
+            "WHERE topic = ? AND id = ? AND deleted_ms IS NULL AND consumer = ? AND version = ? AND ts > ? "
+            f"RETURNING {_COLUMNS}",
+            (now_ms + lease_ms,),
+        )
+
+    def release(self, topic: str, message_id: str, consumer: str, version: int, delay_ms: int, now_ms: int) -> Outcome:
+        """The holder, with its version, while the lease is active: back on the timeline at now + delay."""
+        return self._holder_change(
+            topic,
+            message_id,
+            consumer,
+            version,
+            now_ms,
+            f"UPDATE {TABLE} SET ts = ?, consumer = NULL, version = version + 1 "
+            "WHERE topic = ? AND id = ? AND deleted_ms IS NULL AND consumer = ? AND version = ? AND ts > ? "
+            f"RETURNING {_COLUMNS}",
+            (now_ms + delay_ms,),
+        )
+
+    def delete(self, topic: str, message_id: str, consumer: str, version: int, now_ms: int) -> Outcome:
+        """The holder, with its version, while the lease is active: the message is deleted (marked)."""
+        return self._holder_change(
+            topic,
+            message_id,
+            consumer,
+            version,
+            now_ms,
+            f"UPDATE {TABLE} SET deleted_ms = ?, version = version + 1 "
+            "WHERE topic = ? AND id = ? AND deleted_ms IS NULL AND consumer = ? AND version = ? AND ts > ? "
+            f"RETURNING {_COLUMNS}",
+            (now_ms,),
+        )
+
+    def _holder_change(
+        self,
+        topic: str,
+        message_id: str,
+        consumer: str,
+        version: int,
+        now_ms: int,
+        sql: str,
+        values: tuple[Any, ...],
+    ) -> Outcome:
+        def run(cur: Any) -> Outcome:
+            row = self._one(cur, sql, (*values, topic, message_id, consumer, version, now_ms))
+            if row is not None:
+                return Outcome(True, _message(row))
+            current = self._get(cur, topic, message_id)
+            if current is None:
+                return Outcome.refused(UNKNOWN_MESSAGE)
+            if current.consumer != consumer:
+                return Outcome.refused(NOT_HOLDER)
+            if current.version != version:
+                return Outcome.refused(STALE_VERSION)
+            return Outcome.refused(LEASE_EXPIRED)
+
+        result: Outcome = self.db.write(run)
+        return result
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def _get(self, cur: Any, topic: str, message_id: str) -> TimelineMessage | None:
+        row = self._one(
+            cur,
+            f"SELECT {_COLUMNS} FROM {TABLE} WHERE topic = ? AND id = ? AND deleted_ms IS NULL",
+            (topic, message_id),
+        )
+        return None if row is None else _message(row)
+
+    def get(self, topic: str, message_id: str) -> TimelineMessage | None:
+        result: TimelineMessage | None = self.db.read(lambda cur: self._get(cur, topic, message_id))
+        return result
+
+    def active_leases(self, topic: str, consumer: str, now_ms: int, limit: int = 10_000) -> list[TimelineMessage]:
+        """The consumer's active leases (for a consumer that comes back), earliest end first."""
+        rows = self.db.read(
+            lambda cur: self._all(
+                cur,
+                f"SELECT {_COLUMNS} FROM {TABLE} WHERE topic = ? AND consumer = ? AND deleted_ms IS NULL "
+                "AND ts > ? ORDER BY ts LIMIT ?",
+                (topic, consumer, now_ms, limit),
+            )
+        )
+        return [_message(r) for r in rows]
+
+    def next_due(self, topic: str) -> int | None:
+        """The earliest timestamp of the topic (already due, or the next to come), or None."""
+
+        def run(cur: Any) -> int | None:
+            best: int | None = None
+            for bucket in range(self.buckets):
+                row = self._one(
+                    cur,
+                    f"SELECT MIN(ts) FROM {TABLE} WHERE topic = ? AND bucket = ? AND deleted_ms IS NULL",
+                    (topic, bucket),
+                )
+                if row is not None and row[0] is not None and (best is None or int(row[0]) < best):
+                    best = int(row[0])
+            return best
+
+        result: int | None = self.db.read(run)
+        return result
+
+    def _range(self, start_ms: int | None, end_ms: int | None) -> tuple[str, tuple[Any, ...]]:
+        sql, params = "", ()
+        if start_ms is not None:
+            sql, params = sql + " AND ts >= ?", (*params, start_ms)
+        if end_ms is not None:
+            sql, params = sql + " AND ts < ?", (*params, end_ms)
+        return sql, params
+
+    def counts(self, topic: str, now_ms: int, start_ms: int | None = None, end_ms: int | None = None) -> dict[str, int]:
+        """Messages by status, with timestamps in ``[start_ms, end_ms)`` when given."""
+        where, params = self._range(start_ms, end_ms)
+        rows = self.db.read(
+            lambda cur: self._all(
+                cur,
+                f"SELECT CASE WHEN ts <= ? THEN '{AVAILABLE}' WHEN consumer IS NULL THEN '{WAITING}' "
+                f"ELSE '{PROCESSING}' END AS status, COUNT(*) FROM {TABLE} "
+                f"WHERE topic = ? AND deleted_ms IS NULL{where} GROUP BY 1",
+                (now_ms, topic, *params),
+            )
+        )
+        counts = dict.fromkeys(STATUSES, 0)
+        counts.update({status: int(n) for status, n in rows})
+        return counts
+
+    def list_messages(
+        self,
+        topic: str,
+        now_ms: int,
+        status: str | None = None,
+        start_ms: int | None = None,
+        end_ms: int | None = None,
+        limit: int = 1000,
+    ) -> list[TimelineMessage]:
+        """Messages in timeline order, optionally of one status and in ``[start_ms, end_ms)``."""
+        where, params = self._range(start_ms, end_ms)
+        if status == AVAILABLE:
+            where, params = where + " AND ts <= ?", (*params, now_ms)
+        elif status == WAITING:
+            where, params = where + " AND ts > ? AND consumer IS NULL", (*params, now_ms)
+        elif status == PROCESSING:
+            where, params = where + " AND ts > ? AND consumer IS NOT NULL", (*params, now_ms)
+        elif status is not None:
+            raise ValueError(f"unknown status {status!r} (statuses: {', '.join(STATUSES)})")
+        rows = self.db.read(
+            lambda cur: self._all(
+                cur,
+                f"SELECT {_COLUMNS} FROM {TABLE} WHERE topic = ? AND deleted_ms IS NULL{where} ORDER BY ts, id LIMIT ?",
+                (topic, *params, limit),
+            )
+        )
+        return [_message(r) for r in rows]
+
+    def deleted_count(self) -> int:
+        row = self.db.read(lambda cur: self._one(cur, f"SELECT COUNT(*) FROM {TABLE} WHERE deleted_ms IS NOT NULL", ()))
+        return int(row[0])
+
+    def remove_deleted(self, limit: int = 1000) -> int:
+        """Remove up to ``limit`` deleted (marked) messages; returns how many."""
+
+        def run(cur: Any) -> int:
+            rows = self._all(
+                cur,
+                f"DELETE FROM {TABLE} WHERE (topic, id) IN "
+                f"(SELECT topic, id FROM {TABLE} WHERE deleted_ms IS NOT NULL ORDER BY deleted_ms LIMIT ?) "
+                "AND deleted_ms IS NOT NULL RETURNING id",
+                (limit,),
+            )
+            return len(rows)
+
+        result: int = self.db.write(run)
+        return result
+
+
+def open_timeline_store(url: str | DatabaseUrl, base_dir: str | None = None, buckets: int = 1) -> SqlTimelineStore:
+    """Open (and migrate) the timeline store behind a database URL."""
+    parsed = url if isinstance(url, DatabaseUrl) else parse_database_url(url, base_dir)
+    db: Database
+    if parsed.is_sqlite:
+        from storage.sqlite_db import SqliteDatabase
+
+        assert parsed.path is not None
+        db = SqliteDatabase(parsed.path)
+    else:
+        from storage.store import require_postgres
+
+        require_postgres()
+        from storage.pg_db import PgDatabase
+
+        assert parsed.dsn is not None
+        db = PgDatabase(parsed.dsn)
+    store = SqlTimelineStore(db, buckets=buckets)
+    store.migrate()
+    return store
