@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from storage.timeline_contract import (
     AVAILABLE,
@@ -355,7 +355,7 @@ class SqlTimelineStore:
         return result
 
     def _range(self, start_ms: int | None, end_ms: int | None) -> tuple[str, tuple[Any, ...]]:
-        sql, params = "", ()
+        sql, params = "", cast(tuple[Any, ...], ())
         if start_ms is not None:
             sql, params = sql + " AND ts >= ?", (*params, start_ms)
         if end_ms is not None:
