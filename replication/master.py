@@ -29,6 +29,8 @@ from replication.rows import RowEncoder, encode_json_rows, encode_rows, row_enco
 from replication.server import ServerProtocol, Subscription
 from replication.settings import MasterConfig
 from replication.streams import cache_invalidation_row
+from replication.timeline import TimelineService
+from replication.timeline_settings import TimelineSettings
 from storage.schema import StreamSchema
 from storage.store import TOKEN, StorageError
 
@@ -43,6 +45,8 @@ class Master:
         store: Any,
         streams: dict[str, StreamSchema],
         reactor: Any,
+        timeline_store: Any = None,
+        timeline_settings: TimelineSettings | None = None,
     ) -> None:
         self.config = config
         self.protocol_config = protocol_config
@@ -67,12 +71,14 @@ class Master:
         self._relistening = False
         self._db_error: str | None = None
         self.port: Any = None  # the reactor's listening port
+        self.timeline = TimelineService.for_master(self, timeline_store, timeline_settings or TimelineSettings())
 
     # -- start and stop ------------------------------------------------------------
 
     async def start(self) -> Any:
         """Register the streams, read their heads, start following and listening."""
         self.db.start()
+        self.timeline.start()
         await self.db.run(self._register_all)
         for stream, head in (await self.db.run(self.store.safe_positions)).items():
             if stream in self._schemas:
@@ -115,6 +121,7 @@ class Master:
             self._notifications = None
         for conn in list(self.connections):
             conn.close()
+        self.timeline.stop()
         await self.db.run(self.store.retire_writers)
         self.db.stop()
 

@@ -22,16 +22,24 @@ from zope.interface import implementer
 from replication.commands import (
     CLIENT_COMMANDS,
     AuthCommand,
+    CancelCommand,
     ClearUserSyncCommand,
+    Command,
+    DeleteCommand,
+    ExtendCommand,
     FederationAckCommand,
+    MoveCommand,
     NameCommand,
     OptionsCommand,
     PingCommand,
     PositionCommand,
+    ReleaseCommand,
     RemoteServerUpCommand,
     RemovePusherCommand,
     ReplicateCommand,
+    ScheduleCommand,
     ServerCommand,
+    TimelineCommand,
     UserSyncCommand,
 )
 from replication.protocol import LineCommandProtocol, ProtocolConfig
@@ -95,6 +103,7 @@ class ServerProtocol(LineCommandProtocol):
         for sub in self.subscriptions.values():
             sub.generation += 1
         self.master.connection_lost(self)
+        self.master.timeline.connection_lost(self)
         self.subscriptions.clear()
 
     def finish_after_half_close(self) -> None:
@@ -216,6 +225,33 @@ class ServerProtocol(LineCommandProtocol):
         if self._allowed("REMOTE_SERVER_UP"):
             self.master.client_commands.remote_server_up(self, command)
 
+    # -- the timeline (replication.timeline does the work) ------------------------------
+
+    def _timeline(self, command: Command) -> None:
+        if self._allowed(command.NAME):
+            self.master.timeline.command(self, command)
+
+    def on_TIMELINE(self, command: TimelineCommand) -> None:
+        self._timeline(command)
+
+    def on_EXTEND(self, command: ExtendCommand) -> None:
+        self._timeline(command)
+
+    def on_RELEASE(self, command: ReleaseCommand) -> None:
+        self._timeline(command)
+
+    def on_DELETE(self, command: DeleteCommand) -> None:
+        self._timeline(command)
+
+    def on_SCHEDULE(self, command: ScheduleCommand) -> None:
+        self._timeline(command)
+
+    def on_MOVE(self, command: MoveCommand) -> None:
+        self._timeline(command)
+
+    def on_CANCEL(self, command: CancelCommand) -> None:
+        self._timeline(command)
+
     # -- streaming -----------------------------------------------------------------
 
     def _start(self, stream: str, token: int, announce_live: bool = False) -> None:
@@ -303,6 +339,7 @@ class ServerProtocol(LineCommandProtocol):
             self._pause_timer.cancel()
         for sub in list(self.subscriptions.values()):
             self.pump(sub)
+        self.master.timeline.resumed(self)
 
     def stopProducing(self) -> None:
         self._closing = True

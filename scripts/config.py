@@ -19,6 +19,7 @@ import yaml
 
 from replication.settings import MasterConfig, ProtocolConfig
 from replication.streams import all_streams, schema_from_config
+from replication.timeline_settings import TimelineSettings
 from storage.schema import NAME_WORD, SchemaError, StreamSchema
 from storage.urls import BadDatabaseUrl, parse_database_url
 from workers.settings import ApplySettings, WorkerConfig
@@ -53,6 +54,7 @@ class Config:
     metrics_listen: tuple[str, int] | None = None  # the master's /metrics; None: off
     worker_metrics_listen: tuple[str, int] | None = None  # a worker's /metrics; None: off
     spark: SparkSettings = SparkSettings()  # tickline snapshot and workers.snapshot
+    timeline: TimelineSettings = TimelineSettings()  # the master's timeline topics
 
 
 def parse_address(value: Any, key: str) -> tuple[str, int]:
@@ -121,6 +123,7 @@ TOP_KEYS = (
     "worker",
     "caches",
     "spark",
+    "timeline",
 )
 
 
@@ -194,9 +197,35 @@ def config_from_mapping(raw: Any, source: str | None = None) -> Config:
     metrics = parse_metrics_address(raw.get("metrics_listen"), "metrics_listen")
     spark_keys = tuple(f.name for f in attr.fields(SparkSettings))
     spark = SparkSettings(**_checked(SparkSettings, _section(raw, "spark"), "spark.", spark_keys))
+    timeline = timeline_settings(_section(raw, "timeline"))
     return Config(
-        master, protocol, database, level, streams, source, worker, caches, metrics, worker_metrics, spark=spark
+        master,
+        protocol,
+        database,
+        level,
+        streams,
+        source,
+        worker,
+        caches,
+        metrics,
+        worker_metrics,
+        spark=spark,
+        timeline=timeline,
     )
+
+
+def timeline_settings(section: Mapping[str, Any]) -> TimelineSettings:
+    """The ``timeline:`` section: ``topics`` (a list of names; ``jobs`` always exists) and tuning."""
+    keys = tuple(f.name for f in attr.fields(TimelineSettings))
+    plain = {k: v for k, v in section.items() if k != "topics"}
+    values = _checked(TimelineSettings, plain, "timeline.", keys)
+    if "topics" in section:
+        topics = _string_list(section["topics"], "timeline.topics")
+        for topic in topics:
+            if not NAME_WORD.fullmatch(topic):
+                raise ConfigError(f"timeline.topics: {topic!r} is not one word of printable ASCII")
+        values["topics"] = topics
+    return TimelineSettings(**values)
 
 
 def parse_metrics_address(value: Any, key: str) -> tuple[str, int] | None:

@@ -30,8 +30,14 @@ def run_master(args: argparse.Namespace, config: Config) -> int:
     metrics = (
         parse_metrics_address(args.metrics_listen, "--metrics-listen") if args.metrics_listen else config.metrics_listen
     )
-    store = open_store(database_url(args, config), writer_timeout=master_config.writer_timeout)
-    master = Master(master_config, config.protocol, store, config.streams, reactor)
+    from storage.timeline_store import open_timeline_store
+
+    url = database_url(args, config)
+    store = open_store(url, writer_timeout=master_config.writer_timeout)
+    timeline_store = open_timeline_store(url, buckets=config.timeline.buckets)
+    master = Master(
+        master_config, config.protocol, store, config.streams, reactor, timeline_store, config.timeline
+    )
     heads: dict[str, int] = {}
 
     async def start() -> None:

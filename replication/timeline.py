@@ -1,0 +1,576 @@
+"""The master's timeline: scheduled messages pushed to consumers under leases.
+
+The :class:`TimelineService` owns every timeline topic of a master. It keeps,
+per topic, the time of the next due message and ONE timer (``callLater``) for
+it: no polling. The timer is moved when a message is scheduled, moved or
+released, and when a lease a consumer holds runs out (a lease *is* the
+message's timestamp, so the storage's next due time covers it).
+
+When messages are due, a pass leases them in storage for the consumers that
+have free credit (at most ``batch`` each per pass, starting with a different
+consumer each pass, so bursts are spread fairly and paced one reactor turn at
+a time), and writes each ``LEASE`` as soon as the storage call returns. A
+consumer whose connection is paused gets nothing; a lease taken for a
+connection that went away meanwhile is released at once, so no lease waits in
+a buffer. ``ACK`` is written only after the change has committed, and answers
+keep the order of the commands on each connection.
+
+Storage calls run on the timeline's own database threads.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from twisted.internet import defer, task
+from twisted.python.failure import Failure
+
+from replication.commands import (
+    AckCommand,
+    CancelCommand,
+    Command,
+    DeleteCommand,
+    ErrorCommand,
+    ExtendCommand,
+    LeaseCommand,
+    MoveCommand,
+    NackCommand,
+    ReleaseCommand,
+    ScheduleCommand,
+    TimelineCommand,
+)
+from replication.reactor_types import Clock, DelayedCall, Transport
+from replication.timeline_metrics import TimelineStats
+from replication.timeline_settings import TimelineSettings
+from storage.timeline_contract import LEASE_EXPIRED, NOT_HOLDER, UNKNOWN_MESSAGE, Outcome, TimelineStore
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_ERROR = 1.0  # seconds before a failed lease pass is tried again
+RACE_RETRY_MS = 5  # due messages remain yet none could be leased (taken elsewhere): look again soon
+
+
+class Connection(Protocol):
+    """What the service needs of a master connection (``ServerProtocol``)."""
+
+    conn_name: str
+    paused: bool
+    transport: Transport | None
+
+    def send(self, command: Command) -> None: ...
+
+
+class DbRunner(Protocol):
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> defer.Deferred[Any]: ...
+
+
+class Consumer:
+    """One ``TIMELINE`` subscription: a consumer id on one connection for one topic."""
+
+    __slots__ = ("conn", "consumer_id", "credit", "gone", "held", "lease_ms", "restoring", "topic")
+
+    def __init__(self, conn: Connection, topic: str, consumer_id: str, credit: int, lease_ms: int) -> None:
+        self.conn = conn
+        self.topic = topic
+        self.consumer_id = consumer_id
+        self.credit = credit
+        self.lease_ms = lease_ms
+        self.held: dict[str, int] = {}  # message id -> lease end (ms), as far as we know
+        self.gone = False
+        self.restoring = True  # sending the consumer id's active leases first
+
+    def expire(self, now_ms: int) -> int:
+        """Forget leases that ran out; returns how many."""
+        expired = [mid for mid, until in self.held.items() if until <= now_ms]
+        for mid in expired:
+            del self.held[mid]
+        return len(expired)
+
+    def free(self) -> int:
+        if self.gone or self.restoring or self.conn.paused:
+            return 0
+        return max(0, self.credit - len(self.held))
+
+
+class TopicState:
+    __slots__ = ("again", "consumers", "name", "next_due", "rotation", "running", "timer", "timer_at")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.consumers: list[Consumer] = []
+        self.next_due: int | None = None  # earliest timestamp in storage, as last seen
+        self.timer: DelayedCall | None = None
+        self.timer_at: int | None = None
+        self.running = False  # a lease pass is out
+        self.again = False  # something changed while it was out: pass again
+        self.rotation = 0
+
+
+class _ConnState:
+    __slots__ = ("answers", "consumers", "paused_reading", "queues")
+
+    def __init__(self) -> None:
+        self.consumers: dict[str, Consumer] = {}  # topic -> subscription
+        self.answers: deque[list[Command | None]] = deque()  # answers in command order
+        self.paused_reading = False
+        # Commands on one message run in the order they arrived (others run side by side).
+        self.queues: dict[tuple[str, str], deque[Callable[[], defer.Deferred[Any]]]] = {}
+
+
+class TimelineService:
+    def __init__(
+        self,
+        store: TimelineStore,
+        settings: TimelineSettings,
+        db: DbRunner,
+        clock: Clock,
+        stats: TimelineStats | None = None,
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.db = db
+        self.clock = clock
+        self.stats = stats if stats is not None else TimelineStats()
+        self.topics: dict[str, TopicState] = {name: TopicState(name) for name in settings.topics}
+        self._conns: dict[Connection, _ConnState] = {}
+        self._remover: task.LoopingCall | None = None
+        self._stopped = False
+        self._db_error: str | None = None
+        self._threads: Any = None  # the master's own pool, started and stopped here
+
+    @classmethod
+    def for_master(
+        cls, master: Any, store: TimelineStore | None, settings: TimelineSettings
+    ) -> TimelineService | NoTimeline:
+        """The master's service, on its own database threads (or refusals, without a store)."""
+        if store is None:
+            return NoTimeline()
+        from replication.dbthreads import DatabaseThreads
+
+        db = DatabaseThreads(master.reactor, settings.db_threads, name="tickline-timeline-db")
+        service = cls(store, settings, db, master.reactor)
+        service._threads = db
+        return service
+
+    def now_ms(self) -> int:
+        return int(self.clock.seconds() * 1000)
+
+    # -- start and stop ----------------------------------------------------------------
+
+    def start(self) -> None:
+        """Learn each topic's next due time (arms the timers) and start the batch remover."""
+        if self._threads is not None:
+            self._threads.start()
+        for st in self.topics.values():
+            self._wake(st)
+        self._remover = task.LoopingCall(self._remove_and_count)
+        self._remover.clock = self.clock  # type: ignore[assignment]
+        self._remover.start(self.settings.remove_interval, now=True).addErrback(
+            lambda f: logger.error("timeline remover stopped: %s", f.getTraceback())
+        )
+
+    def stop(self) -> None:
+        self._stopped = True
+        if self._remover is not None and self._remover.running:
+            self._remover.stop()
+        for st in self.topics.values():
+            self._cancel_timer(st)
+        if self._threads is not None:
+            self._threads.stop()
+
+    def _remove_and_count(self) -> defer.Deferred[None]:
+        topics = list(self.topics)
+        now = self.now_ms()
+
+        def run() -> dict[str, dict[str, int]]:
+            self.store.remove_deleted(self.settings.remove_batch)
+            return {topic: self.store.counts(topic, now) for topic in topics}
+
+        d = self.db.run(run)
+        d.addCallback(self.stats.counts.update)
+        d.addErrback(lambda f: logger.warning("timeline batch remover: %s", f.getErrorMessage()))
+        return d
+
+    # -- commands from connections ------------------------------------------------------
+
+    def command(self, conn: Connection, command: Command) -> None:
+        """Handle one timeline command from a connection (the server's ``on_<NAME>``)."""
+        state = self._conns.get(conn)
+        if state is None:
+            state = self._conns[conn] = _ConnState()
+        topic = getattr(command, "topic", "")
+        st = self.topics.get(topic)
+        if st is None:
+            known = ", ".join(sorted(self.topics))
+            self._answer_now(conn, state, ErrorCommand(f"unknown topic {topic!r} (topics: {known})"))
+            return
+        if isinstance(command, TimelineCommand):
+            self._consume(conn, state, st, command)
+            return
+        slot: list[Command | None] = [None]
+        state.answers.append(slot)
+        self._throttle(conn, state)
+        mid = getattr(command, "id", None)
+
+        def launch() -> defer.Deferred[Any]:
+            d = self._call(state, topic, command)
+            d.addCallbacks(self._done, self._failed, (conn, state, st, command, slot), {}, (conn, state, command, slot))
+            return d
+
+        if mid is None:
+            launch()
+        else:
+            self._in_order(state, (topic, mid), launch)
+
+    def _in_order(self, state: _ConnState, key: tuple[str, str], launch: Callable[[], defer.Deferred[Any]]) -> None:
+        queue = state.queues.get(key)
+        if queue is not None:
+            queue.append(launch)
+            return
+        state.queues[key] = deque()
+        self._launch(state, key, launch)
+
+    def _launch(self, state: _ConnState, key: tuple[str, str], launch: Callable[[], defer.Deferred[Any]]) -> None:
+        def next_one(result: Any) -> Any:
+            queue = state.queues.get(key)
+            if queue:
+                self._launch(state, key, queue.popleft())
+            else:
+                state.queues.pop(key, None)
+            return result
+
+        launch().addBoth(next_one)
+
+    def _call(self, state: _ConnState, topic: str, command: Command) -> defer.Deferred[Any]:
+        """Run one command's storage operation off the reactor thread."""
+        now = self.now_ms()
+        d: defer.Deferred[Any]
+        if isinstance(command, ScheduleCommand):
+            at = now + command.at if command.relative else command.at
+            d = self.db.run(self.store.schedule, topic, command.group, command.id, at, command.body, now)
+        elif isinstance(command, MoveCommand):
+            at = now + command.at if command.relative else command.at
+            d = self.db.run(self.store.move, topic, command.group, command.id, at, now)
+        elif isinstance(command, CancelCommand):
+            d = self.db.run(self.store.cancel, topic, command.group, command.id, now)
+        else:
+            assert isinstance(command, (ExtendCommand, ReleaseCommand, DeleteCommand))
+            consumer = state.consumers.get(topic)
+            if consumer is None:
+                d = defer.succeed(Outcome.refused(NOT_HOLDER))
+            elif isinstance(command, ExtendCommand):
+                d = self.db.run(
+                    self.store.extend, topic, command.id, consumer.consumer_id, command.version, command.lease_ms, now
+                )
+            elif isinstance(command, ReleaseCommand):
+                d = self.db.run(
+                    self.store.release, topic, command.id, consumer.consumer_id, command.version, command.delay_ms, now
+                )
+            else:
+                d = self.db.run(self.store.delete, topic, command.id, consumer.consumer_id, command.version, now)
+        return d
+
+    def _done(
+        self, outcome: Outcome, conn: Connection, state: _ConnState, st: TopicState, command: Command, slot: list
+    ) -> None:
+        mid = getattr(command, "id", None)
+        name = command.NAME
+        consumer = state.consumers.get(st.name)
+        if outcome.ok:
+            message = outcome.message
+            assert message is not None
+            slot[0] = AckCommand(name, st.name, message.id, message.version, message.ts)
+            if isinstance(command, (ScheduleCommand, MoveCommand)):
+                self._poke(st, message.ts)
+            elif isinstance(command, ExtendCommand) and consumer is not None:
+                consumer.held[message.id] = message.ts
+            elif isinstance(command, (ReleaseCommand, DeleteCommand)):
+                if consumer is not None:
+                    consumer.held.pop(message.id, None)
+                if isinstance(command, ReleaseCommand):
+                    self._poke(st, message.ts)
+                self._credit_freed(st)
+        else:
+            reason = outcome.reason or UNKNOWN_MESSAGE
+            slot[0] = NackCommand(name, st.name, mid or "-", reason)
+            if isinstance(command, (ExtendCommand, ReleaseCommand, DeleteCommand)):
+                self.stats.refused += 1
+                gone = consumer is not None and reason in (NOT_HOLDER, UNKNOWN_MESSAGE, LEASE_EXPIRED)
+                if gone and consumer is not None and mid and consumer.held.pop(mid, None) is not None:
+                    self._credit_freed(st)
+        self._flush(conn, state)
+
+    def _failed(self, failure: Failure, conn: Connection, state: _ConnState, command: Command, slot: list) -> None:
+        logger.error("[%s] %s failed: %s", conn.conn_name, command.NAME, failure.getErrorMessage())
+        slot[0] = ErrorCommand(f"{command.NAME} failed: storage unavailable ({failure.getErrorMessage()}); retry")
+        self._flush(conn, state)
+
+    def _answer_now(self, conn: Connection, state: _ConnState, command: Command) -> None:
+        state.answers.append([command])
+        self._flush(conn, state)
+
+    def _flush(self, conn: Connection, state: _ConnState) -> None:
+        answers = state.answers
+        while answers and answers[0][0] is not None:
+            command = answers.popleft()[0]
+            assert command is not None
+            if conn in self._conns:
+                conn.send(command)
+        self._throttle(conn, state)
+
+    def _throttle(self, conn: Connection, state: _ConnState) -> None:
+        """Stop reading from a connection with too many commands in flight (bounded)."""
+        transport = conn.transport
+        if transport is None:
+            return
+        if not state.paused_reading and len(state.answers) >= self.settings.max_pending:
+            state.paused_reading = True
+            transport.pauseProducing()
+        elif state.paused_reading and len(state.answers) <= self.settings.max_pending // 2:
+            state.paused_reading = False
+            transport.resumeProducing()
+
+    # -- consumers -----------------------------------------------------------------------
+
+    def _consume(self, conn: Connection, state: _ConnState, st: TopicState, command: TimelineCommand) -> None:
+        old = state.consumers.get(st.name)
+        if old is not None:
+            if old.consumer_id != command.consumer:
+                self._answer_now(
+                    conn,
+                    state,
+                    ErrorCommand(
+                        f"this connection already consumes {st.name!r} as {old.consumer_id!r}; "
+                        "one consumer id per topic per connection"
+                    ),
+                )
+                return
+            old.credit, old.lease_ms = command.credit, command.lease_ms
+            self._credit_freed(st)
+            return
+        consumer = Consumer(conn, st.name, command.consumer, command.credit, command.lease_ms)
+        state.consumers[st.name] = consumer
+        st.consumers.append(consumer)
+        now = self.now_ms()
+        d = self.db.run(self.store.active_leases, st.name, command.consumer, now)
+
+        def restore(messages: list) -> None:
+            consumer.restoring = False
+            if consumer.gone:
+                return
+            for message in messages:
+                # A consumer that comes back gets its active leases first.
+                consumer.held[message.id] = message.ts
+                conn.send(LeaseCommand(st.name, message.id, message.version, message.ts, message.body))
+            if messages:
+                logger.info(
+                    "[%s] consumer %s got %d active leases back on %s",
+                    conn.conn_name,
+                    consumer.consumer_id,
+                    len(messages),
+                    st.name,
+                )
+            self._wake(st)
+
+        def failed(failure: Failure) -> None:
+            consumer.restoring = False
+            logger.error("[%s] reading active leases failed: %s", conn.conn_name, failure.getErrorMessage())
+            if not consumer.gone:
+                self._answer_now(conn, state, ErrorCommand(f"TIMELINE {st.name} failed: storage unavailable; retry"))
+                self._drop(consumer)
+
+        d.addCallbacks(restore, failed)
+
+    def _drop(self, consumer: Consumer) -> None:
+        consumer.gone = True
+        st = self.topics[consumer.topic]
+        if consumer in st.consumers:
+            st.consumers.remove(consumer)
+        state = self._conns.get(consumer.conn)
+        if state is not None and state.consumers.get(consumer.topic) is consumer:
+            del state.consumers[consumer.topic]
+
+    def connection_lost(self, conn: Connection) -> None:
+        state = self._conns.pop(conn, None)
+        if state is None:
+            return
+        for consumer in list(state.consumers.values()):
+            self._drop(consumer)
+
+    def resumed(self, conn: Connection) -> None:
+        """The connection's transport drains again: its consumers may take leases."""
+        state = self._conns.get(conn)
+        if state is not None:
+            for topic in state.consumers:
+                self._credit_freed(self.topics[topic])
+
+    # -- pushing due messages -----------------------------------------------------------
+
+    def _poke(self, st: TopicState, at_ms: int) -> None:
+        """A message is (now) at ``at_ms``: wake no later than then."""
+        if st.running:
+            st.again = True
+            return
+        if st.next_due is None or at_ms < st.next_due:
+            st.next_due = at_ms
+        self._arm(st)
+
+    def _credit_freed(self, st: TopicState) -> None:
+        if st.running:
+            st.again = True
+        elif st.next_due is not None and st.next_due <= self.now_ms():
+            self._wake(st)
+
+    def _cancel_timer(self, st: TopicState) -> None:
+        if st.timer is not None and st.timer.active():
+            st.timer.cancel()
+        st.timer = None
+        st.timer_at = None
+
+    def _set_timer(self, st: TopicState, at_ms: int) -> None:
+        if st.timer is not None and st.timer.active():
+            if st.timer_at == at_ms:
+                return
+            st.timer.cancel()
+        delay = max(0.0, (at_ms - self.now_ms()) / 1000)
+        st.timer_at = at_ms
+        st.timer = self.clock.callLater(delay, self._timer_fired, st)
+
+    def _timer_fired(self, st: TopicState) -> None:
+        st.timer = None
+        st.timer_at = None
+        self._wake(st)
+
+    def _arm(self, st: TopicState) -> None:
+        """Set the one timer of a topic from what is known."""
+        if self._stopped:
+            return
+        now = self.now_ms()
+        if st.next_due is None:
+            self._cancel_timer(st)
+        elif st.next_due > now:
+            self._set_timer(st, st.next_due)
+        elif any(c.free() for c in st.consumers):
+            self._set_timer(st, now)
+        else:
+            # Due messages wait for credit: wake when a held lease runs out
+            # (DELETE, RELEASE, a new consumer or a resumed one wake us sooner).
+            ends = [until for c in st.consumers if not c.gone for until in c.held.values()]
+            if ends:
+                self._set_timer(st, max(min(ends), now))
+            else:
+                self._cancel_timer(st)
+
+    def _wake(self, st: TopicState) -> None:
+        """Lease what is due to consumers with free credit, then re-arm."""
+        if self._stopped:
+            return
+        if st.running:
+            st.again = True
+            return
+        self._cancel_timer(st)
+        now = self.now_ms()
+        consumers = st.consumers
+        plan: list[tuple[Consumer, int]] = []
+        if consumers:
+            start = st.rotation % len(consumers)
+            st.rotation += 1
+            for consumer in consumers[start:] + consumers[:start]:
+                self.stats.expired += consumer.expire(now)
+                free = consumer.free()
+                if free > 0:
+                    plan.append((consumer, min(free, self.settings.batch)))
+        st.running = True
+        st.again = False
+        requests = [(c.consumer_id, c.lease_ms, n) for c, n in plan]
+        d = self.db.run(self._lease_pass, st.name, requests, now)
+        d.addCallbacks(self._leased, self._lease_failed, (st, plan), {}, (st,))
+
+    def _lease_pass(
+        self, topic: str, requests: list[tuple[str, int, int]], now_ms: int
+    ) -> tuple[list[list[Any]], int | None]:
+        """On a database thread: one conditional lease statement per consumer, then the next due time."""
+        results = [self.store.lease_due(topic, cid, lease_ms, n, now_ms) for cid, lease_ms, n in requests]
+        return results, self.store.next_due(topic)
+
+    def _leased(self, result: tuple[list[list[Any]], int | None], st: TopicState, plan: list) -> None:
+        results, next_due = result
+        st.running = False
+        if self._db_error is not None:
+            logger.warning("timeline storage reachable again")
+            self._db_error = None
+        more = False
+        orphans: list[tuple[str, Any]] = []
+        sent_ms = self.now_ms()
+        for (consumer, asked), leased in zip(plan, results, strict=True):
+            if consumer.gone:
+                orphans.extend((consumer.consumer_id, x.message) for x in leased)
+                continue
+            send = consumer.conn.send
+            for x in leased:
+                m = x.message
+                consumer.held[m.id] = m.ts
+                send(LeaseCommand(st.name, m.id, m.version, m.ts, m.body))
+                self.stats.lease_sent(st.name, max(0, sent_ms - x.due_ms))
+            if leased and len(leased) >= asked:
+                more = True
+        if orphans:
+            self._release_orphans(st, orphans)
+        st.next_due = next_due
+        if self._stopped:
+            return
+        if st.again or more:
+            # Another pass on the next reactor turn: other connections go first.
+            self._set_timer(st, self.now_ms())
+        elif st.next_due is not None and st.next_due <= self.now_ms() and any(c.free() for c in st.consumers):
+            # Due yet nothing leased (taken by another master or connection): look again soon.
+            self._set_timer(st, self.now_ms() + RACE_RETRY_MS)
+        else:
+            self._arm(st)
+
+    def _lease_failed(self, failure: Failure, st: TopicState) -> None:
+        st.running = False
+        message = failure.getErrorMessage()
+        if self._db_error is None:
+            logger.error(
+                "timeline lease pass on %s failed, retrying every %g s: %s", st.name, RETRY_AFTER_ERROR, message
+            )
+        self._db_error = message
+        if not self._stopped:
+            self._set_timer(st, self.now_ms() + int(RETRY_AFTER_ERROR * 1000))
+
+    def _release_orphans(self, st: TopicState, orphans: list[tuple[str, Any]]) -> None:
+        """Leases taken for a connection that went away meanwhile: give them back at once."""
+        now = self.now_ms()
+
+        def run() -> None:
+            for consumer_id, m in orphans:
+                self.store.release(st.name, m.id, consumer_id, m.version, 0, now)
+
+        d = self.db.run(run)
+        d.addCallbacks(
+            lambda _: self._poke(st, now),
+            lambda f: logger.warning("releasing unsent leases failed (they expire): %s", f.getErrorMessage()),
+        )
+
+
+class NoTimeline:
+    """A master without a timeline store: timeline commands get ``ERROR``."""
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def command(self, conn: Connection, command: Command) -> None:
+        conn.send(ErrorCommand(f"{command.NAME}: this master has no timeline"))
+
+    def connection_lost(self, conn: Connection) -> None:
+        pass
+
+    def resumed(self, conn: Connection) -> None:
+        pass
