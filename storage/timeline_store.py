@@ -196,13 +196,15 @@ class SqlTimelineStore:
                 if self._pg:
                     rows = self._all(
                         cur,
-                        f"UPDATE {TABLE} AS t SET consumer = ?, ts = ?, version = t.version + 1 "
-                        f"FROM (SELECT id, ts FROM {TABLE} WHERE topic = ? AND bucket = ? AND deleted_ms IS NULL "
-                        "AND ts <= ? ORDER BY ts LIMIT ? FOR UPDATE SKIP LOCKED) AS d "
+                        # A materialized CTE: the LIMIT is applied once (a subquery in
+                        # FROM may be rescanned, leasing more than asked).
+                        f"WITH d AS MATERIALIZED (SELECT id, ts FROM {TABLE} WHERE topic = ? AND bucket = ? "
+                        "AND deleted_ms IS NULL AND ts <= ? ORDER BY ts LIMIT ? FOR UPDATE SKIP LOCKED) "
+                        f"UPDATE {TABLE} AS t SET consumer = ?, ts = ?, version = t.version + 1 FROM d "
                         "WHERE t.topic = ? AND t.id = d.id AND t.deleted_ms IS NULL AND t.ts <= ? "
                         "RETURNING t.topic, t.id, t.ts, t.body, t.producer_group, t.consumer, t.bucket, "
                         "t.version, t.created_ms, d.ts",
-                        (consumer, until, topic, bucket, now_ms, want, topic, now_ms),
+                        (topic, bucket, now_ms, want, consumer, until, topic, now_ms),
                     )
                     found = [(_message(r[:9]), int(r[9])) for r in rows]
                 else:

@@ -208,3 +208,11 @@ def test_two_connections_race_for_one_message(db_url: str) -> None:
     finally:
         for s in stores:
             s.close()
+
+
+def test_lease_due_never_leases_more_than_asked(store: SqlTimelineStore) -> None:
+    for i in range(200):
+        store.schedule("jobs", "g", f"m{i:03}", T0 - 1000 + i, "{}", T0 - 2000)
+    leased = store.lease_due("jobs", "c", 30_000, 10, T0)
+    assert [x.message.id for x in leased] == [f"m{i:03}" for i in range(10)]
+    assert store.counts("jobs", T0)["processing"] == 10
