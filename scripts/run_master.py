@@ -35,9 +35,7 @@ def run_master(args: argparse.Namespace, config: Config) -> int:
     url = database_url(args, config)
     store = open_store(url, writer_timeout=master_config.writer_timeout)
     timeline_store = open_timeline_store(url, buckets=config.timeline.buckets)
-    master = Master(
-        master_config, config.protocol, store, config.streams, reactor, timeline_store, config.timeline
-    )
+    master = Master(master_config, config.protocol, store, config.streams, reactor, timeline_store, config.timeline)
     heads: dict[str, int] = {}
 
     async def start() -> None:
