@@ -22,7 +22,7 @@ from replication.streams import all_streams, schema_from_config
 from replication.timeline_settings import TimelineSettings
 from storage.schema import NAME_WORD, SchemaError, StreamSchema
 from storage.urls import BadDatabaseUrl, parse_database_url
-from workers.settings import ApplySettings, WorkerConfig
+from workers.settings import ApplySettings, TimelineWorkerSettings, WorkerConfig
 from workers.snapshot import SparkSettings
 
 DEFAULT_DATABASE = "sqlite:///tickline.db"
@@ -248,7 +248,7 @@ def _string_list(value: Any, key: str) -> tuple[str, ...]:
 def _worker_config(
     section: Mapping[str, Any], streams: Mapping[str, StreamSchema], master: MasterConfig
 ) -> WorkerConfig:
-    special = ("master", "replicate", "handlers", "database")
+    special = ("master", "replicate", "handlers", "database", "timeline")
     apply_keys = tuple(f.name for f in attr.fields(ApplySettings))
     plain_keys = tuple(
         f.name for f in attr.fields(WorkerConfig) if f.name not in (*special, "master_host", "master_port", "apply")
@@ -284,7 +284,31 @@ def _worker_config(
             raise ConfigError(f"worker.handlers.{stream}: unknown stream {stream!r}")
         pairs += [(stream, path) for path in _string_list(paths, f"worker.handlers.{stream}")]
     values["handlers"] = tuple(pairs)
+    if "timeline" in section:
+        values["timeline"] = worker_timeline(section["timeline"])
     return WorkerConfig(**values)
+
+
+def worker_timeline(value: Any) -> tuple[TimelineWorkerSettings, ...]:
+    """``worker.timeline``: one mapping (or a list of them) of topic, handler, credit, lease, backoff."""
+    entries = value if isinstance(value, list) else [value]
+    keys = tuple(f.name for f in attr.fields(TimelineWorkerSettings))
+    found = []
+    for i, entry in enumerate(entries):
+        prefix = "worker.timeline." if not isinstance(value, list) else f"worker.timeline[{i}]."
+        if not isinstance(entry, Mapping):
+            raise ConfigError(f"{prefix[:-1]}: expected a mapping with topic and handler, got {entry!r}")
+        if "handler" not in entry:
+            raise ConfigError(f"{prefix}handler: missing (a dotted path, package.module:function)")
+        handler = entry["handler"]
+        if not isinstance(handler, str) or not handler.strip():
+            raise ConfigError(f"{prefix}handler: expected a dotted path, got {handler!r}")
+        values = _checked(TimelineWorkerSettings, {k: v for k, v in entry.items() if k != "handler"}, prefix, keys)
+        found.append(TimelineWorkerSettings(handler=handler, **values))
+    topics = [(s.topic, s.consumer) for s in found]
+    if len(set(topics)) != len(topics):
+        raise ConfigError("worker.timeline: a topic is consumed twice with the same consumer id")
+    return tuple(found)
 
 
 def _cache_settings(section: Mapping[str, Any]) -> CacheSettings:

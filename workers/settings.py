@@ -33,3 +33,17 @@ class WorkerConfig:
     replicate_retry: float = 5.0  # retry a REPLICATE the master refused
     max_pending_rows: int = 50000
     apply: ApplySettings = ApplySettings()
+    timeline: tuple[TimelineWorkerSettings, ...] = ()  # timeline topics consumed with handlers
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class TimelineWorkerSettings:
+    """``worker.timeline``: consume a timeline topic with a handler; defaults are the config's."""
+
+    handler: str  # dotted path: package.module:function, called with a TimelineJob
+    topic: str = "jobs"
+    consumer: str | None = None  # consumer id; None: the worker's name (keep it across restarts)
+    credit: int = 10  # handlers running at once (active leases)
+    lease_ms: int = 30_000  # extended automatically at half while the handler runs
+    backoff_initial_ms: int = 1_000  # first RELEASE delay after a handler raised
+    backoff_max_ms: int = 300_000  # the delay doubles per failure up to this
