@@ -37,7 +37,9 @@ class TimelineCollector:
         self.service = service
 
     def collect(self) -> Iterable[Metric]:
-        stats: TimelineStats = self.service.stats
+        stats: TimelineStats | None = getattr(self.service, "stats", None)
+        if stats is None:
+            return
         messages = GaugeMetricFamily(
             "tickline_timeline_messages", "Timeline messages by topic and status", labels=["topic", "status"]
         )
@@ -65,3 +67,14 @@ class TimelineCollector:
             buckets=buckets,
             sum_value=stats.lateness_sum,
         )
+
+
+class Collectors:
+    """Several collectors registered as one (the master's /metrics takes one)."""
+
+    def __init__(self, *collectors: Any) -> None:
+        self.collectors = collectors
+
+    def collect(self) -> Iterable[Metric]:
+        for collector in self.collectors:
+            yield from collector.collect()

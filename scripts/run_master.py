@@ -41,7 +41,10 @@ def run_master(args: argparse.Namespace, config: Config) -> int:
     async def start() -> None:
         await master.start()
         if metrics is not None:
-            serve_metrics(reactor, MasterCollector(master, heads), *metrics)
+            from replication.timeline_metrics import Collectors, TimelineCollector
+
+            collector = Collectors(MasterCollector(master, heads), TimelineCollector(master.timeline))
+            serve_metrics(reactor, collector, *metrics)
             follow_heads(reactor, master, heads)
 
     def ready() -> defer.Deferred[str]:
