@@ -108,6 +108,8 @@ class ServerProtocol(LineCommandProtocol):
 
     def finish_after_half_close(self) -> None:
         # Finish replays owed to a half-closed peer (nc -q1), then close.
+        if self.master.timeline.busy(self):
+            return  # timeline answers still owed; the service calls again
         if self._pending_replicates or not all(sub.live for sub in self.subscriptions.values()):
             return
         if self.subscriptions and not self._half_close_synced:

@@ -58,9 +58,12 @@ class Connection(Protocol):
 
     conn_name: str
     paused: bool
+    read_closed: bool  # the peer half-closed (nc -q1): close once every answer is out
     transport: Transport | None
 
     def send(self, command: Command) -> None: ...
+
+    def finish_after_half_close(self) -> None: ...
 
 
 class DbRunner(Protocol):
@@ -70,7 +73,7 @@ class DbRunner(Protocol):
 class Consumer:
     """One ``TIMELINE`` subscription: a consumer id on one connection for one topic."""
 
-    __slots__ = ("conn", "consumer_id", "credit", "gone", "held", "lease_ms", "restoring", "topic")
+    __slots__ = ("conn", "consumer_id", "credit", "gone", "held", "lease_ms", "passed", "restoring", "topic")
 
     def __init__(self, conn: Connection, topic: str, consumer_id: str, credit: int, lease_ms: int) -> None:
         self.conn = conn
@@ -81,6 +84,7 @@ class Consumer:
         self.held: dict[str, int] = {}  # message id -> lease end (ms), as far as we know
         self.gone = False
         self.restoring = True  # sending the consumer id's active leases first
+        self.passed = False  # a lease pass ran for it (a half-closed peer waits for that much)
 
     def expire(self, now_ms: int) -> int:
         """Forget leases that ran out; returns how many."""
@@ -320,6 +324,19 @@ class TimelineService:
             if conn in self._conns:
                 conn.send(command)
         self._throttle(conn, state)
+        if not answers:
+            self._finish_half_closed(conn)
+
+    def busy(self, conn: Connection) -> bool:
+        """Answers are still owed to this connection."""
+        state = self._conns.get(conn)
+        if state is None:
+            return False
+        return bool(state.answers) or any(not c.passed and not c.gone for c in state.consumers.values())
+
+    def _finish_half_closed(self, conn: Connection) -> None:
+        if conn.read_closed and conn in self._conns and not self.busy(conn):
+            conn.finish_after_half_close()
 
     def _throttle(self, conn: Connection, state: _ConnState) -> None:
         """Stop reading from a connection with too many commands in flight (bounded)."""
@@ -365,6 +382,9 @@ class TimelineService:
                 # A consumer that comes back gets its active leases first.
                 consumer.held[message.id] = message.ts
                 conn.send(LeaseCommand(st.name, message.id, message.version, message.ts, message.body))
+            if consumer.free() == 0:
+                consumer.passed = True  # no credit left for a pass
+                self._finish_half_closed(conn)
             if messages:
                 logger.info(
                     "[%s] consumer %s got %d active leases back on %s",
@@ -517,6 +537,9 @@ class TimelineService:
                 self.stats.lease_sent(st.name, max(0, sent_ms - x.due_ms))
             if leased and len(leased) >= asked:
                 more = True
+            if not consumer.passed:
+                consumer.passed = True
+                self._finish_half_closed(consumer.conn)
         if orphans:
             self._release_orphans(st, orphans)
         st.next_due = next_due
@@ -571,6 +594,9 @@ class NoTimeline:
 
     def connection_lost(self, conn: Connection) -> None:
         pass
+
+    def busy(self, conn: Connection) -> bool:
+        return False
 
     def resumed(self, conn: Connection) -> None:
         pass

@@ -275,3 +275,25 @@ def test_master_killed_with_leases_outstanding_loses_nothing(master, db_url: str
             if line is not None:
                 x._take(line)
     assert done == set(ids)
+
+
+def test_netcat_half_close_gets_every_answer_and_the_first_leases(master, nc_path: str) -> None:
+    import subprocess
+
+    m = master()
+
+    def nc(text: str) -> list[str]:
+        out = subprocess.run(
+            [nc_path, "-q1", m.host, str(m.port)], input=text.encode(), capture_output=True, timeout=20
+        ).stdout.decode()
+        return [line for line in out.splitlines() if not line.startswith(("SERVER ", "PING "))]
+
+    lines = nc('SCHEDULE jobs g a +0 {"x": 1}\nSCHEDULE jobs g b +0 [2]\nCANCEL jobs g b\n')
+    assert [line.split()[:5] for line in lines] == [
+        ["ACK", "SCHEDULE", "jobs", "a", "1"],
+        ["ACK", "SCHEDULE", "jobs", "b", "1"],
+        ["ACK", "CANCEL", "jobs", "b", "2"],
+    ]
+    (lease,) = nc("TIMELINE jobs c 5 30000\n")
+    assert lease.startswith("LEASE jobs a 2 ") and lease.endswith(' {"x":1}')
+    assert nc("TIMELINE jobs c 5 30000\n") == [lease]  # the same consumer id gets it back

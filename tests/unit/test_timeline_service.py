@@ -57,11 +57,15 @@ class Conn:
     def __init__(self, name: str) -> None:
         self.conn_name = name
         self.paused = False
+        self.read_closed = False
         self.transport = None
         self.sent: list[Command] = []
 
     def send(self, command: Command) -> None:
         self.sent.append(command)
+
+    def finish_after_half_close(self) -> None:
+        pass
 
     def leases(self) -> list[LeaseCommand]:
         return [c for c in self.sent if isinstance(c, LeaseCommand)]
