@@ -124,6 +124,54 @@ class _ConnState:
         self.queues: dict[tuple[str, str], deque[Callable[[], defer.Deferred[Any]]]] = {}
 
 
+class Batcher:
+    """Group commit: changes wait while earlier batches are out, then go in one transaction.
+
+    Changes submitted in one reactor turn (every command of the bytes just
+    read) go into one batch; at most ``flights`` batches run at once, each
+    with up to ``max_batch`` changes. An idle batcher adds no latency; under
+    load, many changes share one commit. Each change is still its own
+    conditional statement with its own outcome, answered after the commit.
+    """
+
+    def __init__(self, store: TimelineStore, db: DbRunner, clock: Clock, max_batch: int, flights: int) -> None:
+        self.store = store
+        self.db = db
+        self.clock = clock
+        self.max_batch = max_batch
+        self.flights = flights
+        self._queue: deque[tuple[str, tuple[Any, ...], defer.Deferred[Any]]] = deque()
+        self._out = 0
+        self._flush_call: DelayedCall | None = None
+
+    def submit(self, name: str, args: tuple[Any, ...]) -> defer.Deferred[Any]:
+        d: defer.Deferred[Any] = defer.Deferred()
+        self._queue.append((name, args, d))
+        if self._flush_call is None and self._out < self.flights:
+            self._flush_call = self.clock.callLater(0, self._flush)
+        return d
+
+    def _flush(self) -> None:
+        self._flush_call = None
+        while self._queue and self._out < self.flights:
+            take = [self._queue.popleft() for _ in range(min(self.max_batch, len(self._queue)))]
+            self._out += 1
+            batch = self.db.run(self.store.apply, [(name, args) for name, args, _ in take])
+            batch.addCallbacks(self._done, self._failed, (take,), {}, (take,))
+
+    def _done(self, results: list[Any], take: list) -> None:
+        self._out -= 1
+        for (_, _, d), result in zip(take, results, strict=True):
+            d.callback(result)
+        self._flush()
+
+    def _failed(self, failure: Failure, take: list) -> None:
+        self._out -= 1
+        for _, _, d in take:
+            d.errback(failure)
+        self._flush()
+
+
 class TimelineService:
     def __init__(
         self,
@@ -144,6 +192,7 @@ class TimelineService:
         self._stopped = False
         self._db_error: str | None = None
         self._threads: Any = None  # the master's own pool, started and stopped here
+        self._batcher = Batcher(store, db, clock, settings.max_batch, settings.batch_flights)
 
     @classmethod
     def for_master(
@@ -251,31 +300,25 @@ class TimelineService:
     def _call(self, state: _ConnState, topic: str, command: Command) -> defer.Deferred[Any]:
         """Run one command's storage operation off the reactor thread."""
         now = self.now_ms()
-        d: defer.Deferred[Any]
+        submit = self._batcher.submit
         if isinstance(command, ScheduleCommand):
             at = now + command.at if command.relative else command.at
-            d = self.db.run(self.store.schedule, topic, command.group, command.id, at, command.body, now)
-        elif isinstance(command, MoveCommand):
+            return submit("schedule", (topic, command.group, command.id, at, command.body, now))
+        if isinstance(command, MoveCommand):
             at = now + command.at if command.relative else command.at
-            d = self.db.run(self.store.move, topic, command.group, command.id, at, now)
-        elif isinstance(command, CancelCommand):
-            d = self.db.run(self.store.cancel, topic, command.group, command.id, now)
-        else:
-            assert isinstance(command, (ExtendCommand, ReleaseCommand, DeleteCommand))
-            consumer = state.consumers.get(topic)
-            if consumer is None:
-                d = defer.succeed(Outcome.refused(NOT_HOLDER))
-            elif isinstance(command, ExtendCommand):
-                d = self.db.run(
-                    self.store.extend, topic, command.id, consumer.consumer_id, command.version, command.lease_ms, now
-                )
-            elif isinstance(command, ReleaseCommand):
-                d = self.db.run(
-                    self.store.release, topic, command.id, consumer.consumer_id, command.version, command.delay_ms, now
-                )
-            else:
-                d = self.db.run(self.store.delete, topic, command.id, consumer.consumer_id, command.version, now)
-        return d
+            return submit("move", (topic, command.group, command.id, at, now))
+        if isinstance(command, CancelCommand):
+            return submit("cancel", (topic, command.group, command.id, now))
+        assert isinstance(command, (ExtendCommand, ReleaseCommand, DeleteCommand))
+        consumer = state.consumers.get(topic)
+        if consumer is None:
+            return defer.succeed(Outcome.refused(NOT_HOLDER))
+        cid = consumer.consumer_id
+        if isinstance(command, ExtendCommand):
+            return submit("extend", (topic, command.id, cid, command.version, command.lease_ms, now))
+        if isinstance(command, ReleaseCommand):
+            return submit("release", (topic, command.id, cid, command.version, command.delay_ms, now))
+        return submit("delete", (topic, command.id, cid, command.version, now))
 
     def _done(
         self, outcome: Outcome, conn: Connection, state: _ConnState, st: TopicState, command: Command, slot: list
@@ -512,9 +555,12 @@ class TimelineService:
     def _lease_pass(
         self, topic: str, requests: list[tuple[str, int, int]], now_ms: int
     ) -> tuple[list[list[Any]], int | None]:
-        """On a database thread: one conditional lease statement per consumer, then the next due time."""
-        results = [self.store.lease_due(topic, cid, lease_ms, n, now_ms) for cid, lease_ms, n in requests]
-        return results, self.store.next_due(topic)
+        """On a database thread, one transaction: a conditional lease statement per consumer, the next due time."""
+        calls: list[tuple[str, tuple[Any, ...]]] = [
+            ("lease_due", (topic, cid, lease_ms, n, now_ms)) for cid, lease_ms, n in requests
+        ]
+        results = self.store.apply([*calls, ("next_due", (topic,))])
+        return results[:-1], results[-1]
 
     def _leased(self, result: tuple[list[list[Any]], int | None], st: TopicState, plan: list) -> None:
         results, next_due = result

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import attr
@@ -142,6 +142,8 @@ class TimelineStore(Protocol):
     ) -> list[TimelineMessage]: ...
 
     def remove_deleted(self, limit: int = 1000) -> int: ...
+
+    def apply(self, calls: Sequence[tuple[str, tuple[Any, ...]]]) -> list[Any]: ...
 
     def close(self) -> None: ...
 

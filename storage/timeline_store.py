@@ -14,7 +14,8 @@ SQLite every write holds the database's write lock.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from storage.timeline_contract import (
@@ -38,6 +39,10 @@ from storage.timeline_contract import (
 from storage.urls import DatabaseUrl, parse_database_url
 
 TABLE = "tickline_timeline"
+# Operations apply() may batch into one transaction.
+BATCHABLE = frozenset(
+    {"schedule", "move", "cancel", "lease", "lease_due", "extend", "release", "delete", "next_due", "active_leases"}
+)
 _COLUMNS = "topic, id, ts, body, producer_group, consumer, bucket, version, created_ms"
 
 
@@ -56,6 +61,62 @@ class SqlTimelineStore:
         self.buckets = buckets
         self._new_id = id_factory
         self._pg = db.dialect == "postgresql"
+        self._batch = threading.local()
+
+    # -- transactions ------------------------------------------------------------------
+    # Each operation runs in its own transaction, or, inside apply(), in the
+    # batch's one transaction (the cursor of the current thread's batch).
+
+    def _write(self, fn: Callable[[Any], Any]) -> Any:
+        cur = getattr(self._batch, "cur", None)
+        return fn(cur) if cur is not None else self.db.write(fn)
+
+    def _read(self, fn: Callable[[Any], Any]) -> Any:
+        cur = getattr(self._batch, "cur", None)
+        return fn(cur) if cur is not None else self.db.read(fn)
+
+    def apply(self, calls: Sequence[tuple[str, tuple[Any, ...]]]) -> list[Any]:
+        """Run several operations (method name, arguments) in ONE transaction; results in order.
+
+        Each operation is still its own conditional statement and its own
+        outcome (a refusal changes nothing and does not stop the others); the
+        batch shares one commit, so nothing of it is acknowledged before all
+        of it is durable. A database error rolls the whole batch back.
+        """
+        for name, _ in calls:
+            if name not in BATCHABLE:
+                raise ValueError(f"{name!r} cannot run in a batch")
+
+        def run(cur: Any) -> list[Any]:
+            self._batch.cur = cur
+            try:
+                results: list[Any] = [None] * len(calls)
+                # Deletes of distinct messages of one topic: one multi-row statement.
+                groups: dict[tuple[str, int], list[int]] = {}
+                for i, (name, args) in enumerate(calls):
+                    if name == "delete":
+                        groups.setdefault((args[0], args[4]), []).append(i)
+                done: set[int] = set()
+                for (topic, now_ms), positions in groups.items():
+                    first: dict[str, int] = {}
+                    for i in positions:
+                        first.setdefault(calls[i][1][1], i)
+                    unique = sorted(first.values())
+                    if len(unique) < 2:
+                        continue
+                    items = [(calls[i][1][1], calls[i][1][2], calls[i][1][3]) for i in unique]
+                    for i, outcome in zip(unique, self._delete_many(cur, topic, items, now_ms), strict=True):
+                        results[i] = outcome
+                        done.add(i)
+                for i, (name, args) in enumerate(calls):
+                    if i not in done:
+                        results[i] = getattr(self, name)(*args)
+                return results
+            finally:
+                self._batch.cur = None
+
+        result: list[Any] = self.db.write(run)
+        return result
 
     def _sql(self, text: str) -> str:
         return text.replace("?", "%s") if self._pg else text
@@ -104,8 +165,8 @@ class SqlTimelineStore:
             return Outcome(True, existing, created=False)
 
         for _ in range(3):
-            outcome: Outcome = self.db.write(run)
-            if outcome.ok or outcome.reason != UNKNOWN_MESSAGE:
+            outcome: Outcome = self._write(run)
+            if outcome.ok or outcome.reason != UNKNOWN_MESSAGE or getattr(self._batch, "cur", None) is not None:
                 return outcome
         return outcome
 
@@ -151,7 +212,7 @@ class SqlTimelineStore:
                 return Outcome.refused(NOT_OWNER)
             return Outcome.refused(LEASED)
 
-        result: Outcome = self.db.write(run)
+        result: Outcome = self._write(run)
         return result
 
     # -- the master, for consumers ---------------------------------------------------
@@ -174,7 +235,7 @@ class SqlTimelineStore:
                 return Outcome.refused(UNKNOWN_MESSAGE)
             return Outcome.refused(LEASED if current.consumer is not None and current.ts > now_ms else NOT_DUE)
 
-        result: Outcome = self.db.write(run)
+        result: Outcome = self._write(run)
         return result
 
     def lease_due(self, topic: str, consumer: str, lease_ms: int, limit: int, now_ms: int) -> list[Leased]:
@@ -233,7 +294,7 @@ class SqlTimelineStore:
                 leased.extend(Leased(m, d) for m, d in found)
             return leased
 
-        result: list[Leased] = self.db.write(run)
+        result: list[Leased] = self._write(run)
         return result
 
     def _bucket_order(self) -> list[int]:
@@ -286,6 +347,37 @@ class SqlTimelineStore:
             (now_ms,),
         )
 
+    def _delete_many(self, cur: Any, topic: str, items: list[tuple[str, str, int]], now_ms: int) -> list[Outcome]:
+        """Delete several distinct messages, each on its own holder/version/lease condition, in ONE statement."""
+        values = ", ".join(["(?, ?, ?)"] * len(items))
+        params: list[Any] = [p for item in items for p in item]
+        rows = self._all(
+            cur,
+            f"WITH v (id, consumer, version) AS (VALUES {values}) "
+            f"UPDATE {TABLE} SET deleted_ms = ?, version = {TABLE}.version + 1 FROM v "
+            f"WHERE {TABLE}.topic = ? AND {TABLE}.id = v.id AND {TABLE}.deleted_ms IS NULL "
+            f"AND {TABLE}.consumer = v.consumer AND {TABLE}.version = v.version AND {TABLE}.ts > ? "
+            f"RETURNING {', '.join(f'{TABLE}.{c}' for c in _COLUMNS.split(', '))}",
+            (*params, now_ms, topic, now_ms),
+        )
+        deleted = {r[1]: _message(r) for r in rows}
+        outcomes = []
+        for mid, consumer, version in items:
+            message = deleted.get(mid)
+            if message is not None:
+                outcomes.append(Outcome(True, message))
+                continue
+            current = self._get(cur, topic, mid)
+            if current is None:
+                outcomes.append(Outcome.refused(UNKNOWN_MESSAGE))
+            elif current.consumer != consumer:
+                outcomes.append(Outcome.refused(NOT_HOLDER))
+            elif current.version != version:
+                outcomes.append(Outcome.refused(STALE_VERSION))
+            else:
+                outcomes.append(Outcome.refused(LEASE_EXPIRED))
+        return outcomes
+
     def _holder_change(
         self,
         topic: str,
@@ -309,7 +401,7 @@ class SqlTimelineStore:
                 return Outcome.refused(STALE_VERSION)
             return Outcome.refused(LEASE_EXPIRED)
 
-        result: Outcome = self.db.write(run)
+        result: Outcome = self._write(run)
         return result
 
     # -- reads ---------------------------------------------------------------------------
@@ -323,12 +415,12 @@ class SqlTimelineStore:
         return None if row is None else _message(row)
 
     def get(self, topic: str, message_id: str) -> TimelineMessage | None:
-        result: TimelineMessage | None = self.db.read(lambda cur: self._get(cur, topic, message_id))
+        result: TimelineMessage | None = self._read(lambda cur: self._get(cur, topic, message_id))
         return result
 
     def active_leases(self, topic: str, consumer: str, now_ms: int, limit: int = 10_000) -> list[TimelineMessage]:
         """The consumer's active leases (for a consumer that comes back), earliest end first."""
-        rows = self.db.read(
+        rows = self._read(
             lambda cur: self._all(
                 cur,
                 f"SELECT {_COLUMNS} FROM {TABLE} WHERE topic = ? AND consumer = ? AND deleted_ms IS NULL "
@@ -353,7 +445,7 @@ class SqlTimelineStore:
                     best = int(row[0])
             return best
 
-        result: int | None = self.db.read(run)
+        result: int | None = self._read(run)
         return result
 
     def _range(self, start_ms: int | None, end_ms: int | None) -> tuple[str, tuple[Any, ...]]:
@@ -367,7 +459,7 @@ class SqlTimelineStore:
     def counts(self, topic: str, now_ms: int, start_ms: int | None = None, end_ms: int | None = None) -> dict[str, int]:
         """Messages by status, with timestamps in ``[start_ms, end_ms)`` when given."""
         where, params = self._range(start_ms, end_ms)
-        rows = self.db.read(
+        rows = self._read(
             lambda cur: self._all(
                 cur,
                 f"SELECT CASE WHEN ts <= ? THEN '{AVAILABLE}' WHEN consumer IS NULL THEN '{WAITING}' "
@@ -399,7 +491,7 @@ class SqlTimelineStore:
             where, params = where + " AND ts > ? AND consumer IS NOT NULL", (*params, now_ms)
         elif status is not None:
             raise ValueError(f"unknown status {status!r} (statuses: {', '.join(STATUSES)})")
-        rows = self.db.read(
+        rows = self._read(
             lambda cur: self._all(
                 cur,
                 f"SELECT {_COLUMNS} FROM {TABLE} WHERE topic = ? AND deleted_ms IS NULL{where} ORDER BY ts, id LIMIT ?",
@@ -409,7 +501,7 @@ class SqlTimelineStore:
         return [_message(r) for r in rows]
 
     def deleted_count(self) -> int:
-        row = self.db.read(lambda cur: self._one(cur, f"SELECT COUNT(*) FROM {TABLE} WHERE deleted_ms IS NOT NULL", ()))
+        row = self._read(lambda cur: self._one(cur, f"SELECT COUNT(*) FROM {TABLE} WHERE deleted_ms IS NOT NULL", ()))
         return int(row[0])
 
     def remove_deleted(self, limit: int = 1000) -> int:
@@ -425,7 +517,7 @@ class SqlTimelineStore:
             )
             return len(rows)
 
-        result: int = self.db.write(run)
+        result: int = self._write(run)
         return result
 
 

@@ -216,3 +216,28 @@ def test_lease_due_never_leases_more_than_asked(store: SqlTimelineStore) -> None
     leased = store.lease_due("jobs", "c", 30_000, 10, T0)
     assert [x.message.id for x in leased] == [f"m{i:03}" for i in range(10)]
     assert store.counts("jobs", T0)["processing"] == 10
+
+
+def test_a_batch_commits_together_and_each_change_keeps_its_own_condition(store: SqlTimelineStore) -> None:
+    for i in range(5):
+        store.schedule("jobs", "g", f"m{i}", T0, "{}", T0)
+    leased = {x.message.id: x.message for x in store.lease_due("jobs", "c", 1000, 5, T0)}
+    calls = [
+        ("delete", ("jobs", "m0", "c", leased["m0"].version, T0 + 1)),
+        ("delete", ("jobs", "m1", "c", leased["m1"].version - 1, T0 + 1)),  # stale
+        ("delete", ("jobs", "m2", "other", leased["m2"].version, T0 + 1)),  # not the holder
+        ("delete", ("jobs", "m0", "c", leased["m0"].version, T0 + 1)),  # the same message again: gone by then
+        ("delete", ("jobs", "nope", "c", 1, T0 + 1)),
+        ("delete", ("jobs", "m3", "c", leased["m3"].version, T0 + 1)),
+        ("extend", ("jobs", "m4", "c", leased["m4"].version, 5000, T0 + 1)),
+        ("schedule", ("jobs", "g", "new", T0 + 9, "[1]", T0 + 1)),
+        ("next_due", ("jobs",)),
+    ]
+    results = store.apply(calls)
+    assert [r.ok for r in results[:8]] == [True, False, False, False, False, True, True, True]
+    assert [r.reason for r in results[1:5]] == [STALE_VERSION, NOT_HOLDER, UNKNOWN_MESSAGE, UNKNOWN_MESSAGE]
+    assert results[8] == T0 + 9
+    assert store.get("jobs", "m0") is None and store.get("jobs", "m3") is None
+    assert store.get("jobs", "m1") is not None
+    with pytest.raises(ValueError, match="cannot run in a batch"):
+        store.apply([("remove_deleted", (10,))])
