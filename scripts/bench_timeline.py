@@ -193,7 +193,7 @@ def _tickline_rate(url: str, count: int, workdir: str) -> tuple[float, int]:
     )
     try:
         _wait_port(port)
-        results = _run_consumers(port, False, 1.5)
+        results = _run_consumers(port, False, 5.0)
     finally:
         master.terminate()
         master.wait(30)

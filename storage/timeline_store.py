@@ -258,13 +258,16 @@ class SqlTimelineStore:
                     rows = self._all(
                         cur,
                         # A materialized CTE: the LIMIT is applied once (a subquery in
-                        # FROM may be rescanned, leasing more than asked).
-                        f"WITH d AS MATERIALIZED (SELECT id, ts FROM {TABLE} WHERE topic = ? AND bucket = ? "
-                        "AND deleted_ms IS NULL AND ts <= ? ORDER BY ts LIMIT ? FOR UPDATE SKIP LOCKED) "
-                        f"UPDATE {TABLE} AS t SET consumer = ?, ts = ?, version = t.version + 1 FROM d "
-                        "WHERE t.topic = ? AND t.id = d.id AND t.deleted_ms IS NULL AND t.ts <= ? "
-                        "RETURNING t.topic, t.id, t.ts, t.body, t.producer_group, t.consumer, t.bucket, "
-                        "t.version, t.created_ms, d.ts",
+                        # FROM may be rescanned, leasing more than asked). The rows are
+                        # locked, so their ctid is stable: the update finds them by
+                        # ctid whatever the planner's statistics say.
+                        f"WITH d AS MATERIALIZED (SELECT ctid, id, ts FROM {TABLE} WHERE topic = ? AND bucket = ? "
+                        "AND deleted_ms IS NULL AND ts <= ? ORDER BY ts LIMIT ? FOR UPDATE SKIP LOCKED), "
+                        f"u AS (UPDATE {TABLE} SET consumer = ?, ts = ?, version = version + 1 "
+                        "WHERE ctid = ANY(ARRAY(SELECT ctid FROM d)) AND topic = ? AND deleted_ms IS NULL AND ts <= ? "
+                        f"RETURNING {_COLUMNS}) "
+                        "SELECT u.topic, u.id, u.ts, u.body, u.producer_group, u.consumer, u.bucket, u.version, "
+                        "u.created_ms, d.ts FROM u JOIN d ON u.id = d.id",
                         (topic, bucket, now_ms, want, consumer, until, topic, now_ms),
                     )
                     found = [(_message(r[:9]), int(r[9])) for r in rows]
@@ -355,10 +358,11 @@ class SqlTimelineStore:
             cur,
             f"WITH v (id, consumer, version) AS (VALUES {values}) "
             f"UPDATE {TABLE} SET deleted_ms = ?, version = {TABLE}.version + 1 FROM v "
-            f"WHERE {TABLE}.topic = ? AND {TABLE}.id = v.id AND {TABLE}.deleted_ms IS NULL "
+            f"WHERE {TABLE}.topic = ? AND {TABLE}.id IN ({', '.join('?' * len(items))}) "
+            f"AND {TABLE}.id = v.id AND {TABLE}.deleted_ms IS NULL "
             f"AND {TABLE}.consumer = v.consumer AND {TABLE}.version = v.version AND {TABLE}.ts > ? "
             f"RETURNING {', '.join(f'{TABLE}.{c}' for c in _COLUMNS.split(', '))}",
-            (*params, now_ms, topic, now_ms),
+            (*params, now_ms, topic, *(item[0] for item in items), now_ms),
         )
         deleted = {r[1]: _message(r) for r in rows}
         outcomes = []
