@@ -75,7 +75,6 @@ def role_consumer(port: int, consumer: str, idle: float, lateness: bool) -> int:
         if not data:
             break
         now = time.time()
-        last_activity = now
         buffer += data
         lines = buffer.split(b"\n")
         buffer = lines.pop()
@@ -93,6 +92,8 @@ def role_consumer(port: int, consumer: str, idle: float, lateness: bool) -> int:
                 last_ack = now
         if out:
             sock.sendall(b"".join(out))
+        if out or any(line.startswith(b"ACK ") for line in lines):
+            last_activity = now  # PINGs do not count
     print(json.dumps({"acks": acks, "first": first_lease, "last": last_ack, "late": late}))
     return 0
 
@@ -307,10 +308,15 @@ def main(argv: list[str]) -> int:
         return role_consumer(int(argv[1]), argv[2], float(argv[3]), argv[4] == "1")
     if argv and argv[0] == "_skiplocked":
         return role_skiplocked(argv[1], int(argv[2]))
+    import shutil
     import tempfile
 
     rows = int(argv[0]) if argv else None
-    print_results(run_timeline_bench(rows, tempfile.mkdtemp(prefix="tickline-bench-")))
+    workdir = tempfile.mkdtemp(prefix="tickline-bench-")
+    try:
+        print_results(run_timeline_bench(rows, workdir))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
 
