@@ -484,8 +484,9 @@ class TimelineService:
     def _credit_freed(self, st: TopicState) -> None:
         if st.running:
             st.again = True
-        elif st.next_due is not None and st.next_due <= self.now_ms():
-            self._wake(st)
+        elif st.next_due is not None and (now := self.now_ms()) >= st.next_due:
+            # At the end of this reactor turn: one pass for every credit freed in it.
+            self._set_timer(st, now)
 
     def _cancel_timer(self, st: TopicState) -> None:
         if st.timer is not None and st.timer.active():
