@@ -556,12 +556,8 @@ class TimelineService:
     def _lease_pass(
         self, topic: str, requests: list[tuple[str, int, int]], now_ms: int
     ) -> tuple[list[list[Any]], int | None]:
-        """On a database thread, one transaction: a conditional lease statement per consumer, the next due time."""
-        calls: list[tuple[str, tuple[Any, ...]]] = [
-            ("lease_due", (topic, cid, lease_ms, n, now_ms)) for cid, lease_ms, n in requests
-        ]
-        results = self.store.apply([*calls, ("next_due", (topic,))])
-        return results[:-1], results[-1]
+        """On a database thread, one transaction: leases for the consumers, then the next due time."""
+        return self.store.lease_pass(topic, requests, now_ms)
 
     def _leased(self, result: tuple[list[list[Any]], int | None], st: TopicState, plan: list) -> None:
         results, next_due = result

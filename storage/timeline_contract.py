@@ -109,7 +109,13 @@ class TimelineStore(Protocol):
 
     def lease(self, topic: str, message_id: str, consumer: str, lease_ms: int, now_ms: int) -> Outcome: ...
 
-    def lease_due(self, topic: str, consumer: str, lease_ms: int, limit: int, now_ms: int) -> list[Leased]: ...
+    def lease_due(
+        self, topic: str, consumer: str, lease_ms: int, limit: int, now_ms: int, others_only: bool = False
+    ) -> list[Leased]: ...
+
+    def lease_pass(
+        self, topic: str, requests: Sequence[tuple[str, int, int]], now_ms: int
+    ) -> tuple[list[list[Leased]], int | None]: ...
 
     def extend(
         self, topic: str, message_id: str, consumer: str, version: int, lease_ms: int, now_ms: int

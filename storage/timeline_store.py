@@ -238,15 +238,21 @@ class SqlTimelineStore:
         result: Outcome = self._write(run)
         return result
 
-    def lease_due(self, topic: str, consumer: str, lease_ms: int, limit: int, now_ms: int) -> list[Leased]:
+    def lease_due(
+        self, topic: str, consumer: str, lease_ms: int, limit: int, now_ms: int, others_only: bool = False
+    ) -> list[Leased]:
         """Lease up to ``limit`` available messages (earliest first) to ``consumer``.
 
         One conditional ``UPDATE`` per bucket: a message is leased only while
-        its timestamp is due, so an active lease is never taken twice.
+        its timestamp is due, so an active lease is never taken twice. With
+        ``others_only``, messages whose expired lease was this consumer's are
+        left for others.
         """
         if limit <= 0:
             return []
         until = now_ms + lease_ms
+        skip_own = " AND (consumer IS NULL OR consumer <> ?)" if others_only else ""
+        own: tuple[Any, ...] = (consumer,) if others_only else ()
 
         def run(cur: Any) -> list[Leased]:
             leased: list[Leased] = []
@@ -262,13 +268,13 @@ class SqlTimelineStore:
                         # locked, so their ctid is stable: the update finds them by
                         # ctid whatever the planner's statistics say.
                         f"WITH d AS MATERIALIZED (SELECT ctid, id, ts FROM {TABLE} WHERE topic = ? AND bucket = ? "
-                        "AND deleted_ms IS NULL AND ts <= ? ORDER BY ts LIMIT ? FOR UPDATE SKIP LOCKED), "
+                        f"AND deleted_ms IS NULL AND ts <= ?{skip_own} ORDER BY ts LIMIT ? FOR UPDATE SKIP LOCKED), "
                         f"u AS (UPDATE {TABLE} SET consumer = ?, ts = ?, version = version + 1 "
                         "WHERE ctid = ANY(ARRAY(SELECT ctid FROM d)) AND topic = ? AND deleted_ms IS NULL AND ts <= ? "
                         f"RETURNING {_COLUMNS}) "
                         "SELECT u.topic, u.id, u.ts, u.body, u.producer_group, u.consumer, u.bucket, u.version, "
                         "u.created_ms, d.ts FROM u JOIN d ON u.id = d.id",
-                        (topic, bucket, now_ms, want, consumer, until, topic, now_ms),
+                        (topic, bucket, now_ms, *own, want, consumer, until, topic, now_ms),
                     )
                     found = [(_message(r[:9]), int(r[9])) for r in rows]
                 else:
@@ -278,8 +284,8 @@ class SqlTimelineStore:
                         self._all(
                             cur,
                             f"SELECT id, ts FROM {TABLE} WHERE topic = ? AND bucket = ? AND deleted_ms IS NULL "
-                            "AND ts <= ? ORDER BY ts LIMIT ?",
-                            (topic, bucket, now_ms, want),
+                            f"AND ts <= ?{skip_own} ORDER BY ts LIMIT ?",
+                            (topic, bucket, now_ms, *own, want),
                         )
                     )
                     if not due:
@@ -298,6 +304,31 @@ class SqlTimelineStore:
             return leased
 
         result: list[Leased] = self._write(run)
+        return result
+
+    def lease_pass(
+        self, topic: str, requests: Sequence[tuple[str, int, int]], now_ms: int
+    ) -> tuple[list[list[Leased]], int | None]:
+        """The master's pass, in ONE transaction: leases for several consumers, then the next due time.
+
+        ``requests`` are (consumer, lease_ms, how many). A message whose lease
+        expired goes to another consumer first: each consumer first leases
+        messages it did not hold, then, if it still has room, the rest (a
+        lone consumer gets its expired messages back).
+        """
+
+        def run(cur: Any) -> tuple[list[list[Leased]], int | None]:
+            self._batch.cur = cur
+            try:
+                results = [self.lease_due(topic, c, lease, n, now_ms, others_only=True) for c, lease, n in requests]
+                for (c, lease, n), got in zip(requests, results, strict=True):
+                    if len(got) < n:
+                        got.extend(self.lease_due(topic, c, lease, n - len(got), now_ms))
+                return results, self.next_due(topic)
+            finally:
+                self._batch.cur = None
+
+        result: tuple[list[list[Leased]], int | None] = self.db.write(run)
         return result
 
     def _bucket_order(self) -> list[int]:

@@ -241,3 +241,16 @@ def test_a_batch_commits_together_and_each_change_keeps_its_own_condition(store:
     assert store.get("jobs", "m1") is not None
     with pytest.raises(ValueError, match="cannot run in a batch"):
         store.apply([("remove_deleted", (10,))])
+
+
+def test_an_expired_lease_goes_to_another_consumer_first(store: SqlTimelineStore) -> None:
+    store.schedule("jobs", "g", "a", T0, "{}", T0)
+    first = _leased_one(store, "A", T0, lease=100)
+    assert first.consumer == "A"
+    # A comes first in the pass and has room, yet B gets the message A abandoned.
+    results, next_due = store.lease_pass("jobs", [("A", 100, 1), ("B", 100, 1)], T0 + 100)
+    assert [[x.message.id for x in r] for r in results] == [[], ["a"]]
+    assert next_due == T0 + 200
+    # A lone consumer gets its own expired message back.
+    results, _ = store.lease_pass("jobs", [("B", 100, 1)], T0 + 200)
+    assert [x.message.consumer for x in results[0]] == ["B"]
