@@ -1,10 +1,19 @@
 """The client's side of a connection, as ``tail`` and workers use it.
 
-The client sends ``NAME``, ``PING`` (and ``OPTIONS`` when it wants row
-timestamps), then whatever ``REPLICATE`` its handler asks for. It keeps, per
+The client sends ``NAME``, ``PING`` (and ``OPTIONS`` when it wants
+extensions), then whatever ``REPLICATE`` its handler asks for. It keeps, per
 stream, whether a ``POSITION`` has been seen on this connection: ``RDATA``
 before that is dropped. ``batch`` rows are held until the line with the real
 token arrives, then handed over together.
+
+Options are used only once acknowledged. The master handles lines in order
+and TCP keeps them in order, so its answer to ``OPTIONS`` (``OPTIONS
+<accepted>...``) arrives before its answer to any later command. Until then
+the options are *pending*; the first ``POSITION`` or ``RDATA`` settles them
+as "none" (a seed-protocol master that ignores ``OPTIONS``), and so does an
+``ERROR`` while they are pending (a seed-protocol master that does not know
+the command) or one that names ``OPTIONS``: that ``ERROR`` is the answer to
+``OPTIONS``, not a refusal of anything else, and is not passed on as one.
 """
 
 from __future__ import annotations
@@ -44,11 +53,18 @@ class ReplicationHandler:
     def on_server(self, client: ClientProtocol, server_name: str) -> None:
         pass
 
+    def on_options(self, client: ClientProtocol, acknowledged: frozenset[str]) -> None:
+        """The options are settled: ``acknowledged`` (possibly none) are in use."""
+
     def on_position(self, client: ClientProtocol, command: PositionCommand) -> None:
         pass
 
     def on_rows(self, client: ClientProtocol, stream: str, instance: str, token: int, rows: list[list[Any]]) -> None:
-        """Rows of one token (one row, or a whole batch), in order."""
+        """Rows of one token (one row, or a whole batch), in order.
+
+        With the ``ts`` option acknowledged (``client.rows_have_ts``) each row
+        ends with its timestamp; otherwise rows are the stream's columns only.
+        """
 
     def on_error(self, client: ClientProtocol, message: str) -> None:
         pass
@@ -78,11 +94,22 @@ class ClientProtocol(LineCommandProtocol):
         self.secret = secret
         self.handler = handler
         self.client_name = client_name
-        self.with_ts = with_ts
+        # What we ask for, and what the master acknowledged (used only then).
         self.options = frozenset(({"ts"} if with_ts else set()) | set(options))
+        self.acknowledged: frozenset[str] = frozenset()
+        self.options_pending = False
         self.server_name: str | None = None
         self.positioned: set[str] = set()
         self._pending_batch: dict[str, list[list[Any]]] = {}
+
+    @property
+    def rows_have_ts(self) -> bool:
+        """Rows carry their timestamp as a last element (``ts`` acknowledged)."""
+        return "ts" in self.acknowledged
+
+    def uses(self, option: str) -> bool:
+        """The master acknowledged ``option`` on this connection."""
+        return option in self.acknowledged
 
     def connectionMade(self) -> None:
         super().connectionMade()
@@ -92,6 +119,7 @@ class ClientProtocol(LineCommandProtocol):
         self.send(NameCommand(self.client_name))
         self.send_ping()
         if self.options:
+            self.options_pending = True
             self.send(OptionsCommand(self.options))
         self.handler.connected(self)
 
@@ -112,7 +140,30 @@ class ClientProtocol(LineCommandProtocol):
         self.server_name = command.server_name
         self.handler.on_server(self, command.server_name)
 
+    def _settle_options(self, acknowledged: frozenset[str], why: str) -> None:
+        self.options_pending = False
+        self.acknowledged = acknowledged
+        if acknowledged == self.options:
+            logger.debug("[%s] options %s acknowledged", self.conn_name, " ".join(sorted(acknowledged)))
+        else:
+            logger.info(
+                "[%s] %s: using options %s",
+                self.conn_name,
+                why,
+                " ".join(sorted(acknowledged)) or "none (seed protocol)",
+            )
+        self.handler.on_options(self, acknowledged)
+
+    def on_OPTIONS(self, command: OptionsCommand) -> None:
+        if not self.options_pending:
+            logger.info("[%s] ignored an OPTIONS answer that was not asked for", self.conn_name)
+            return
+        # Only what we asked for counts; a master cannot switch on more.
+        self._settle_options(command.options & self.options, "the master acknowledged only some options")
+
     def on_POSITION(self, command: PositionCommand) -> None:
+        if self.options_pending:
+            self._settle_options(frozenset(), "the master answered without acknowledging OPTIONS")
         self.positioned.add(command.stream)
         self._pending_batch.pop(command.stream, None)
         self.handler.on_position(self, command)
@@ -130,6 +181,8 @@ class ClientProtocol(LineCommandProtocol):
         self._rows(command.stream, command.instance, command.token, command.row)
 
     def _rows(self, stream: str, instance: str, token: int | None, row: list) -> None:
+        if self.options_pending:
+            self._settle_options(frozenset(), "the master sent rows without acknowledging OPTIONS")
         if stream not in self.positioned:
             logger.debug("[%s] dropped RDATA for %s before its POSITION", self.conn_name, stream)
             return
@@ -145,6 +198,12 @@ class ClientProtocol(LineCommandProtocol):
         self.handler.on_rows(self, stream, instance, token, rows)
 
     def on_ERROR(self, command: ErrorCommand) -> None:
+        if self.options and not self.acknowledged and (self.options_pending or "OPTIONS" in command.message):
+            # A seed-protocol master that does not know OPTIONS: no options,
+            # and nothing else was refused.
+            if self.options_pending:
+                self._settle_options(frozenset(), f"the master answered OPTIONS with ERROR {command.message}")
+            return
         super().on_ERROR(command)
         self.handler.on_error(self, command.message)
 

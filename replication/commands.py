@@ -464,12 +464,21 @@ class AuthCommand(Command):
         return self.secret
 
 
+# The options this implementation knows; a master acknowledges only these.
 KNOWN_OPTIONS = frozenset({"ts", "live"})
 
 
 @attr.s(slots=True, frozen=True, auto_attribs=True)
 class OptionsCommand(Command):
-    """``OPTIONS <option>...``: extensions a client asks for (tickline's own).
+    """``OPTIONS [<option>...]``: extensions asked for, and acknowledged (tickline's own).
+
+    A client sends ``OPTIONS <option>...``; the master answers with one line
+    ``OPTIONS <accepted>...`` naming the options it accepted (of those asked
+    for, the ones in :data:`KNOWN_OPTIONS`; possibly none, then the line is
+    just ``OPTIONS``). An option the master does not know is simply not
+    acknowledged. A client relies on an option only once acknowledged; a
+    seed-protocol master answers ``ERROR`` (unknown command) or nothing, which
+    both mean "no options".
 
     ``ts``: every ``RDATA`` row JSON carries the row's timestamp as one more,
     last element of the array. Without it rows are exactly the stream's
@@ -485,16 +494,22 @@ class OptionsCommand(Command):
 
     @classmethod
     def parse(cls, args: str) -> OptionsCommand:
-        words = args.split()
-        if not words:
-            raise MalformedCommand("expected OPTIONS <option>...")
-        unknown = sorted(set(words) - KNOWN_OPTIONS)
-        if unknown:
-            raise MalformedCommand(f"unknown option {unknown[0]!r} (known: {', '.join(sorted(KNOWN_OPTIONS))})")
+        # Options are separated by single spaces, like every argument.
+        words = args.split(" ") if args else []
+        if "" in words:
+            raise MalformedCommand("expected OPTIONS [<option>...] separated by single spaces")
+        if len(words) > 32:
+            raise MalformedCommand(f"too many options: {len(words)}, at most 32")
+        for word in words:
+            _word(word, "option")
         return cls(frozenset(words))
 
     def to_args(self) -> str:
         return " ".join(sorted(self.options))
+
+    def accepted(self) -> OptionsCommand:
+        """The acknowledgment a master sends: the options asked for that it knows."""
+        return OptionsCommand(self.options & KNOWN_OPTIONS)
 
 
 # -- the timeline (extension): scheduled messages with leases ------------------------
@@ -838,7 +853,7 @@ COMMAND_CLASSES: dict[str, type[Command]] = {cls.NAME: cls for cls in _ALL}
 
 # Which side may send which command.
 SERVER_COMMANDS: frozenset[str] = frozenset(
-    {"SERVER", "PING", "POSITION", "RDATA", "ERROR", "REMOTE_SERVER_UP", "LEASE", "ACK", "NACK"}
+    {"SERVER", "PING", "POSITION", "RDATA", "ERROR", "REMOTE_SERVER_UP", "OPTIONS", "LEASE", "ACK", "NACK"}
 )
 CLIENT_COMMANDS: frozenset[str] = frozenset(
     {

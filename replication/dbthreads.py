@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from twisted.internet import defer, threads
 from twisted.python.threadpool import ThreadPool
 
 T = TypeVar("T")
+
+
+class DatabaseRunner(Protocol):
+    """Runs blocking storage calls off the reactor thread (what the master and workers need)."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> defer.Deferred[T]: ...
 
 
 class DatabaseThreads:

@@ -5,7 +5,22 @@ The master follows each stream's committed head (polling the store every
 once when told of a local write). New rows are read once, encoded once into
 ``RDATA`` lines, and the same bytes are written to every live subscription.
 Replays (``REPLICATE <stream> <token>``) read from storage through a cursor
-per connection, paced by that connection (see ``replication.server``).
+per subscription, paced by its connection (see ``replication.subscriptions``).
+
+Layers: :class:`~replication.server.ServerProtocol` (one per connection:
+framing, authentication, dispatch) uses the master through
+:class:`~replication.server.MasterServices`; each connection's
+:class:`~replication.subscriptions.Subscriptions` uses it through
+:class:`~replication.subscriptions.StreamSource`, and the master's fan-out
+reaches them only through :class:`~replication.subscriptions.FanOutTarget`.
+The master owns the streams' tokens (live, safe, allocated heads), which
+subscriptions are live, and its counters; :meth:`Master.stats` is their public,
+typed snapshot.
+
+Collaborators are injected: the store, the reactor (clock, listening,
+readers) and the database threads (``db``, any
+:class:`~replication.dbthreads.DatabaseRunner`; by default a
+:class:`~replication.dbthreads.DatabaseThreads` pool of ``config.db_threads``).
 """
 
 from __future__ import annotations
@@ -23,12 +38,15 @@ from zope.interface import implementer
 
 from replication.client_commands import ClientCommandHandlers
 from replication.commands import PositionCommand
-from replication.dbthreads import DatabaseThreads
+from replication.dbthreads import DatabaseRunner, DatabaseThreads
 from replication.protocol import ProtocolConfig
+from replication.reactor_types import Reactor
 from replication.rows import RowEncoder, encode_json_rows, encode_rows, row_encoder
-from replication.server import ServerProtocol, Subscription
+from replication.server import ServerProtocol
 from replication.settings import MasterConfig
+from replication.stats import STATS, MasterStats, StreamStats
 from replication.streams import cache_invalidation_row
+from replication.subscriptions import FanOutTarget, Subscription
 from replication.timeline import TimelineService
 from replication.timeline_settings import TimelineSettings
 from storage.schema import StreamSchema
@@ -44,7 +62,8 @@ class Master:
         protocol_config: ProtocolConfig,
         store: Any,
         streams: dict[str, StreamSchema],
-        reactor: Any,
+        reactor: Reactor,
+        db: DatabaseRunner | None = None,
         timeline_store: Any = None,
         timeline_settings: TimelineSettings | None = None,
     ) -> None:
@@ -52,16 +71,20 @@ class Master:
         self.protocol_config = protocol_config
         self.store = store
         self.reactor = reactor
-        self.db = DatabaseThreads(reactor, config.db_threads, name="tickline-master-db")
+        self.db: DatabaseRunner = (
+            db if db is not None else DatabaseThreads(reactor, config.db_threads, name="tickline-master-db")
+        )
         self._declared = streams
         self._schemas: dict[str, StreamSchema] = {}
         self._encoders: dict[str, RowEncoder] = {}
         self._live: dict[str, int] = {}
         self._safe: dict[str, int] = {}
-        self._live_subs: dict[str, dict[ServerProtocol, Subscription]] = {}
+        self._allocated: dict[str, int] = {}  # the store's heads, see refresh_heads
+        self._live_subs: dict[str, dict[FanOutTarget, Subscription]] = {}
         self.connections: set[ServerProtocol] = set()
         self.client_commands = ClientCommandHandlers(self)
-        self.counters: dict[str, int] = {"catchup_rows": 0, "live_rows": 0}
+        self._catchup_rows = 0
+        self._live_rows = 0
         self._poller: task.LoopingCall | None = None
         self._following = False
         self._follow_again = False
@@ -93,7 +116,7 @@ class Master:
         else:
             interval = self.config.poll_interval
         self._poller = task.LoopingCall(self._slow_tick)
-        self._poller.clock = self.reactor
+        self._poller.clock = self.reactor  # type: ignore[assignment]
         self._poller.start(interval, now=False).addErrback(
             lambda f: logger.error("following stream heads stopped: %s", f.getTraceback())
         )
@@ -109,9 +132,13 @@ class Master:
         )
         return self.port
 
-    async def stop(self) -> None:
+    def stop_following(self) -> None:
+        """Stop the periodic pass over the stream heads (``stop`` does this too)."""
         if self._poller is not None and self._poller.running:
             self._poller.stop()
+
+    async def stop(self) -> None:
+        self.stop_following()
         if self.port is not None:
             await self.port.stopListening()
         if self._notifications is not None:
@@ -152,6 +179,29 @@ class Master:
     def live_token(self, stream: str) -> int:
         """The token up to which rows have been fanned out to live subscriptions."""
         return self._live[stream]
+
+    @property
+    def instance_name(self) -> str:
+        return self.config.instance_name
+
+    def refresh_heads(self) -> defer.Deferred[None]:
+        """Read the highest allocated token of every stream (for :meth:`stats`), off the reactor."""
+        d: defer.Deferred[dict[str, int]] = self.db.run(self.store.heads)
+        return d.addCallback(self._allocated.update)
+
+    def stats(self) -> MasterStats:
+        """A typed snapshot of the master's streams, connections and counters."""
+        streams = []
+        for stream in self.stream_names():
+            safe = self.safe_position(stream)
+            streams.append(StreamStats(stream, max(self._allocated.get(stream, 0), safe), safe, self._live[stream]))
+        return MasterStats(
+            streams=tuple(streams),
+            connections=tuple(conn.stats() for conn in self.connections),
+            catchup_rows=self._catchup_rows,
+            live_rows=self._live_rows,
+            protocol=STATS.snapshot(),
+        )
 
     def read_encoded(
         self, stream: str, after: int, upto: int, limit: int, with_ts: bool
@@ -266,7 +316,7 @@ class Master:
                 if not subs:
                     self._live[stream] = head
                     break
-                variants = tuple(sorted({conn.with_ts for conn in subs}))
+                variants = tuple(sorted({target.with_ts for target in subs}))
                 encoded, last_token, count = await self.db.run(
                     self._read_encoded, stream, self._live[stream], head, self.config.fanout_rows, variants
                 )
@@ -278,26 +328,24 @@ class Master:
     def _timetick(self, stream: str, safe: int) -> None:
         """No rows in (live, safe]: tell live subscriptions they may move to ``safe``."""
         data = PositionCommand(stream, self.config.instance_name, self._live[stream], safe).encode()
-        for conn, sub in list(self._live_subs[stream].items()):
-            conn.send_live(sub, data, safe, "POSITION")
+        for target, sub in list(self._live_subs[stream].items()):
+            target.send_live(sub, data, safe, "POSITION")
         self._live[stream] = safe
 
     def _fan_out(self, stream: str, encoded: dict[bool, bytes], last_token: int, count: int) -> None:
-        self.counters["live_rows"] += count
-        for conn, sub in list(self._live_subs[stream].items()):
-            data = encoded.get(conn.with_ts)
+        self._live_rows += count
+        for target, sub in list(self._live_subs[stream].items()):
+            data = encoded.get(target.with_ts)
             if data is None:
                 # A subscription with the other variant joined during the read:
                 # it is behind last_token, so the loop below makes it catch up.
                 continue
-            conn.send_live(sub, data, last_token, "RDATA", count)
+            target.send_live(sub, data, last_token, "RDATA", count)
         self._live[stream] = last_token
-        for conn, sub in list(self._live_subs[stream].items()):
+        for target, sub in list(self._live_subs[stream].items()):
             if sub.sent_token != last_token:
                 # It went live during the read at an older token: catch up.
-                sub.live = False
-                self.unsubscribe_live(conn, sub)
-                conn.pump(sub)
+                target.fell_behind(sub)
 
     def invalidate_cache(self, cache_name: str, keys: list[Any] | None = None) -> defer.Deferred[int]:
         """Record a cache invalidation on the ``caches`` stream; fires with its token."""
@@ -317,20 +365,20 @@ class Master:
 
     def connection_lost(self, conn: ServerProtocol) -> None:
         self.connections.discard(conn)
-        for sub in conn.subscriptions.values():
-            self.unsubscribe_live(conn, sub)
         self.client_commands.connection_lost(conn)
 
-    def subscribe_live(self, conn: ServerProtocol, sub: Subscription) -> None:
-        self._live_subs[sub.stream][conn] = sub
+    # -- what subscriptions ask (StreamSource) ----------------------------------------------
 
-    def unsubscribe_live(self, conn: ServerProtocol, sub: Subscription) -> None:
+    def join_live(self, target: FanOutTarget, sub: Subscription) -> None:
+        self._live_subs[sub.stream][target] = sub
+
+    def leave_live(self, target: FanOutTarget, sub: Subscription) -> None:
         subs = self._live_subs.get(sub.stream)
-        if subs is not None and subs.get(conn) is sub:
-            del subs[conn]
+        if subs is not None and subs.get(target) is sub:
+            del subs[target]
 
-    def metrics_catchup_rows(self, count: int) -> None:
-        self.counters["catchup_rows"] += count
+    def count_catchup_rows(self, count: int) -> None:
+        self._catchup_rows += count
 
 
 @implementer(IReadDescriptor)

@@ -16,9 +16,11 @@ protocol finishes what it owes and then closes (``IHalfCloseableProtocol``).
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import socket
 import struct
+import termios
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -38,7 +40,7 @@ from replication.commands import (
 )
 from replication.reactor_types import Clock, DelayedCall, Transport
 from replication.settings import ProtocolConfig
-from replication.stats import STATS
+from replication.stats import STATS, ConnectionStats
 
 logger = logging.getLogger(__name__)
 _TCP_INFO_RTT = struct.Struct("I")  # tcpi_rtt: microseconds, at offset 68 of struct tcp_info
@@ -70,6 +72,33 @@ class LineCommandProtocol(Protocol):
         self.read_closed = False
         self.rtt_ms: float | None = None  # kernel's smoothed TCP round trip
         self.clock_offset_ms: float | None = None  # peer's clock minus ours, from its PINGs
+        self.bytes_sent = 0  # on this connection
+        self.bytes_received = 0
+
+    @property
+    def closing(self) -> bool:
+        """Closing or closed: nothing more is read or produced."""
+        return self._closing
+
+    @property
+    def paused(self) -> bool:
+        """The peer is not reading what we send (flow control); see the server."""
+        return False
+
+    @property
+    def display_name(self) -> str:
+        return self.conn_name
+
+    def stats(self) -> ConnectionStats:
+        return ConnectionStats(
+            name=self.display_name,
+            bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received,
+            unsent_bytes=kernel_unsent_bytes(self.transport),
+            paused=self.paused,
+            rtt_ms=self.rtt_ms,
+            clock_offset_ms=self.clock_offset_ms,
+        )
 
     # -- connection lifecycle --------------------------------------------------
 
@@ -119,6 +148,7 @@ class LineCommandProtocol(Protocol):
             return
         self._last_sent = self.clock.seconds()
         STATS.bytes_sent += len(data)
+        self.bytes_sent += len(data)
         self.transport.write(data)
 
     def send_ping(self) -> None:
@@ -152,6 +182,7 @@ class LineCommandProtocol(Protocol):
             return
         self._last_received = self.clock.seconds()
         STATS.bytes_received += len(data)
+        self.bytes_received += len(data)
         buffer = self._buffer + data if self._buffer else data
         lines = buffer.split(b"\n")
         self._buffer = lines.pop()
@@ -225,6 +256,18 @@ class LineCommandProtocol(Protocol):
 
     def on_ERROR(self, command: ErrorCommand) -> None:
         logger.warning("[%s] %s sent ERROR %s", self.conn_name, self.peer_side, command.message)
+
+
+def kernel_unsent_bytes(transport: object) -> int:
+    """Bytes in a TCP socket's send queue that the peer has not acknowledged (Linux ``SIOCOUTQ``), or 0."""
+    get_handle = getattr(transport, "getHandle", None)
+    if get_handle is None:
+        return 0
+    try:
+        queued = fcntl.ioctl(get_handle().fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+    except (OSError, AttributeError, ValueError, TypeError):
+        return 0
+    return max(0, struct.unpack("i", queued)[0])
 
 
 def tcp_rtt_ms(transport: object) -> float | None:

@@ -1,20 +1,25 @@
-"""The master's side of a connection: handshake, REPLICATE, replay and flow control.
+"""The master's side of a connection: framing, authentication and dispatch.
 
-Each connection holds one :class:`Subscription` per stream it replicates.
-A subscription is either *catching up* (its own cursor reads rows from
-storage, one chunk at a time, paced by the client: nothing is read while the
-transport is paused) or *live* (it receives the master's fan-out, the same
-bytes for every connection). A live subscription whose transport pauses
-drops back to catching up from its last sent token, so a slow client never
-makes the master buffer rows for it.
+:class:`ServerProtocol` is a :class:`~replication.protocol.LineCommandProtocol`
+(framing, keepalive, bad input) that sends the handshake (``SERVER``,
+``PING``), checks ``AUTH``, answers ``OPTIONS``, validates ``REPLICATE``
+against the master's streams and heads, and hands client commands to the
+master's handlers. The subscriptions it starts are owned by its
+:class:`~replication.subscriptions.Subscriptions` (catching up, live, paused,
+generations); as the transport's ``IPushProducer`` it tells them when to
+pause and resume, and closes a connection paused for longer than
+``max_pause``.
+
+What a connection needs from the master is :class:`MasterServices`.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
+from twisted.internet import defer
 from twisted.internet.interfaces import IPushProducer
 from twisted.python.failure import Failure
 from zope.interface import implementer
@@ -43,29 +48,42 @@ from replication.commands import (
     UserSyncCommand,
 )
 from replication.protocol import LineCommandProtocol, ProtocolConfig
-from replication.reactor_types import Clock
-from replication.stats import STATS
+from replication.reactor_types import Clock, DelayedCall
+from replication.settings import MasterConfig
+from replication.subscriptions import StreamSource, Subscriptions
 
 if TYPE_CHECKING:
-    from replication.master import Master
+    from replication.client_commands import ClientCommandHandlers
+    from replication.timeline import TimelineHooks
 
 logger = logging.getLogger(__name__)
 
 
-class Subscription:
-    """One stream on one connection."""
+class MasterServices(StreamSource, Protocol):
+    """What a connection needs from the master (``replication.master.Master``)."""
 
-    __slots__ = ("announce_live", "generation", "live", "reading", "sent_token", "stream")
+    @property
+    def config(self) -> MasterConfig: ...
 
-    def __init__(self, stream: str, sent_token: int, announce_live: bool = False) -> None:
-        self.stream = stream
-        self.sent_token = sent_token  # every row up to here has been written
-        self.live = False
-        # A replay ends with POSITION <head> <head> when it first goes live, so
-        # the client knows it has caught up.
-        self.announce_live = announce_live
-        self.reading = False
-        self.generation = 0  # bumped when a new REPLICATE restarts the stream
+    @property
+    def client_commands(self) -> ClientCommandHandlers: ...
+
+    def has_stream(self, stream: str) -> bool: ...
+
+    def stream_names(self) -> list[str]: ...
+
+    def followed(self) -> defer.Deferred[None]:
+        """Fires once the master has looked at the store's heads after this call."""
+        ...
+
+    def connection_made(self, conn: ServerProtocol) -> None: ...
+
+    def connection_lost(self, conn: ServerProtocol) -> None: ...
+
+    @property
+    def timeline(self) -> TimelineHooks:
+        """The timeline's commands and connection hooks (``replication.timeline``)."""
+        ...
 
 
 @implementer(IPushProducer)
@@ -73,18 +91,25 @@ class ServerProtocol(LineCommandProtocol):
     INBOUND: ClassVar[frozenset[str]] = CLIENT_COMMANDS
     SIDE: ClassVar[str] = "server"
 
-    def __init__(self, master: Master, config: ProtocolConfig, clock: Clock) -> None:
+    def __init__(self, master: MasterServices, config: ProtocolConfig, clock: Clock) -> None:
         super().__init__(config, clock)
         self.master = master
         self.client_name: str | None = None
-        self.with_ts = False
         self.announce_live = False  # OPTIONS live
         self.authenticated = master.config.secret is None
-        self.subscriptions: dict[str, Subscription] = {}
-        self.paused = False
-        self._pause_timer = None
+        self.subscriptions = Subscriptions(master, self, config.catchup_rows)
+        self._pause_timer: DelayedCall | None = None
         self._pending_replicates = 0  # REPLICATEs waiting for the master to follow the store
         self._half_close_synced = False
+
+    @property
+    def with_ts(self) -> bool:
+        """OPTIONS ts: rows carry their timestamp."""
+        return self.subscriptions.with_ts
+
+    @property
+    def paused(self) -> bool:
+        return self.subscriptions.paused
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -100,19 +125,17 @@ class ServerProtocol(LineCommandProtocol):
         super().connectionLost(reason)
         if self._pause_timer is not None and self._pause_timer.active():
             self._pause_timer.cancel()
-        for sub in self.subscriptions.values():
-            sub.generation += 1
+        self.subscriptions.close()
         self.master.connection_lost(self)
         self.master.timeline.connection_lost(self)
-        self.subscriptions.clear()
 
     def finish_after_half_close(self) -> None:
         # Finish replays owed to a half-closed peer (nc -q1), then close.
         if self.master.timeline.busy(self):
             return  # timeline answers still owed; the service calls again
-        if self._pending_replicates or not all(sub.live for sub in self.subscriptions.values()):
+        if self._pending_replicates or not self.subscriptions.all_live():
             return
-        if self.subscriptions and not self._half_close_synced:
+        if len(self.subscriptions) and not self._half_close_synced:
             # Rows committed before the peer half-closed may not be followed
             # yet: let the master look at the store once more, then close.
             self._half_close_synced = True
@@ -157,9 +180,14 @@ class ServerProtocol(LineCommandProtocol):
 
     def on_OPTIONS(self, command: OptionsCommand) -> None:
         if self._allowed("OPTIONS"):
-            # Options add up; none can be switched off again.
-            self.with_ts = self.with_ts or "ts" in command.options
-            self.announce_live = self.announce_live or "live" in command.options
+            # Options add up; none can be switched off again. The answer names
+            # what was accepted (unknown options are not acknowledged); it goes
+            # out before the answer to any later command.
+            accepted = command.accepted()
+            if "ts" in accepted.options:
+                self.subscriptions.use_ts()
+            self.announce_live = self.announce_live or "live" in accepted.options
+            self.send(accepted)
 
     def on_REPLICATE(self, command: ReplicateCommand) -> None:
         if not self._allowed("REPLICATE"):
@@ -181,7 +209,7 @@ class ServerProtocol(LineCommandProtocol):
 
     def _replicate_after_follow(self, _: object, command: ReplicateCommand) -> None:
         self._pending_replicates -= 1
-        if self._closing:
+        if self.closing:
             return
         self._replicate(command)
         if self.read_closed:
@@ -193,7 +221,7 @@ class ServerProtocol(LineCommandProtocol):
             for stream in master.stream_names():
                 head = master.live_token(stream)
                 self.send(PositionCommand(stream, master.config.instance_name, head, head))
-                self._start(stream, head)
+                self.subscriptions.start(stream, head)
             return
         stream, token = command.stream, command.token
         assert token is not None
@@ -205,7 +233,7 @@ class ServerProtocol(LineCommandProtocol):
             self.send_error(f"token {token} is above the head {head} of stream {stream!r}")
             return
         self.send(PositionCommand(stream, master.config.instance_name, token, token))
-        self._start(stream, token, announce_live=self.announce_live)
+        self.subscriptions.start(stream, token, announce_live=self.announce_live)
 
     def on_USER_SYNC(self, command: UserSyncCommand) -> None:
         if self._allowed("USER_SYNC"):
@@ -254,93 +282,26 @@ class ServerProtocol(LineCommandProtocol):
     def on_CANCEL(self, command: CancelCommand) -> None:
         self._timeline(command)
 
-    # -- streaming -----------------------------------------------------------------
+    # -- what the subscriptions ask (Outlet) ------------------------------------------------
 
-    def _start(self, stream: str, token: int, announce_live: bool = False) -> None:
-        old = self.subscriptions.get(stream)
-        if old is not None:
-            old.generation += 1
-            self.master.unsubscribe_live(self, old)
-        sub = Subscription(stream, token, announce_live)
-        if old is not None:
-            sub.generation = old.generation + 1
-        self.subscriptions[stream] = sub
-        self.pump(sub)
-
-    def pump(self, sub: Subscription) -> None:
-        """Move a catching-up subscription on: read the next chunk, or go live."""
-        if sub.live or sub.reading or self.paused or self._closing:
-            return
-        head = self.master.live_token(sub.stream)
-        if sub.sent_token >= head:
-            sub.live = True
-            self.master.subscribe_live(self, sub)
-            if sub.announce_live:
-                sub.announce_live = False
-                self.send(PositionCommand(sub.stream, self.master.config.instance_name, head, head))
-            if self.read_closed:
-                self.finish_after_half_close()
-            return
-        sub.reading = True
-        generation = sub.generation
-        d = self.master.read_encoded(sub.stream, sub.sent_token, head, self.config.catchup_rows, self.with_ts)
-
-        def got(result: tuple[bytes, int, int]) -> None:
-            data, last_token, count = result
-            if generation != sub.generation or self.subscriptions.get(sub.stream) is not sub:
-                return
-            sub.reading = False
-            if data:
-                STATS.sent["RDATA"] += count
-                self.write(data)
-                self.master.metrics_catchup_rows(count)
-            if data:
-                sub.sent_token = last_token
-            else:
-                # No rows in (sent, head]: every token up to the live head has
-                # committed (or never will), so the client may move there.
-                self.send(PositionCommand(sub.stream, self.master.config.instance_name, sub.sent_token, head))
-                sub.sent_token = head
-            self.pump(sub)
-
-        def failed(failure: Failure) -> None:
-            if generation != sub.generation:
-                return
-            sub.reading = False
-            logger.error("[%s] reading %s for replay failed: %s", self.conn_name, sub.stream, failure.getErrorMessage())
-            self.close_with_error(f"internal error reading stream {sub.stream!r}; reconnect to resume")
-
-        d.addCallbacks(got, failed)
-
-    def send_live(
-        self, sub: Subscription, data: bytes, last_token: int, command: str = "RDATA", count: int = 1
-    ) -> None:
-        """Called by the master's fan-out with ``count`` lines just after ``sub.sent_token``."""
-        if self.paused:
-            # Don't buffer for a client that is not reading: it catches up later.
-            sub.live = False
-            self.master.unsubscribe_live(self, sub)
-            return
-        STATS.sent[command] += count
-        self.write(data)
-        sub.sent_token = last_token
+    def went_live(self, stream: str) -> None:
+        if self.read_closed:
+            self.finish_after_half_close()
 
     # -- IPushProducer -----------------------------------------------------------
 
     def pauseProducing(self) -> None:
-        if self.paused:
+        if self.subscriptions.paused:
             return
-        self.paused = True
+        self.subscriptions.pause()
         self._pause_timer = self.clock.callLater(self.config.max_pause, self._paused_too_long)
 
     def resumeProducing(self) -> None:
-        if not self.paused:
+        if not self.subscriptions.paused:
             return
-        self.paused = False
         if self._pause_timer is not None and self._pause_timer.active():
             self._pause_timer.cancel()
-        for sub in list(self.subscriptions.values()):
-            self.pump(sub)
+        self.subscriptions.resume()
         self.master.timeline.resumed(self)
 
     def stopProducing(self) -> None:

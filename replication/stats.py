@@ -1,12 +1,18 @@
-"""Process-wide protocol counters, cheap enough for the hot path.
+"""Statistics: process-wide protocol counters and the typed ``stats()`` snapshots.
 
-Plain integers and dicts updated on the reactor thread; the metrics endpoint
-(``scripts/metrics.py``) reads them at scrape time.
+:data:`STATS` holds plain integers and counters bumped on the reactor thread
+(cheap enough for the hot path). The attrs classes below are what the
+``stats()`` methods of connections (``LineCommandProtocol.stats``) and the
+master (``Master.stats``) return: frozen snapshots taken on the reactor
+thread, which the Prometheus collectors (``replication.master_metrics``,
+``workers.worker_metrics``) turn into metrics without touching anything else.
 """
 
 from __future__ import annotations
 
 import collections
+
+import attr
 
 
 class ProtocolStats:
@@ -16,5 +22,55 @@ class ProtocolStats:
         self.bytes_sent = 0
         self.bytes_received = 0
 
+    def snapshot(self) -> ProtocolCounters:
+        return ProtocolCounters(
+            sent=tuple(sorted(self.sent.items())),
+            received=tuple(sorted(self.received.items())),
+            bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received,
+        )
+
 
 STATS = ProtocolStats()
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class ProtocolCounters:
+    """This process's protocol traffic over all connections since it started."""
+
+    sent: tuple[tuple[str, int], ...]  # (command name, count), sorted by name
+    received: tuple[tuple[str, int], ...]
+    bytes_sent: int
+    bytes_received: int
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class ConnectionStats:
+    """One connection."""
+
+    name: str  # the client's NAME@host:port on the master, NAME->host:port on a client
+    bytes_sent: int
+    bytes_received: int
+    unsent_bytes: int  # in the socket's send queue, not yet acknowledged by the peer
+    paused: bool  # the peer is not reading (flow control)
+    rtt_ms: float | None  # the kernel's smoothed round trip, read when the peer's PING arrives
+    clock_offset_ms: float | None  # the peer's clock minus ours, from its PING
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class StreamStats:
+    """One stream on the master."""
+
+    stream: str
+    head: int  # highest token allocated (refreshed now and then), never below ``safe``
+    safe: int  # every row up to here has committed (the timetick)
+    live: int  # rows up to here went out to live subscriptions
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class MasterStats:
+    streams: tuple[StreamStats, ...]  # sorted by stream name
+    connections: tuple[ConnectionStats, ...]
+    catchup_rows: int  # rows sent from replays
+    live_rows: int  # rows fanned out live, once per row whatever the number of connections
+    protocol: ProtocolCounters

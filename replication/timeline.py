@@ -57,13 +57,29 @@ class Connection(Protocol):
     """What the service needs of a master connection (``ServerProtocol``)."""
 
     conn_name: str
-    paused: bool
     read_closed: bool  # the peer half-closed (nc -q1): close once every answer is out
     transport: Transport | None
+
+    @property
+    def paused(self) -> bool:
+        """The client stopped reading (flow control): it is given no leases."""
+        ...
 
     def send(self, command: Command) -> None: ...
 
     def finish_after_half_close(self) -> None: ...
+
+
+class TimelineHooks(Protocol):
+    """What a master connection calls (``TimelineService``, or ``NoTimeline`` without a store)."""
+
+    def command(self, conn: Connection, command: Command) -> None: ...
+
+    def connection_lost(self, conn: Connection) -> None: ...
+
+    def resumed(self, conn: Connection) -> None: ...
+
+    def busy(self, conn: Connection) -> bool: ...
 
 
 class DbRunner(Protocol):

@@ -16,7 +16,8 @@ def run_master(args: argparse.Namespace, config: Config) -> int:
     from twisted.internet import defer, reactor
 
     from replication.master import Master
-    from scripts.metrics import MasterCollector, follow_heads, serve_metrics
+    from replication.master_metrics import MasterCollector, follow_heads
+    from scripts.metrics import serve_metrics
     from storage.store import open_store
 
     master_config = config.master
@@ -35,17 +36,25 @@ def run_master(args: argparse.Namespace, config: Config) -> int:
     url = database_url(args, config)
     store = open_store(url, writer_timeout=master_config.writer_timeout)
     timeline_store = open_timeline_store(url, buckets=config.timeline.buckets)
-    master = Master(master_config, config.protocol, store, config.streams, reactor, timeline_store, config.timeline)
-    heads: dict[str, int] = {}
+    # The database threads (DatabaseThreads of master.db_threads) are built by default.
+    master = Master(
+        master_config,
+        config.protocol,
+        store,
+        config.streams,
+        reactor,
+        timeline_store=timeline_store,
+        timeline_settings=config.timeline,
+    )
 
     async def start() -> None:
         await master.start()
         if metrics is not None:
             from replication.timeline_metrics import Collectors, TimelineCollector
 
-            collector = Collectors(MasterCollector(master, heads), TimelineCollector(master.timeline))
+            collector = Collectors(MasterCollector(master), TimelineCollector(master.timeline))
             serve_metrics(reactor, collector, *metrics)
-            follow_heads(reactor, master, heads)
+            follow_heads(reactor, master)
 
     def ready() -> defer.Deferred[str]:
         address = master.port.getHost()

@@ -46,7 +46,8 @@ def worker_config(args: argparse.Namespace, config: Config) -> WorkerConfig:
 def run_worker(args: argparse.Namespace, config: Config) -> int:
     from twisted.internet import defer, reactor
 
-    from scripts.metrics import WorkerCollector, serve_metrics
+    from scripts.metrics import serve_metrics
+    from workers.worker_metrics import WorkerCollector
 
     wc = worker_config(args, config)
     handlers = HandlerRegistry()

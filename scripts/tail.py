@@ -58,7 +58,9 @@ class TailHandler(ReplicationHandler):
         if self.done or stream not in self.streams:
             return
         for row in rows:
-            values, ts = split_ts(row, self.with_ts)
+            # Rows carry their timestamp only once the master acknowledged
+            # OPTIONS ts; from a seed-protocol master "ts" is null.
+            values, ts = split_ts(row, client.rows_have_ts)
             record = {"stream": stream, "instance": instance, "token": token, "row": values}
             if self.with_ts:
                 record["ts"] = ts

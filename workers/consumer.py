@@ -12,6 +12,13 @@ Applying takes whole tokens from the front of the queue (many at once, up to
 transaction on the database thread. A failure rolls back, is logged with the
 failing token's rows, and is retried with exponential backoff, one token at a
 time, until it succeeds: rows are never skipped.
+
+Rows carry their oracle timestamp when the master acknowledged ``OPTIONS
+ts``. From a master that did not (a seed-protocol master), a row's ``ts`` is
+its arrival time at this worker, in the oracle's shape (Unix milliseconds
+shifted left by the logical bits, logical part 0): the replicated table's
+``ts`` column then holds when the worker received the row, and the lag
+measures only how long rows wait to be applied here.
 """
 
 from __future__ import annotations
@@ -27,11 +34,23 @@ from twisted.python.failure import Failure
 
 from replication.reactor_types import Clock
 from storage.schema import StreamSchema
-from storage.tso import physical_ms
+from storage.tso import compose, physical_ms
 from workers.handlers import ApplyContext, Handler, ReplicatedRow
 from workers.settings import ApplySettings
 
 logger = logging.getLogger(__name__)
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class ConsumerStats:
+    """One stream of a worker."""
+
+    stream: str
+    applied: int  # token committed in the worker's database
+    received: int  # highest token received on this connection (queued or applied)
+    pending_rows: int  # received, waiting to be applied
+    applied_rows: int  # since the process started
+    lag_ms: int  # how old the applied data is while rows wait to be applied; 0 when nothing waits
 
 
 @attr.s(slots=True, auto_attribs=True)
@@ -56,6 +75,7 @@ class StreamConsumer:
     ) -> None:
         self.stream = stream
         self.schema = schema
+        self._width = len(schema.columns)
         self.applied = applied
         self.known = applied
         self.handlers = handlers
@@ -88,15 +108,33 @@ class StreamConsumer:
         """The token to ask the master to replay after."""
         return self.known
 
-    def rows_received(self, instance: str, token: int, rows: list[list[Any]]) -> None:
-        """Rows of one token, each ``[*values, ts]`` (the ``ts`` option is on)."""
+    def rows_received(self, instance: str, token: int, rows: list[list[Any]], with_ts: bool = True) -> None:
+        """Rows of one token: each ``[*values, ts]`` with ``with_ts`` (the ``ts``
+        option acknowledged), else ``[*values]`` stamped with their arrival time.
+
+        A row's length settles what the acknowledgment cannot: a row exactly
+        one value longer than the stream's columns, ending in an integer,
+        carries its timestamp (it fits no other reading), and a row of exactly
+        the stream's columns carries none.
+        """
         if token <= self.known:
             self.rows_dropped += len(rows)
             logger.debug("%s: dropped stale rows at token %s (known %s)", self.stream, token, self.known)
             return
-        replicated = [
-            ReplicatedRow(self.stream, token, instance, row[-1] if row else None, tuple(row[:-1])) for row in rows
-        ]
+        width = self._width
+        arrived: int | None = None
+        replicated = []
+        for row in rows:
+            if len(row) == width + 1 and (with_ts or (type(row[-1]) is int and row[-1] >= 0)):
+                replicated.append(ReplicatedRow(self.stream, token, instance, row[-1], tuple(row[:-1])))
+                continue
+            if len(row) != width and with_ts and row:
+                # Neither form: split as acknowledged, so the check names the misfit.
+                replicated.append(ReplicatedRow(self.stream, token, instance, row[-1], tuple(row[:-1])))
+                continue
+            if arrived is None:
+                arrived = compose(int(self._clock.seconds() * 1000))
+            replicated.append(ReplicatedRow(self.stream, token, instance, arrived, tuple(row)))
         self._queue.append(_Item(token, replicated))
         self.queued_rows += len(replicated)
         self.known = token
@@ -208,6 +246,10 @@ class StreamConsumer:
         if self._retry_call is not None and self._retry_call.active():
             self._retry_call.cancel()
         self._retry_call = None
+
+    def stats(self, now_ms: int) -> ConsumerStats:
+        lag = (self.lag_ms(now_ms) or 0) if self.busy else 0
+        return ConsumerStats(self.stream, self.applied, self.known, self.queued_rows, self.rows_applied, lag)
 
     def lag_ms(self, now_ms: int) -> int | None:
         """How far the applied data is behind ``now_ms`` (None before any row)."""

@@ -1,8 +1,11 @@
 """A worker process: follow the master's streams and apply them exactly once.
 
-On every connection the worker waits for ``SERVER`` (and checks the name when
-one is expected), sends ``NAME``, ``PING`` and ``OPTIONS ts``, then resumes
-each stream with ``REPLICATE <stream> <applied token>``. It reconnects for
+On every connection the worker sends ``NAME``, ``PING`` and ``OPTIONS live
+ts``, waits for ``SERVER`` (and checks the name when one is expected), then
+resumes each stream with ``REPLICATE <stream> <applied token>``. Options are
+used only once the master acknowledged them: from a seed-protocol master rows
+carry no timestamp (their arrival time stands in) and a stream is caught up
+once the answer to its ``REPLICATE`` has been applied. It reconnects for
 ever with exponential backoff and jitter, and the delay resets once a
 connection has passed the handshake.
 
@@ -19,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import attr
 from twisted.internet import defer
 from twisted.internet.protocol import ReconnectingClientFactory
 from twisted.python.failure import Failure
@@ -32,16 +36,25 @@ from replication.commands import (
     RemovePusherCommand,
     UserSyncCommand,
 )
-from replication.dbthreads import DatabaseThreads
+from replication.dbthreads import DatabaseRunner, DatabaseThreads
 from replication.protocol import ProtocolConfig
+from replication.stats import STATS, ConnectionStats, ProtocolCounters
 from storage.schema import StreamSchema
 from workers.caches import CacheRegistry
-from workers.consumer import StreamConsumer
+from workers.consumer import ConsumerStats, StreamConsumer
 from workers.handlers import HandlerRegistry
 from workers.replicator import cache_invalidator, table_replicator
 from workers.settings import WorkerConfig
 
 logger = logging.getLogger(__name__)
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class WorkerStats:
+    streams: tuple[ConsumerStats, ...]  # sorted by stream name
+    reconnects: int  # connections to the master lost (not counting a clean stop)
+    connection: ConnectionStats | None  # None while not connected
+    protocol: ProtocolCounters
 
 
 class Worker(ReplicationHandler):
@@ -55,6 +68,7 @@ class Worker(ReplicationHandler):
         handlers: HandlerRegistry | None = None,
         caches: CacheRegistry | None = None,
         secret: str | None = None,
+        db: DatabaseRunner | None = None,
     ) -> None:
         self.config = config
         self.secret = secret  # sent in AUTH when the master requires it
@@ -64,7 +78,9 @@ class Worker(ReplicationHandler):
         self.handlers = handlers or HandlerRegistry()
         self.caches = caches or CacheRegistry()
         self.streams = streams
-        self.db = DatabaseThreads(reactor, max_threads=1, name=f"tickline-worker-{config.name}-db")
+        self.db: DatabaseRunner = (
+            db if db is not None else DatabaseThreads(reactor, max_threads=1, name=f"tickline-worker-{config.name}-db")
+        )
         self.consumers: dict[str, StreamConsumer] = {}
         self.client: ClientProtocol | None = None
         self.factory: WorkerFactory | None = None
@@ -202,10 +218,13 @@ class Worker(ReplicationHandler):
         consumer = self.consumers.get(command.stream)
         if consumer is None:
             return
-        if command.stream in self._answered:
+        if command.stream in self._answered or not client.uses("live"):
+            # With OPTIONS live acknowledged, the replay's end is a second
+            # POSITION; without it (a seed-protocol master), the answer to
+            # REPLICATE is all there is: once what it announced is applied,
+            # the stream is caught up.
             self._live_streams.add(command.stream)
-        else:
-            self._answered.add(command.stream)
+        self._answered.add(command.stream)
         missed_from = consumer.position(command.prev_token, command.new_token)
         if missed_from is not None:
             self._replicate(client, command.stream, missed_from)
@@ -215,7 +234,7 @@ class Worker(ReplicationHandler):
         consumer = self.consumers.get(stream)
         if consumer is None:
             return
-        consumer.rows_received(instance, token, rows)
+        consumer.rows_received(instance, token, rows, client.rows_have_ts)
         if not self._reading_paused and self._pending_rows() > self.config.max_pending_rows:
             self._reading_paused = True
             if client.transport is not None:
@@ -291,6 +310,16 @@ class Worker(ReplicationHandler):
             waiters, self._caught_up_waiters = self._caught_up_waiters, []
             for d in waiters:
                 d.callback(None)
+
+    def stats(self) -> WorkerStats:
+        """A typed snapshot of the worker's streams and connection."""
+        now_ms = int(self.reactor.seconds() * 1000)
+        return WorkerStats(
+            streams=tuple(c.stats(now_ms) for _, c in sorted(self.consumers.items())),
+            reconnects=self.reconnects,
+            connection=self.client.stats() if self.client is not None else None,
+            protocol=STATS.snapshot(),
+        )
 
     def lag_ms(self) -> dict[str, int | None]:
         now = int(time.time() * 1000)

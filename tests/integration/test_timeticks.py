@@ -71,6 +71,7 @@ def test_a_writer_killed_mid_transaction_stalls_the_stream_only_until_the_timeou
     client = m.connect()
     client.handshake()
     client.send("OPTIONS ts", "REPLICATE events 0")
+    client.expect("OPTIONS ts")
     client.expect("POSITION")
     a = writer(pg_url, "A", "hold")
     assert a.stdout.readline().strip() == "HOLDING 1"

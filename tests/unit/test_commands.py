@@ -125,6 +125,7 @@ def test_direction_sets_follow_the_protocol_table() -> None:
         "RDATA",
         "ERROR",
         "REMOTE_SERVER_UP",
+        "OPTIONS",
         "LEASE",
         "ACK",
         "NACK",
@@ -150,11 +151,12 @@ def test_direction_sets_follow_the_protocol_table() -> None:
         "CANCEL",
     } == CLIENT_COMMANDS
     # Sent by both sides: exactly those marked S,C in the table.
-    assert {"PING", "ERROR", "REMOTE_SERVER_UP"} == SERVER_COMMANDS & CLIENT_COMMANDS
+    # OPTIONS: the client asks, the master answers with what it accepted.
+    assert {"PING", "ERROR", "REMOTE_SERVER_UP", "OPTIONS"} == SERVER_COMMANDS & CLIENT_COMMANDS
     # A client may never send what only the master sends.
     for name in ("SERVER", "POSITION", "RDATA"):
         assert name not in CLIENT_COMMANDS
-    for name in ("NAME", "REPLICATE", "USER_SYNC", "AUTH", "OPTIONS"):
+    for name in ("NAME", "REPLICATE", "USER_SYNC", "AUTH"):
         assert name not in SERVER_COMMANDS
 
 
@@ -192,6 +194,13 @@ def test_replicate_without_arguments_is_plain_replicate() -> None:
 def test_options_serialize_sorted_and_deduplicated() -> None:
     assert parse_line("OPTIONS ts ts") == OptionsCommand(frozenset({"ts"}))
     assert OptionsCommand(frozenset({"ts"})).to_line() == "OPTIONS ts"
+
+
+def test_options_answer_names_only_known_options_possibly_none() -> None:
+    asked = parse_line("OPTIONS live gzip ts")
+    assert asked.accepted().to_line() == "OPTIONS live ts"
+    assert parse_line("OPTIONS gzip").accepted().to_line() == "OPTIONS"
+    assert parse_line("OPTIONS") == OptionsCommand(frozenset())  # an answer that accepted nothing
 
 
 def test_position_token_boundaries() -> None:
@@ -248,8 +257,8 @@ MALFORMED = [
     ("REMOTE_SERVER_UP", ["malformed REMOTE_SERVER_UP", "REMOTE_SERVER_UP <server>"]),
     ("REMOTE_SERVER_UP a b", ["malformed REMOTE_SERVER_UP", "server"]),
     ("AUTH", ["malformed AUTH", "AUTH <secret>"]),
-    ("OPTIONS", ["malformed OPTIONS", "OPTIONS <option>"]),
-    ("OPTIONS compress", ["malformed OPTIONS", "unknown option 'compress'", "ts"]),
+    ("OPTIONS ts caf\u00e9", ["malformed OPTIONS", "option must be one word", "'caf\u00e9'"]),
+    ("OPTIONS ts  live", ["malformed OPTIONS", "single spaces"]),
 ]
 
 
@@ -262,7 +271,10 @@ def test_malformed_arguments_name_what_was_wrong(line: str, words: list[str]) ->
         assert word in message, f"{word!r} not in {message!r}"
 
 
-@pytest.mark.parametrize("cls", sorted(set(COMMAND_CLASSES.values()) - {ReplicateCommand}, key=lambda c: c.NAME))
+# REPLICATE alone is plain REPLICATE; OPTIONS alone is an answer that accepted nothing.
+@pytest.mark.parametrize(
+    "cls", sorted(set(COMMAND_CLASSES.values()) - {ReplicateCommand, OptionsCommand}, key=lambda c: c.NAME)
+)
 def test_every_command_with_arguments_rejects_none(cls: type[Command]) -> None:
     with pytest.raises(MalformedCommand):
         cls.parse("")

@@ -2,8 +2,8 @@
 
 Timers (keepalive, ping timeout, max_pause, close grace) run on Twisted's
 ``MemoryReactorClock``; bytes go through ``StringTransport``. The master is the
-real :class:`replication.master.Master` on a real SQLite store, with its
-database thread pool replaced by :class:`ManualDB`, which runs storage calls at
+real :class:`replication.master.Master` on a real SQLite store; instead of a
+database thread pool it is given :class:`ManualDB`, which runs storage calls at
 once or holds them until the test releases them (to interleave deterministically).
 """
 
@@ -105,8 +105,7 @@ class Env:
         self.reactor.advance(1_700_000_000)  # a plausible Unix time for PING
         self.store = open_store(f"sqlite:///{tmp_path / 'unit.db'}")
         self.db = ManualDB()
-        self.master = Master(master, protocol, self.store, all_streams(), self.reactor)
-        self.master.db = self.db  # type: ignore[assignment]
+        self.master = Master(master, protocol, self.store, all_streams(), self.reactor, db=self.db)
         started = defer.ensureDeferred(self.master.start())
         failures: list = []
         started.addErrback(failures.append)
@@ -153,9 +152,7 @@ def make_env(tmp_path: Path) -> Iterator[Callable[..., Env]]:
 
     yield make
     for env in envs:
-        poller = env.master._poller
-        if poller is not None and poller.running:
-            poller.stop()
+        env.master.stop_following()
         env.store.close()
 
 
@@ -623,7 +620,8 @@ def test_options_ts_appends_the_row_timestamp(env: Env) -> None:
     env.write("events", [event(1)])
     env.follow()
     plain, with_ts = env.connected(), env.connected()
-    with_ts.send("OPTIONS ts")
+    with_ts.send("OPTIONS ts gzip")
+    assert with_ts.commands() == ["OPTIONS ts"]  # what was accepted; gzip is unknown
     for conn in (plain, with_ts):
         conn.send("REPLICATE events 0")
     (plain_row,) = [row for *_, row in rdata(plain.commands())]
@@ -712,6 +710,36 @@ def test_paused_live_connection_buffers_nothing_and_catches_up_on_resume(env: En
     assert tokens(fast.commands()) == [121]
 
 
+def test_master_stats_follow_the_subscriptions_transitions(env: Env) -> None:
+    slow, fast = env.connected(), env.connected()
+    slow.send("NAME slow", "REPLICATE")
+    fast.send("REPLICATE events 0")
+    env.write("events", [event(1), event(2)])
+    env.follow()
+    assert [(s.stream, s.state, s.sent_token) for s in fast.proto.subscriptions.stats()] == [("events", "live", 2)]
+    slow.proto.pauseProducing()
+    env.write("events", [event(3)])
+    env.follow()
+    # The paused live subscription fell back to catching up from its last sent token.
+    assert [(s.stream, s.state, s.sent_token) for s in slow.proto.subscriptions.stats()] == [
+        ("caches", "live", 0),
+        ("events", "catching_up", 2),
+    ]
+    stats = env.master.stats()
+    events = next(s for s in stats.streams if s.stream == "events")
+    assert (events.safe, events.live) == (3, 3) and events.head >= 3
+    assert stats.live_rows == 3 and stats.catchup_rows == 0
+    by_name = {c.name: c for c in stats.connections}
+    assert by_name["slow"].paused and not any(c.paused for n, c in by_name.items() if n != "slow")
+    assert by_name["slow"].bytes_received == len(b"NAME slow\nREPLICATE\n")
+    assert by_name["slow"].bytes_sent > len(slow.transport.value()) > 0  # the handshake was read already
+    slow.proto.resumeProducing()
+    assert tokens(slow.commands()) == [1, 2, 3]
+    assert env.master.stats().catchup_rows == 1  # token 3 came from storage
+    env.master.refresh_heads()
+    assert next(s for s in env.master.stats().streams if s.stream == "events").head == 3
+
+
 def test_paused_replay_reads_nothing_more_from_storage(make_env: Callable[..., Env]) -> None:
     env = make_env(catchup_rows=10)
     env.write("events", [event(i) for i in range(1, 101)])
@@ -768,7 +796,7 @@ def test_variant_joining_during_a_fan_out_read_still_gets_every_row(env: Env) ->
     assert len(env.db.held) == 1
     late = env.connected()
     late.send("OPTIONS ts", "REPLICATE events 0")  # live at once at token 0
-    assert late.commands() == ["POSITION events master 0 0"]
+    assert late.commands() == ["OPTIONS ts", "POSITION events master 0 0"]
     env.db.release()
     assert tokens(plain.commands()) == [1, 2]
     assert tokens(late.commands()) == [1, 2]

@@ -33,7 +33,7 @@ RECOVERABLE = [
     ("token above the head", b"REPLICATE events 1000000\n", "ERROR token 1000000 is above the head "),
     ("invalid UTF-8", b"NAME caf\xc3\x28\n", "ERROR invalid UTF-8 at byte 8 of the line"),
     ("invalid UTF-8 command", b"\xff\xfe\xfd\n", "ERROR invalid UTF-8 at byte 0 of the line"),
-    ("unknown option", b"OPTIONS gzip\n", "ERROR malformed OPTIONS: unknown option 'gzip'"),
+    ("bad option", b"OPTIONS ts \x01\n", "ERROR malformed OPTIONS: option must be one word of printable ASCII"),
 ]
 
 

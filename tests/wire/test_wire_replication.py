@@ -175,6 +175,7 @@ def test_options_ts_adds_the_timestamp_on_the_wire(master) -> None:
     client = m.connect()
     client.handshake()
     client.send("OPTIONS ts", "REPLICATE events 0")
+    assert client.next_command() == "OPTIONS ts"
     assert client.next_command() == "POSITION events master 0 0"
     _, _, _, row = parse_rdata(client.next_command())
     assert row[:-1] == event(1)

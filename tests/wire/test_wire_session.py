@@ -130,7 +130,6 @@ CLIENT_COMMANDS = [
     "NAME w1",
     "PING 123",
     "ERROR my side is sad",
-    "OPTIONS ts",
 ]
 
 
@@ -141,6 +140,16 @@ def test_client_commands_are_accepted_silently(master) -> None:
     for i, command in enumerate(CLIENT_COMMANDS):
         client.send(command, f"BOGUS{i}")  # the sentinel's ERROR must be the next answer
         assert client.next_command() == f"ERROR unknown command 'BOGUS{i}'", command
+
+
+def test_options_are_answered_with_what_was_accepted(master) -> None:
+    m = master()
+    client = m.connect()
+    client.handshake()
+    client.send("OPTIONS ts gzip live", "OPTIONS zstd", "REPLICATE caches 0")
+    assert client.next_command() == "OPTIONS live ts"  # gzip is unknown: not acknowledged
+    assert client.next_command() == "OPTIONS"  # nothing accepted
+    assert client.next_command() == "POSITION caches master 0 0"
 
 
 def test_remote_server_up_is_relayed_to_the_other_connections(master) -> None:

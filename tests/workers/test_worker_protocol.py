@@ -2,9 +2,9 @@
 
 The worker is driven with real command lines through ``ClientProtocol`` on a
 ``StringTransport``, with Twisted's ``Clock`` for timers, and applies into a
-real SQLite worker database. The only difference from production is that
-applies run synchronously instead of on the database thread, so every step is
-deterministic.
+real worker database (SQLite and PostgreSQL). The only difference from
+production is the injected database runner: applies run synchronously instead
+of on a database thread, so every step is deterministic.
 """
 
 from __future__ import annotations
@@ -29,17 +29,25 @@ from workers.worker import Worker, WorkerConfig
 TS = 470_000_000_000_000_000
 
 
-class SyncWorker(Worker):
-    """Applies in the calling thread; ``hold`` keeps applies pending to test flow control."""
+class SyncDB:
+    """The worker's database runner, injected: runs each call at once in the
+    calling thread, or holds it (``hold``) to test flow control."""
 
-    hold: list | None = None
+    def __init__(self) -> None:
+        self.hold: list | None = None
 
-    def _apply_in_db(self, stream: str, token: int, effects: Callable[[Any], None]) -> defer.Deferred:
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> defer.Deferred:
         if self.hold is not None:
             d: defer.Deferred = defer.Deferred()
-            self.hold.append((d, stream, token, effects))
+            self.hold.append((d, fn, args, kwargs))
             return d
-        return defer.maybeDeferred(self.store.apply, stream, token, effects)
+        return defer.maybeDeferred(fn, *args, **kwargs)
 
 
 def ev(n: int) -> str:
@@ -47,15 +55,21 @@ def ev(n: int) -> str:
 
 
 class Harness:
-    def __init__(self, url: str, **config: Any) -> None:
+    """Plays a tickline master: ``SERVER`` is followed by the answer to the
+    worker's ``OPTIONS`` (``acknowledge``; None plays a seed-protocol master
+    that never answers it)."""
+
+    def __init__(self, url: str, acknowledge: str | None = "live ts", **config: Any) -> None:
+        self.acknowledge = acknowledge
         self.clock = Clock()
         self.handlers = config.pop("handlers", HandlerRegistry())
         self.caches = config.pop("caches", CacheRegistry({"room_caches": ["members", "state"]}))
         defaults = dict(name="w1", replicate=("events",), apply=ApplySettings(retry_initial=1.0))
         self.config = WorkerConfig(**{**defaults, **config})
         self.store = open_worker_store(url)
-        self.worker = SyncWorker(
-            self.config, ProtocolConfig(), self.store, all_streams(), self.clock, self.handlers, self.caches
+        self.db = SyncDB()
+        self.worker = Worker(
+            self.config, ProtocolConfig(), self.store, all_streams(), self.clock, self.handlers, self.caches, db=self.db
         )
         self.worker.prepare()
         self.connect()
@@ -72,6 +86,12 @@ class Harness:
         self.proto.connectionLost(Failure(ConnectionLost()))
 
     def send(self, *lines: str) -> None:
+        if self.acknowledge is not None:
+            lines = tuple(
+                x
+                for line in lines
+                for x in ([line, f"OPTIONS {self.acknowledge}"] if line.startswith("SERVER ") else [line])
+            )
         self.proto.dataReceived("".join(line + "\n" for line in lines).encode())
 
     def sent(self) -> list[str]:
@@ -218,13 +238,14 @@ def test_failing_handler_stops_the_stream_and_is_retried_never_skipped(url, capl
 
 def test_too_many_pending_rows_pause_reading(url) -> None:
     h = Harness(url, max_pending_rows=4)
-    h.worker.hold = []
+    h.db.hold = []
     h.send("SERVER s", "POSITION events m 0 0", *(f"RDATA events m {n} {ev(n)}" for n in range(1, 7)))
     assert h.transport.producerState == "paused"
-    while h.worker.hold:
-        d, stream, token, effects = h.worker.hold.pop(0)
-        h.store.apply(stream, token, effects)
-        d.callback(None)
+    stats = h.worker.stats()
+    assert [(s.stream, s.pending_rows) for s in stats.streams] == [("caches", 0), ("events", 6)]
+    while h.db.hold:
+        d, fn, args, kwargs = h.db.hold.pop(0)
+        d.callback(fn(*args, **kwargs))
     assert h.transport.producerState == "producing"
     assert h.applied() == 6
 
@@ -321,3 +342,80 @@ def test_caught_up_only_after_the_replay_reaches_live(h) -> None:
     h.send(f"RDATA events m 2 {ev(2)}", "POSITION events m 2 2")  # OPTIONS live: the replay is done
     assert h.worker.caught_up()
     assert h.applied() == 2
+
+
+# -- a seed-protocol master (no OPTIONS acknowledgment) ---------------------------------
+
+
+def seed_ev(n: int) -> str:
+    return f'["$e{n}", "!r", "m.t", null, null]'
+
+
+@pytest.mark.parametrize("answer", [None, "ERROR unknown command 'OPTIONS'", "ERROR Unknown command"])
+def test_seed_master_rows_are_applied_with_their_arrival_time(url, answer) -> None:
+    h = Harness(url, acknowledge=None, replicate_retry=1.0)
+    h.clock.advance(1_700_000_000)
+    assert h.sent() == ["NAME w1", "OPTIONS live ts"]
+    h.send("SERVER seed")
+    if answer is not None:
+        h.send(answer)
+    assert h.sent() == ["REPLICATE caches 0", "REPLICATE events 0"]
+    h.send("POSITION caches m 0 0", f"RDATA events m 1 {seed_ev(1)}")  # before its POSITION: dropped
+    h.send("POSITION events m 0 0", f"RDATA events m batch {seed_ev(2)}")
+    assert h.applied() == 0
+    h.send(f"RDATA events m 2 {seed_ev(3)}", f"RDATA events m 2 {seed_ev(4)}")  # the batch, then a stale row
+    arrived = 1_700_000_000_000 << 18
+    assert h.rows() == [(2, "m", arrived, "$e2"), (2, "m", arrived, "$e3")]
+    assert h.worker.caught_up()  # no live marker: the answers are applied
+    assert h.worker.consumers["events"].lag_ms(1_700_000_000_500) == 500
+    h.clock.advance(5)
+    assert h.sent() == []  # an ERROR answering OPTIONS refused no REPLICATE
+
+
+def test_seed_master_gap_and_caught_up_after_what_was_announced(url) -> None:
+    h = Harness(url, acknowledge=None)
+    h.sent()
+    h.send("SERVER seed", "POSITION caches m 0 0", "POSITION events m 0 0", f"RDATA events m 1 {seed_ev(1)}")
+    h.sent()
+    h.send("POSITION events m 4 6")  # rows (1, 4] missed
+    assert h.sent() == ["REPLICATE events 1"]
+    assert not h.worker.caught_up()
+    h.send("POSITION events m 1 1", *(f"RDATA events m {n} {seed_ev(n)}" for n in range(2, 5)))
+    assert h.worker.caught_up() and h.applied() == 4
+    h.send("POSITION events m 4 6")
+    assert h.applied() == 6 and h.sent() == []
+
+
+def test_worker_stats_are_a_typed_snapshot(h) -> None:
+    h.clock.advance(1_700_000_000)
+    h.send("SERVER s", "POSITION caches m 0 0", "POSITION events m 0 0", f"RDATA events m 1 {ev(1)}")
+    stats = h.worker.stats()
+    events = stats.streams[1]
+    assert (events.stream, events.applied, events.received, events.pending_rows, events.applied_rows) == (
+        "events",
+        1,
+        1,
+        0,
+        1,
+    )
+    assert events.lag_ms == 0  # nothing waits
+    assert stats.reconnects == 0 and stats.connection is not None
+    assert stats.connection.name.startswith("w1->") and stats.connection.bytes_received > 0
+    assert dict(stats.protocol.received)["RDATA"] >= 1
+    h.disconnect()
+    after = h.worker.stats()
+    assert after.reconnects == 1 and after.connection is None
+
+
+def test_row_length_settles_what_the_acknowledgment_cannot(url) -> None:
+    # A master that appends timestamps without acknowledging OPTIONS ts: a row
+    # one value longer than the columns, ending in an integer, carries its ts.
+    h = Harness(url, acknowledge=None)
+    h.clock.advance(1_700_000_000)
+    h.send("SERVER s", "POSITION events m 0 0", f"RDATA events m 1 {ev(1)}", f"RDATA events m 2 {seed_ev(2)}")
+    assert h.rows() == [(1, "m", TS + 1, "$e1"), (2, "m", 1_700_000_000_000 << 18, "$e2")]
+    # Acknowledged, but a row without its timestamp: the arrival time stands in.
+    acked = Harness(url, acknowledge="live ts")
+    acked.clock.advance(1_700_000_001)
+    acked.send("SERVER s", "POSITION events m 2 2", f"RDATA events m 3 {seed_ev(3)}")
+    assert acked.rows()[-1] == (3, "m", 1_700_000_001_000 << 18, "$e3")

@@ -1,0 +1,257 @@
+"""One connection's subscriptions: one per stream, and every transition between their states.
+
+A :class:`Subscription` is one stream on one connection. It is in one of two
+states:
+
+- *catching up*: its own cursor reads rows from storage, one chunk at a time
+  (``catchup_rows``), paced by the client: nothing is read while the
+  connection is paused, and the next chunk is read only once the previous one
+  was written. When the cursor reaches the master's live token the
+  subscription goes *live*.
+- *live*: it receives the master's fan-out, the same encoded bytes for every
+  live connection. If the connection is paused when a fan-out arrives, the
+  subscription drops back to *catching up* from its last sent token, so a slow
+  client never makes the master buffer rows for it. If it went live at a
+  token the fan-out has already passed (it joined while a fan-out read was in
+  flight), the master tells it it :meth:`~Subscriptions.fell_behind` and it
+  catches up the same way.
+
+A new ``REPLICATE`` for a stream replaces its subscription; the *generation*
+number makes the answers of reads started for the old one fall on the floor.
+
+:class:`Subscriptions` owns these states for one connection. It talks to the
+master through :class:`StreamSource` (heads, reads, joining and leaving the
+fan-out) and to its connection through :class:`Outlet` (writing bytes,
+pause state, closing); the master reaches it only through
+:class:`FanOutTarget`. No other module changes a subscription's state.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import attr
+from twisted.internet import defer
+from twisted.python.failure import Failure
+
+from replication.commands import Command, PositionCommand
+from replication.stats import STATS
+
+logger = logging.getLogger(__name__)
+
+
+class Subscription:
+    """One stream on one connection (its state is changed only by :class:`Subscriptions`)."""
+
+    __slots__ = ("announce_live", "generation", "live", "reading", "sent_token", "stream")
+
+    def __init__(self, stream: str, sent_token: int, announce_live: bool = False, generation: int = 0) -> None:
+        self.stream = stream
+        self.sent_token = sent_token  # every row up to here has been written
+        self.live = False  # False: catching up from storage
+        # A replay ends with POSITION <head> <head> when it first goes live, so
+        # the client knows it has caught up (OPTIONS live).
+        self.announce_live = announce_live
+        self.reading = False  # a catch-up read is in flight
+        self.generation = generation  # bumped when a new REPLICATE restarts the stream
+
+    @property
+    def state(self) -> str:
+        return "live" if self.live else "catching_up"
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class SubscriptionStats:
+    stream: str
+    state: str  # "live" or "catching_up"
+    sent_token: int
+
+
+class StreamSource(Protocol):
+    """What subscriptions need from the master."""
+
+    @property
+    def instance_name(self) -> str: ...
+
+    def live_token(self, stream: str) -> int:
+        """The token up to which rows have been fanned out to live subscriptions."""
+        ...
+
+    def read_encoded(
+        self, stream: str, after: int, upto: int, limit: int, with_ts: bool
+    ) -> defer.Deferred[tuple[bytes, int, int]]:
+        """RDATA bytes for rows in ``(after, upto]``: (bytes, last token, row count)."""
+        ...
+
+    def join_live(self, target: FanOutTarget, sub: Subscription) -> None: ...
+
+    def leave_live(self, target: FanOutTarget, sub: Subscription) -> None: ...
+
+    def count_catchup_rows(self, count: int) -> None: ...
+
+
+class Outlet(Protocol):
+    """What subscriptions need from their connection."""
+
+    conn_name: str
+
+    @property
+    def closing(self) -> bool: ...
+
+    def write(self, data: bytes) -> None: ...
+
+    def send(self, command: Command) -> None: ...
+
+    def close_with_error(self, message: str) -> None: ...
+
+    def went_live(self, stream: str) -> None:
+        """A subscription reached the live rows (a half-closed connection may finish)."""
+        ...
+
+
+class FanOutTarget(Protocol):
+    """What the master's fan-out needs from a connection's subscriptions."""
+
+    @property
+    def with_ts(self) -> bool: ...
+
+    def send_live(
+        self, sub: Subscription, data: bytes, last_token: int, command: str = "RDATA", count: int = 1
+    ) -> None:
+        """``count`` lines just after ``sub.sent_token``, up to ``last_token``."""
+        ...
+
+    def fell_behind(self, sub: Subscription) -> None:
+        """``sub`` is live at a token the fan-out has passed: catch up from storage."""
+        ...
+
+
+class Subscriptions:
+    """The subscriptions of one connection, by stream (implements :class:`FanOutTarget`)."""
+
+    def __init__(self, source: StreamSource, outlet: Outlet, catchup_rows: int) -> None:
+        self._source = source
+        self._outlet = outlet
+        self._catchup_rows = catchup_rows
+        self._subs: dict[str, Subscription] = {}
+        self._with_ts = False  # OPTIONS ts: rows carry their timestamp
+        self.paused = False  # the connection's transport asked us to stop producing
+
+    # -- what the connection asks --------------------------------------------------
+
+    @property
+    def with_ts(self) -> bool:
+        return self._with_ts
+
+    def use_ts(self) -> None:
+        """Rows from now on carry their timestamp (``OPTIONS ts``; cannot be undone)."""
+        self._with_ts = True
+
+    def __len__(self) -> int:
+        return len(self._subs)
+
+    def get(self, stream: str) -> Subscription | None:
+        return self._subs.get(stream)
+
+    def all_live(self) -> bool:
+        return all(sub.live for sub in self._subs.values())
+
+    def start(self, stream: str, token: int, announce_live: bool = False) -> Subscription:
+        """Replace the stream's subscription with one that has sent everything up to ``token``."""
+        old = self._subs.get(stream)
+        generation = 0
+        if old is not None:
+            old.generation += 1
+            self._source.leave_live(self, old)
+            generation = old.generation + 1
+        sub = Subscription(stream, token, announce_live, generation)
+        self._subs[stream] = sub
+        self._pump(sub)
+        return sub
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+        for sub in list(self._subs.values()):
+            self._pump(sub)
+
+    def close(self) -> None:
+        """The connection is gone: every read in flight is void, the fan-out forgets us."""
+        for sub in self._subs.values():
+            sub.generation += 1
+            self._source.leave_live(self, sub)
+        self._subs.clear()
+
+    def stats(self) -> tuple[SubscriptionStats, ...]:
+        return tuple(SubscriptionStats(s.stream, s.state, s.sent_token) for _, s in sorted(self._subs.items()))
+
+    # -- what the master's fan-out calls -------------------------------------------
+
+    def send_live(
+        self, sub: Subscription, data: bytes, last_token: int, command: str = "RDATA", count: int = 1
+    ) -> None:
+        if self.paused:
+            # Don't buffer for a client that is not reading: it catches up later.
+            sub.live = False
+            self._source.leave_live(self, sub)
+            return
+        STATS.sent[command] += count
+        self._outlet.write(data)
+        sub.sent_token = last_token
+
+    def fell_behind(self, sub: Subscription) -> None:
+        sub.live = False
+        self._source.leave_live(self, sub)
+        self._pump(sub)
+
+    # -- catching up ----------------------------------------------------------------
+
+    def _pump(self, sub: Subscription) -> None:
+        """Move a catching-up subscription on: read the next chunk, or go live."""
+        if sub.live or sub.reading or self.paused or self._outlet.closing:
+            return
+        source = self._source
+        head = source.live_token(sub.stream)
+        if sub.sent_token >= head:
+            sub.live = True
+            source.join_live(self, sub)
+            if sub.announce_live:
+                sub.announce_live = False
+                self._outlet.send(PositionCommand(sub.stream, source.instance_name, head, head))
+            self._outlet.went_live(sub.stream)
+            return
+        sub.reading = True
+        generation = sub.generation
+        d = source.read_encoded(sub.stream, sub.sent_token, head, self._catchup_rows, self._with_ts)
+        d.addCallbacks(
+            self._read, self._read_failed, callbackArgs=(sub, generation, head), errbackArgs=(sub, generation)
+        )
+
+    def _read(self, result: tuple[bytes, int, int], sub: Subscription, generation: int, head: int) -> None:
+        if generation != sub.generation or self._subs.get(sub.stream) is not sub:
+            return
+        sub.reading = False
+        data, last_token, count = result
+        if data:
+            STATS.sent["RDATA"] += count
+            self._outlet.write(data)
+            self._source.count_catchup_rows(count)
+            sub.sent_token = last_token
+        else:
+            # No rows in (sent, head]: every token up to the live head has
+            # committed (or never will), so the client may move there.
+            self._outlet.send(PositionCommand(sub.stream, self._source.instance_name, sub.sent_token, head))
+            sub.sent_token = head
+        self._pump(sub)
+
+    def _read_failed(self, failure: Failure, sub: Subscription, generation: int) -> None:
+        if generation != sub.generation:
+            return
+        sub.reading = False
+        logger.error(
+            "[%s] reading %s for replay failed: %s", self._outlet.conn_name, sub.stream, failure.getErrorMessage()
+        )
+        self._outlet.close_with_error(f"internal error reading stream {sub.stream!r}; reconnect to resume")
