@@ -46,6 +46,16 @@ BATCHABLE = frozenset(
 _COLUMNS = "topic, id, ts, body, producer_group, consumer, bucket, version, created_ms"
 
 
+def _message_key(call: tuple[str, tuple[Any, ...]]) -> tuple[str, str]:
+    """(topic, id) of a batched call (generated ids first); reads come after every change."""
+    name, args = call
+    if name in ("schedule", "move", "cancel"):
+        return args[0], args[2] or ""
+    if name in ("lease", "extend", "release", "delete"):
+        return args[0], args[1]
+    return "\uffff", ""
+
+
 def _message(row: Any) -> TimelineMessage:
     topic, mid, ts, body, group, consumer, bucket, version, created = row
     return TimelineMessage(topic, mid, int(ts), body, group, consumer, int(bucket), int(version), int(created))
@@ -108,9 +118,12 @@ class SqlTimelineStore:
                     for i, outcome in zip(unique, self._delete_many(cur, topic, items, now_ms), strict=True):
                         results[i] = outcome
                         done.add(i)
-                for i, (name, args) in enumerate(calls):
-                    if i not in done:
-                        results[i] = getattr(self, name)(*args)
+                # The rest one by one, in message order (concurrent batches lock
+                # rows in the same order; one message's changes keep their order).
+                rest = sorted((i for i in range(len(calls)) if i not in done), key=lambda i: _message_key(calls[i]))
+                for i in rest:
+                    name, args = calls[i]
+                    results[i] = getattr(self, name)(*args)
                 return results
             finally:
                 self._batch.cur = None
