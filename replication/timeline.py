@@ -50,6 +50,7 @@ from storage.timeline_contract import LEASE_EXPIRED, NOT_HOLDER, UNKNOWN_MESSAGE
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_ERROR = 1.0  # seconds before a failed lease pass is tried again
+PASSES_IN_FLIGHT = 2  # lease passes of one topic out at once (one commits while the next is planned)
 RACE_RETRY_MS = 5  # due messages remain yet none could be leased (taken elsewhere): look again soon
 
 
@@ -89,7 +90,18 @@ class DbRunner(Protocol):
 class Consumer:
     """One ``TIMELINE`` subscription: a consumer id on one connection for one topic."""
 
-    __slots__ = ("conn", "consumer_id", "credit", "gone", "held", "lease_ms", "passed", "restoring", "topic")
+    __slots__ = (
+        "asked",
+        "conn",
+        "consumer_id",
+        "credit",
+        "gone",
+        "held",
+        "lease_ms",
+        "passed",
+        "restoring",
+        "topic",
+    )
 
     def __init__(self, conn: Connection, topic: str, consumer_id: str, credit: int, lease_ms: int) -> None:
         self.conn = conn
@@ -101,6 +113,7 @@ class Consumer:
         self.gone = False
         self.restoring = True  # sending the consumer id's active leases first
         self.passed = False  # a lease pass ran for it (a half-closed peer waits for that much)
+        self.asked = 0  # leases asked for it by passes still out (reserved credit)
 
     def expire(self, now_ms: int) -> int:
         """Forget leases that ran out; returns how many."""
@@ -112,7 +125,7 @@ class Consumer:
     def free(self) -> int:
         if self.gone or self.restoring or self.conn.paused:
             return 0
-        return max(0, self.credit - len(self.held))
+        return max(0, self.credit - len(self.held) - self.asked)
 
 
 class TopicState:
@@ -124,7 +137,7 @@ class TopicState:
         self.next_due: int | None = None  # earliest timestamp in storage, as last seen
         self.timer: DelayedCall | None = None
         self.timer_at: int | None = None
-        self.running = False  # a lease pass is out
+        self.running = 0  # lease passes out
         self.again = False  # something changed while it was out: pass again
         self.rotation = 0
 
@@ -490,15 +503,15 @@ class TimelineService:
 
     def _poke(self, st: TopicState, at_ms: int) -> None:
         """A message is (now) at ``at_ms``: wake no later than then."""
-        if st.running:
-            st.again = True
-            return
         if st.next_due is None or at_ms < st.next_due:
             st.next_due = at_ms
-        self._arm(st)
+        if st.running:
+            st.again = True  # a pass out may have read the next due time before this
+        if st.running < PASSES_IN_FLIGHT:
+            self._arm(st)
 
     def _credit_freed(self, st: TopicState) -> None:
-        if st.running:
+        if st.running >= PASSES_IN_FLIGHT:
             st.again = True
         elif st.next_due is not None and (now := self.now_ms()) >= st.next_due:
             # At the end of this reactor turn: one pass for every credit freed in it.
@@ -548,7 +561,7 @@ class TimelineService:
         """Lease what is due to consumers with free credit, then re-arm."""
         if self._stopped:
             return
-        if st.running:
+        if st.running >= PASSES_IN_FLIGHT:
             st.again = True
             return
         self._cancel_timer(st)
@@ -563,11 +576,16 @@ class TimelineService:
                 free = consumer.free()
                 if free > 0:
                     plan.append((consumer, min(free, self.settings.batch)))
-        st.running = True
+        if not plan and st.running:
+            st.again = True  # nothing to ask: the pass out re-arms
+            return
+        for consumer, n in plan:
+            consumer.asked += n
+        st.running += 1
         st.again = False
         requests = [(c.consumer_id, c.lease_ms, n) for c, n in plan]
         d = self.db.run(self._lease_pass, st.name, requests, now)
-        d.addCallbacks(self._leased, self._lease_failed, (st, plan), {}, (st,))
+        d.addCallbacks(self._leased, self._lease_failed, (st, plan), {}, (st, plan))
 
     def _lease_pass(
         self, topic: str, requests: list[tuple[str, int, int]], now_ms: int
@@ -577,7 +595,9 @@ class TimelineService:
 
     def _leased(self, result: tuple[list[list[Any]], int | None], st: TopicState, plan: list) -> None:
         results, next_due = result
-        st.running = False
+        st.running -= 1
+        for consumer, n in plan:
+            consumer.asked -= n
         if self._db_error is not None:
             logger.warning("timeline storage reachable again")
             self._db_error = None
@@ -613,8 +633,10 @@ class TimelineService:
         else:
             self._arm(st)
 
-    def _lease_failed(self, failure: Failure, st: TopicState) -> None:
-        st.running = False
+    def _lease_failed(self, failure: Failure, st: TopicState, plan: list) -> None:
+        st.running -= 1
+        for consumer, n in plan:
+            consumer.asked -= n
         message = failure.getErrorMessage()
         if self._db_error is None:
             logger.error(

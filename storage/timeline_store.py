@@ -334,10 +334,15 @@ class SqlTimelineStore:
             self._batch.cur = cur
             try:
                 results = [self.lease_due(topic, c, lease, n, now_ms, others_only=True) for c, lease, n in requests]
-                for (c, lease, n), got in zip(requests, results, strict=True):
-                    if len(got) < n:
-                        got.extend(self.lease_due(topic, c, lease, n - len(got), now_ms))
-                return results, self.next_due(topic)
+                next_due = self.next_due(topic)
+                if next_due is not None and next_due <= now_ms:
+                    # Due messages remain (expired leases of the consumers that
+                    # skipped them): those with room take the rest.
+                    for (c, lease, n), got in zip(requests, results, strict=True):
+                        if len(got) < n:
+                            got.extend(self.lease_due(topic, c, lease, n - len(got), now_ms))
+                    next_due = self.next_due(topic)
+                return results, next_due
             finally:
                 self._batch.cur = None
 
