@@ -283,6 +283,11 @@ class TimelineService:
         state = self._conns.get(conn)
         if state is None:
             state = self._conns[conn] = _ConnState()
+            # Timeline traffic is small lines back and forth (LEASE, DELETE, ACK):
+            # Nagle's algorithm would hold each for a delayed ACK (tens of ms).
+            set_no_delay = getattr(conn.transport, "setTcpNoDelay", None)
+            if set_no_delay is not None:
+                set_no_delay(True)
         topic = getattr(command, "topic", "")
         st = self.topics.get(topic)
         if st is None:
@@ -585,7 +590,7 @@ class TimelineService:
         st.again = False
         requests = [(c.consumer_id, c.lease_ms, n) for c, n in plan]
         d = self.db.run(self._lease_pass, st.name, requests, now)
-        d.addCallbacks(self._leased, self._lease_failed, (st, plan), {}, (st, plan))
+        d.addCallbacks(self._leased, self._lease_failed, (st, plan, now), {}, (st, plan))
 
     def _lease_pass(
         self, topic: str, requests: list[tuple[str, int, int]], now_ms: int
@@ -593,7 +598,7 @@ class TimelineService:
         """On a database thread, one transaction: leases for the consumers, then the next due time."""
         return self.store.lease_pass(topic, requests, now_ms)
 
-    def _leased(self, result: tuple[list[list[Any]], int | None], st: TopicState, plan: list) -> None:
+    def _leased(self, result: tuple[list[list[Any]], int | None], st: TopicState, plan: list, pass_ms: int) -> None:
         results, next_due = result
         st.running -= 1
         for consumer, n in plan:
@@ -624,14 +629,16 @@ class TimelineService:
         st.next_due = next_due
         if self._stopped:
             return
+        now = self.now_ms()
         if st.again or more:
             # Another pass on the next reactor turn: other connections go first.
-            self._set_timer(st, self.now_ms())
-        elif st.next_due is not None and st.next_due <= self.now_ms() and any(c.free() for c in st.consumers):
-            # Due yet nothing leased (taken by another master or connection): look again soon.
-            self._set_timer(st, self.now_ms() + RACE_RETRY_MS)
+            self._set_timer(st, now)
+        elif st.next_due is not None and st.next_due <= pass_ms and any(c.free() for c in st.consumers):
+            # Due at the pass's time yet not leased with room to spare (another pass,
+            # master or connection holds it locked): look again soon, without spinning.
+            self._set_timer(st, now + RACE_RETRY_MS)
         else:
-            self._arm(st)
+            self._arm(st)  # due since the pass began: at once; else at the next due time
 
     def _lease_failed(self, failure: Failure, st: TopicState, plan: list) -> None:
         st.running -= 1

@@ -67,6 +67,9 @@ class TimelineClientProtocol(LineCommandProtocol):
 
     def connectionMade(self) -> None:
         super().connectionMade()
+        set_no_delay = getattr(self.transport, "setTcpNoDelay", None)
+        if set_no_delay is not None:
+            set_no_delay(True)  # small lines back and forth: no Nagle delay
         self.conn_name = f"{self.client_name}->{self.conn_name}"
         if self.secret is not None:
             self.send(AuthCommand(self.secret))

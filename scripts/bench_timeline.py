@@ -60,6 +60,7 @@ def _free_port() -> int:
 
 def role_consumer(port: int, consumer: str, idle: float, lateness: bool) -> int:
     sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.sendall(f"NAME {consumer}\nTIMELINE jobs {consumer} {CREDIT} 60000\n".encode())
     sock.settimeout(0.2)
     buffer = b""

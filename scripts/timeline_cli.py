@@ -118,6 +118,7 @@ class WireClient:
     def __init__(self, host: str, port: int, secret: str | None, timeout: float = 10.0) -> None:
         try:
             self.sock = socket.create_connection((host, port), timeout=timeout)
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError as e:
             raise UsageError(f"cannot connect to the master at {host}:{port}: {e.strerror or e}") from None
         self.timeout = timeout
