@@ -333,11 +333,21 @@ class SqlTimelineStore:
         def run(cur: Any) -> tuple[list[list[Leased]], int | None]:
             self._batch.cur = cur
             try:
-                results = [self.lease_due(topic, c, lease, n, now_ms, others_only=True) for c, lease, n in requests]
+                results: list[list[Leased]] = [[] for _ in requests]
+                asked = 0
+                for i, (c, lease, n) in enumerate(requests):
+                    asked = i + 1
+                    results[i] = self.lease_due(topic, c, lease, n, now_ms, others_only=True)
+                    if len(results[i]) < n:
+                        break  # nothing more for others: the rest need not ask
                 next_due = self.next_due(topic)
                 if next_due is not None and next_due <= now_ms:
-                    # Due messages remain (expired leases of the consumers that
-                    # skipped them): those with room take the rest.
+                    # Due messages remain: expired leases that their holders
+                    # skipped. The consumers not asked yet take them first, then
+                    # anyone with room (a lone consumer gets its own back).
+                    for i in range(asked, len(requests)):
+                        c, lease, n = requests[i]
+                        results[i] = self.lease_due(topic, c, lease, n, now_ms, others_only=True)
                     for (c, lease, n), got in zip(requests, results, strict=True):
                         if len(got) < n:
                             got.extend(self.lease_due(topic, c, lease, n - len(got), now_ms))
