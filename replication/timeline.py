@@ -209,12 +209,14 @@ class TimelineService:
         db: DbRunner,
         clock: Clock,
         stats: TimelineStats | None = None,
+        max_line_bytes: int = 65536,
     ) -> None:
         self.store = store
         self.settings = settings
         self.db = db
         self.clock = clock
         self.stats = stats if stats is not None else TimelineStats()
+        self.max_line_bytes = max_line_bytes  # a LEASE line must fit the peers' line limit
         self.topics: dict[str, TopicState] = {name: TopicState(name) for name in settings.topics}
         self._conns: dict[Connection, _ConnState] = {}
         self._remover: task.LoopingCall | None = None
@@ -233,7 +235,7 @@ class TimelineService:
         from replication.dbthreads import DatabaseThreads
 
         db = DatabaseThreads(master.reactor, settings.db_threads, name="tickline-timeline-db")
-        service = cls(store, settings, db, master.reactor)
+        service = cls(store, settings, db, master.reactor, max_line_bytes=master.protocol_config.max_line_bytes)
         service._threads = db
         return service
 
@@ -297,6 +299,20 @@ class TimelineService:
         if isinstance(command, TimelineCommand):
             self._consume(conn, state, st, command)
             return
+        if isinstance(command, ScheduleCommand):
+            mid_len = len(command.id) if command.id is not None else 26
+            # LEASE <topic> <id> <version> <until_ms> <body>: versions and times up to 19 digits.
+            lease_len = len("LEASE ") + len(topic) + 1 + mid_len + 1 + 19 + 1 + 19 + 1 + len(command.body.encode())
+            if lease_len > self.max_line_bytes:
+                self._answer_now(
+                    conn,
+                    state,
+                    ErrorCommand(
+                        f"SCHEDULE {topic}: body too long: its LEASE line could be {lease_len} bytes, "
+                        f"the line limit is {self.max_line_bytes}"
+                    ),
+                )
+                return
         slot: list[Command | None] = [None]
         state.answers.append(slot)
         self._throttle(conn, state)

@@ -263,3 +263,22 @@ def test_a_returning_consumer_gets_its_leases_first(env) -> None:
     service.command(w2, TimelineCommand("jobs", "w", 2, 60_000))
     settle()
     assert [(x.id, x.version) for x in w2.leases()] == first
+
+
+def test_a_body_whose_lease_line_would_not_fit_is_refused(tmp_path: Path) -> None:
+    clock = task.Clock()
+    store = open_timeline_store(f"sqlite:///{tmp_path}/t.db")
+    runner = Runner()
+    service = TimelineService(store, TimelineSettings(), runner, clock, max_line_bytes=100)
+    p = Conn("p")
+    service.command(p, ScheduleCommand("jobs", "g", "b", 0, True, '"' + "x" * 60 + '"'))
+    assert p.answers() == [
+        "ERROR SCHEDULE jobs: body too long: its LEASE line could be 115 bytes, the line limit is 100"
+    ]
+    service.command(p, ScheduleCommand("jobs", "g", "a", 0, True, '"' + "x" * 40 + '"'))
+    clock.advance(0)
+    while runner.step():
+        pass
+    assert p.answers()[-1].startswith("ACK SCHEDULE jobs a 1 ")
+    assert store.get("jobs", "b") is None
+    store.close()
