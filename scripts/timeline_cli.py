@@ -96,8 +96,8 @@ def add_parser(commands: Any) -> None:
     for name, help_text in (("list", "print messages as JSON lines"), ("stats", "count messages by status")):
         parser = actions.add_parser(name, help=help_text)
         common(parser, False)
-        parser.add_argument("--from", dest="start", metavar="TIME", help="timestamps from TIME (inclusive)")
-        parser.add_argument("--to", dest="end", metavar="TIME", help="timestamps before TIME")
+        parser.add_argument("--from", "--since", dest="start", metavar="TIME", help="timestamps from TIME (inclusive)")
+        parser.add_argument("--to", "--until", dest="end", metavar="TIME", help="timestamps before TIME")
         if name == "list":
             parser.add_argument("--status", choices=("available", "waiting", "processing"))
             parser.add_argument("--limit", type=int, default=1000, help="at most N messages (default: 1000)")
