@@ -571,12 +571,14 @@ class SqlTimelineStore:
         """Remove up to ``limit`` deleted (marked) messages; returns how many."""
 
         def run(cur: Any) -> int:
+            # By physical row id, so the plan never scans the whole table.
+            where = (
+                f"ctid = ANY(ARRAY(SELECT ctid FROM {TABLE} WHERE deleted_ms IS NOT NULL ORDER BY deleted_ms LIMIT ?))"
+                if self._pg
+                else f"rowid IN (SELECT rowid FROM {TABLE} WHERE deleted_ms IS NOT NULL ORDER BY deleted_ms LIMIT ?)"
+            )
             rows = self._all(
-                cur,
-                f"DELETE FROM {TABLE} WHERE (topic, id) IN "
-                f"(SELECT topic, id FROM {TABLE} WHERE deleted_ms IS NOT NULL ORDER BY deleted_ms LIMIT ?) "
-                "AND deleted_ms IS NOT NULL RETURNING id",
-                (limit,),
+                cur, f"DELETE FROM {TABLE} WHERE {where} AND deleted_ms IS NOT NULL RETURNING id", (limit,)
             )
             return len(rows)
 
