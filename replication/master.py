@@ -41,7 +41,7 @@ from replication.commands import PositionCommand
 from replication.dbthreads import DatabaseRunner, DatabaseThreads
 from replication.protocol import ProtocolConfig
 from replication.reactor_types import Reactor
-from replication.rows import RowEncoder, encode_json_rows, encode_rows, row_encoder
+from replication.rows import encode_json_rows
 from replication.server import ServerProtocol
 from replication.settings import MasterConfig
 from replication.stats import STATS, MasterStats, StreamStats
@@ -49,8 +49,10 @@ from replication.streams import cache_invalidation_row
 from replication.subscriptions import FanOutTarget, Subscription
 from replication.timeline import TimelineService
 from replication.timeline_settings import TimelineSettings
+from storage.contracts import Notifier, StreamStore
 from storage.schema import StreamSchema
 from storage.store import TOKEN, StorageError
+from storage.timeline_contract import TimelineStore
 
 logger = logging.getLogger(__name__)
 
@@ -60,11 +62,11 @@ class Master:
         self,
         config: MasterConfig,
         protocol_config: ProtocolConfig,
-        store: Any,
+        store: StreamStore,
         streams: dict[str, StreamSchema],
         reactor: Reactor,
         db: DatabaseRunner | None = None,
-        timeline_store: Any = None,
+        timeline_store: TimelineStore | None = None,
         timeline_settings: TimelineSettings | None = None,
     ) -> None:
         self.config = config
@@ -76,7 +78,6 @@ class Master:
         )
         self._declared = streams
         self._schemas: dict[str, StreamSchema] = {}
-        self._encoders: dict[str, RowEncoder] = {}
         self._live: dict[str, int] = {}
         self._safe: dict[str, int] = {}
         self._allocated: dict[str, int] = {}  # the store's heads, see refresh_heads
@@ -161,7 +162,6 @@ class Master:
         for name, schema in catalog.items():
             if name not in self._schemas:
                 self._schemas[name] = schema
-                self._encoders[name] = row_encoder(schema)
                 self._live_subs[name] = {}
 
     # -- streams -------------------------------------------------------------------
@@ -215,20 +215,12 @@ class Master:
         self, stream: str, after: int, upto: int, limit: int, variants: tuple[bool, ...]
     ) -> tuple[dict[bool, bytes], int, int]:
         """Runs on a database thread: read rows once, encode each variant once."""
-        read_json = getattr(self.store, "read_rows_json", None)
-        if read_json is not None:
-            # The store builds each row's JSON itself (SQLite's json_array).
-            json_rows = read_json(stream, after, upto, limit)
-            if not json_rows:
-                return {}, after, 0
-            encoded = {v: encode_json_rows(stream, json_rows, v)[0] for v in variants}
-            return encoded, json_rows[-1][TOKEN], len(json_rows)
-        rows = self.store.read_rows(stream, after, upto, limit)
-        if not rows:
+        # The store builds each row's JSON once (SQLite: json_array in SQL).
+        json_rows = self.store.read_rows_json(stream, after, upto, limit)
+        if not json_rows:
             return {}, after, 0
-        encode = self._encoders[stream]
-        encoded = {v: encode_rows(stream, rows, encode, v)[0] for v in variants}
-        return encoded, rows[-1][TOKEN], len(rows)
+        encoded = {v: encode_json_rows(stream, json_rows, v)[0] for v in variants}
+        return encoded, json_rows[-1][TOKEN], len(json_rows)
 
     def notify(self) -> None:
         """Rows were committed by this process: fan them out now."""
@@ -245,7 +237,7 @@ class Master:
             self.db.run(self.store.notifier).addCallbacks(self._listening_again, self._not_listening_yet)
         return self._follow_heads()
 
-    def _listening_again(self, notifier: Any) -> None:
+    def _listening_again(self, notifier: Notifier) -> None:
         self._relistening = False
         if self._notifications is None:  # stopped meanwhile
             notifier.close()
@@ -385,7 +377,7 @@ class Master:
 class NotificationReader:
     """Watches the store's notification connection on the reactor (non-blocking)."""
 
-    def __init__(self, notifier: Any, wake: Callable[[], None]) -> None:
+    def __init__(self, notifier: Notifier, wake: Callable[[], None]) -> None:
         self._notifier = notifier
         # A duplicate descriptor of our own: psycopg2 closes its descriptor when the
         # server goes away, and the reactor must still be able to unregister ours.

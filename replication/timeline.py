@@ -42,6 +42,7 @@ from replication.commands import (
     ScheduleCommand,
     TimelineCommand,
 )
+from replication.dbthreads import DatabaseThreads
 from replication.reactor_types import Clock, DelayedCall, Transport
 from replication.timeline_metrics import TimelineStats
 from replication.timeline_settings import TimelineSettings
@@ -222,7 +223,7 @@ class TimelineService:
         self._remover: task.LoopingCall | None = None
         self._stopped = False
         self._db_error: str | None = None
-        self._threads: Any = None  # the master's own pool, started and stopped here
+        self._threads: DatabaseThreads | None = None  # the master's own pool, started and stopped here
         self._batcher = Batcher(store, db, clock, settings.max_batch, settings.batch_flights)
 
     @classmethod
@@ -232,8 +233,6 @@ class TimelineService:
         """The master's service, on its own database threads (or refusals, without a store)."""
         if store is None:
             return NoTimeline()
-        from replication.dbthreads import DatabaseThreads
-
         db = DatabaseThreads(master.reactor, settings.db_threads, name="tickline-timeline-db")
         service = cls(store, settings, db, master.reactor, max_line_bytes=master.protocol_config.max_line_bytes)
         service._threads = db

@@ -38,24 +38,27 @@ TS_BASE = 1 << 58  # a realistic timestamp oracle value (ms << 18)
 def fill_worker_database(url: str, rows: int) -> int:
     """``rows`` rows of ``events`` (one token each) in ``replicated_events``; returns the applied token."""
     from replication.streams import EVENTS
-    from storage.worker_store import open_worker_store
+    from storage.urls import parse_database_url
+    from storage.worker_store import ApplyTransaction, open_worker_store
 
     store = open_worker_store(url)
     store.create_replicated_table(EVENTS)
-    sqlite = store.dialect == "sqlite"
+    sqlite = parse_database_url(url).is_sqlite
     columns = ", ".join(("token", "instance_name", "ts", *EVENTS.column_names))
     for start in range(0, rows, FILL_CHUNK):
         count = min(FILL_CHUNK, rows - start)
         values = [(start + i + 1, "master", TS_BASE + start + i, *row) for i, row in enumerate(make_rows(start, count))]
         if sqlite:
 
-            def effects(conn: Any, values: list = values) -> None:
-                conn.executemany(EVENTS.insert_replicated_sql("?"), values)
+            def effects(txn: ApplyTransaction, values: list = values) -> None:
+                txn.replicate(EVENTS, values)
         else:
             text = "".join("\t".join("\\N" if v is None else str(v) for v in row) + "\n" for row in values)
 
-            def effects(cur: Any, text: str = text) -> None:  # COPY: the fastest load PostgreSQL has
-                cur.cursor.copy_expert(f"COPY {EVENTS.replicated_table} ({columns}) FROM STDIN", io.StringIO(text))
+            def effects(txn: ApplyTransaction, text: str = text) -> None:  # COPY: the fastest load PostgreSQL has
+                txn.connection.cursor.copy_expert(
+                    f"COPY {EVENTS.replicated_table} ({columns}) FROM STDIN", io.StringIO(text)
+                )
 
         store.apply("events", start + count, effects)
     store.close()
@@ -143,8 +146,12 @@ def run_snapshot_bench(
         if verbose:
             print(f"  {text}", flush=True)
 
-    from workers.snapshot import spark_session
+    from workers.snapshot import SnapshotError, require_spark, spark_session
 
+    try:
+        require_spark()
+    except SnapshotError as e:
+        raise BenchError(str(e)) from None
     own = spark is None
     results: dict[str, Any] = {}
     pg = None

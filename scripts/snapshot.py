@@ -33,13 +33,14 @@ import time
 from typing import Any, TextIO
 
 from scripts.config import Config
-from storage.urls import parse_database_url
+from storage.urls import parse_database_url, redact_url
 from workers.snapshot import (
     SnapshotBounds,
     SnapshotError,
     load,
     output_name,
     read_bounds,
+    require_spark,
     resolve_schema,
     spark_session,
 )
@@ -65,6 +66,7 @@ def _range_text(bounds: SnapshotBounds) -> str:
 def take_snapshot(args: argparse.Namespace, config: Config, err: TextIO | None = None) -> dict[str, Any]:
     started = time.monotonic()
     err = err or sys.stderr
+    require_spark()  # before anything else: without it nothing below can finish
     schema = resolve_schema(args.stream, streams=config.streams)
     partitions = config.spark.num_partitions if args.partitions is None else args.partitions
     if partitions < 1:
@@ -138,7 +140,7 @@ def _write_parquet(spark: Any, snap: Any, target: str, database: str, started: f
             "applied": bounds.applied,
             "min_token": bounds.min_token,
             "max_token": bounds.max_token,
-            "database": _safe(database),
+            "database": redact_url(database),
             "format": "parquet",
             "files": sorted(f for f in os.listdir(temporary) if f.endswith(".parquet")),
             "columns": [
@@ -159,13 +161,6 @@ def _write_parquet(spark: Any, snap: Any, target: str, database: str, started: f
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
-
-
-def _safe(url: str) -> str:
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url)
-    return url.replace(f":{parts.password}@", ":***@", 1) if parts.password else url
 
 
 class Progress:

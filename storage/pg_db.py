@@ -8,7 +8,7 @@ processes starting together apply each migration once.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import psycopg2
@@ -17,6 +17,7 @@ import psycopg2.extras
 
 from storage.migrate import apply_migrations
 from storage.store import DatabaseUnavailable
+from storage.urls import redact_url
 
 MIGRATION_LOCK = 0x7469636B  # "tick"
 
@@ -39,7 +40,7 @@ class Cursor:
             psycopg2.extras.execute_batch(self.cursor, sql, rows, page_size=1000)
         return self.cursor
 
-    def execute_values(self, sql: str, rows: list, page_size: int = 5000) -> Any:
+    def execute_values(self, sql: str, rows: Sequence[Any], page_size: int = 5000) -> Any:
         psycopg2.extras.execute_values(self.cursor, sql, rows, page_size=page_size)
         return self.cursor
 
@@ -65,7 +66,7 @@ class PgDatabase:
             conn = psycopg2.connect(self.dsn, connect_timeout=self._connect_timeout, application_name="tickline")
         except psycopg2.Error as e:
             message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise DatabaseUnavailable(f"cannot connect to PostgreSQL at {_safe_dsn(self.dsn)}: {message}") from None
+            raise DatabaseUnavailable(redact_url(f"cannot connect to PostgreSQL at {self.dsn}: {message}")) from None
         conn.autocommit = autocommit
         with self._all_lock:
             self._all.append(conn)
@@ -96,14 +97,15 @@ class PgDatabase:
             conn.commit()
             return result
         except psycopg2.OperationalError as e:
-            self._drop_broken(conn)
-            raise DatabaseUnavailable(f"PostgreSQL at {_safe_dsn(self.dsn)}: {str(e).strip()}") from None
+            self.drop_broken(conn)
+            raise DatabaseUnavailable(redact_url(f"PostgreSQL at {self.dsn}: {str(e).strip()}")) from None
         except BaseException:
             if not conn.closed:
                 conn.rollback()
             raise
 
-    def _drop_broken(self, conn: Any) -> None:
+    def drop_broken(self, conn: Any) -> None:
+        """Forget this thread's connection after the server went away."""
         try:
             conn.close()
         except psycopg2.Error:
@@ -127,14 +129,3 @@ class PgDatabase:
             return apply_migrations(execute, "%s")
 
         return self.write(run)
-
-
-def _safe_dsn(dsn: str) -> str:
-    """The DSN without its password, for messages."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(dsn)
-    if parts.password:
-        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-        return urlunsplit(parts._replace(netloc=netloc))
-    return dsn

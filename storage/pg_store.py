@@ -25,25 +25,25 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import select
 import socket
 import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import orjson
 import psycopg2
 import psycopg2.extensions
 
+from storage.contracts import JsonRow, Row, StoredRow
 from storage.pg_db import Cursor, PgDatabase
 from storage.schema import StreamSchema, check_instance_name
-from storage.store import DatabaseUnavailable, StoredRow, StreamCatalog
+from storage.store import FIRST_VALUE, DatabaseUnavailable, StreamCatalog
+from storage.urls import redact_url
 
 logger = logging.getLogger(__name__)
-
-Row = Sequence[Any] | Mapping[str, Any]
 CHANNEL = "tickline"
 NOW_MS = "(extract(epoch from clock_timestamp()) * 1000)::bigint"
 
@@ -66,7 +66,9 @@ def _seq(schema: StreamSchema) -> str:
     return f"{schema.table}_token_seq"
 
 
-class PgStreamStore(StreamCatalog, PgDatabase):
+class PgStreamStore:
+    """Implements :class:`storage.contracts.StreamStore`; holds its :class:`PgDatabase`."""
+
     def __init__(
         self,
         dsn: str,
@@ -74,12 +76,13 @@ class PgStreamStore(StreamCatalog, PgDatabase):
         report_interval: float = 0.2,
         writer_timeout: float = 5.0,
     ) -> None:
-        super().__init__(dsn)
+        self.database = PgDatabase(dsn)
+        self._catalog = StreamCatalog(self.database)
         self._clock = clock
         self.report_interval = report_interval
         self.writer_timeout = writer_timeout
-        self._schemas: dict[str, StreamSchema] = {}
         self._lock = threading.Lock()
+        self._json_encoders: dict[str, Callable[[StoredRow], bytes]] = {}
         self._writers: dict[tuple[str, str], _WriterState] = {}
         self._next_txn = 0
         self._reporter: threading.Thread | None = None
@@ -87,14 +90,24 @@ class PgStreamStore(StreamCatalog, PgDatabase):
         self._side = threading.local()
         self._process_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"  # autocommit connections for the oracle and reports
 
+    def migrate(self) -> list[int]:
+        """Create or upgrade the tables; returns the migration versions applied."""
+        return self.database.migrate()
+
+    def catalog(self) -> dict[str, StreamSchema]:
+        return self._catalog.catalog()
+
+    def schema(self, stream: str) -> StreamSchema:
+        return self._catalog.schema(stream)
+
     # -- schema ------------------------------------------------------------------
 
     def register_stream(self, schema: StreamSchema) -> None:
         def run(cur: Cursor) -> None:
             cur.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"stream:{schema.name}",))
-            if self._registered_already(cur, schema):
+            if self._catalog.registered_already(cur, schema):
                 return
-            for statement in schema.create_table_sql(self.dialect):
+            for statement in schema.create_table_sql(self.database.dialect):
                 cur.execute(statement)
             cur.execute(f"CREATE SEQUENCE {_seq(schema)} MINVALUE 1 START 1")
             cur.execute(
@@ -102,9 +115,8 @@ class PgStreamStore(StreamCatalog, PgDatabase):
                 (schema.name, schema.columns_json()),
             )
 
-        self.write(run)
-        with self._lock:
-            self._schemas[schema.name] = schema
+        self.database.write(run)
+        self._catalog.remember(schema)
 
     # -- side connections (autocommit) ----------------------------------------------
 
@@ -113,7 +125,7 @@ class PgStreamStore(StreamCatalog, PgDatabase):
         """A cursor on this thread's autocommit connection; a lost server is DatabaseUnavailable."""
         conn = getattr(self._side, "conn", None)
         if conn is None or conn.closed:
-            conn = self._side.conn = self.connect(autocommit=True)
+            conn = self._side.conn = self.database.connect(autocommit=True)
         try:
             with conn.cursor() as cur:
                 yield cur
@@ -123,7 +135,7 @@ class PgStreamStore(StreamCatalog, PgDatabase):
             except psycopg2.Error:
                 pass
             self._side.conn = None
-            raise DatabaseUnavailable(f"PostgreSQL at {self.dsn}: {str(e).strip().splitlines()[0]}") from None
+            raise DatabaseUnavailable(redact_url(f"PostgreSQL at {self.database.dsn}: {_first_line(e)}")) from None
 
     def _head_sql(self, schema: StreamSchema) -> str:
         return f"SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {_seq(schema)}"
@@ -207,7 +219,7 @@ class PgStreamStore(StreamCatalog, PgDatabase):
         with self._lock:
             self._next_txn += 1
             txn_id = self._next_txn
-        conn = self.connection()
+        conn = self.database.connection()
         try:
             conn.set_session(isolation_level=psycopg2.extensions.ISOLATION_LEVEL_READ_COMMITTED)
             with conn.cursor() as raw:
@@ -216,8 +228,8 @@ class PgStreamStore(StreamCatalog, PgDatabase):
                 txn.finish()
             conn.commit()
         except psycopg2.OperationalError as e:
-            self._drop_broken(conn)
-            raise DatabaseUnavailable(f"PostgreSQL at {self.dsn}: {str(e).strip()}") from None
+            self.database.drop_broken(conn)
+            raise DatabaseUnavailable(redact_url(f"PostgreSQL at {self.database.dsn}: {str(e).strip()}")) from None
         except Fenced:
             conn.rollback()
             with self._lock:
@@ -287,7 +299,7 @@ class PgStreamStore(StreamCatalog, PgDatabase):
 
     def close(self) -> None:
         self.retire_writers()
-        super().close()
+        self.database.close()
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -298,8 +310,7 @@ class PgStreamStore(StreamCatalog, PgDatabase):
         ``writer_timeout`` as dead.
         """
         timeout_ms = int(self.writer_timeout * 1000)
-        with self._lock:
-            known = list(self._schemas.values())
+        known = self._catalog.known()
         if not expire_writers and known:
             return self._safe_positions_now(known)
 
@@ -330,7 +341,7 @@ class PgStreamStore(StreamCatalog, PgDatabase):
                     positions[stream] = top or 0
             return positions
 
-        return self.write(run)
+        return self.database.write(run)
 
     def _safe_positions_now(self, schemas: list[StreamSchema]) -> dict[str, int]:
         """The same answer in one autocommit statement (one snapshot), for wake-ups.
@@ -352,7 +363,7 @@ class PgStreamStore(StreamCatalog, PgDatabase):
         """The highest token allocated per stream (not necessarily committed)."""
         result = {}
         for stream, schema in self.catalog().items():
-            result[stream] = self.read(lambda cur: cur.execute(self._head_sql(schema)).fetchone()[0])
+            result[stream] = self.database.read(lambda cur: cur.execute(self._head_sql(schema)).fetchone()[0])
         return result
 
     def read_rows(self, stream: str, after: int, upto: int, limit: int) -> list[StoredRow]:
@@ -373,10 +384,24 @@ class PgStreamStore(StreamCatalog, PgDatabase):
                 rows.extend(cur.fetchall())
             return rows
 
+    def read_rows_json(self, stream: str, after: int, upto: int, limit: int) -> list[JsonRow]:
+        """Like :meth:`read_rows`, each row ``(seq, token, instance_name bytes, ts, JSON array bytes)``.
+
+        The JSON is built here with orjson (JSON columns embedded as the text
+        PostgreSQL gives, unparsed), once per row: the master's fan-out then
+        sends it as it is, as on SQLite.
+        """
+        encode = self._json_encoders.get(stream)
+        if encode is None:
+            encode = self._json_encoders[stream] = _json_encoder(self.schema(stream))
+        return [
+            (row[0], row[1], row[2].encode(), row[3], encode(row)) for row in self.read_rows(stream, after, upto, limit)
+        ]
+
     # -- change notification -----------------------------------------------------------------
 
     def notifier(self) -> PgNotifier:
-        return PgNotifier(self)
+        return PgNotifier(self.database)
 
 
 class WriteTransaction:
@@ -457,8 +482,8 @@ def _report_loop(store_ref: weakref.ref[PgStreamStore], stop: threading.Event, i
 class PgNotifier:
     """``LISTEN tickline`` on a connection of its own: a file descriptor to watch."""
 
-    def __init__(self, store: PgStreamStore) -> None:
-        self._conn = store.connect(autocommit=True)
+    def __init__(self, database: PgDatabase) -> None:
+        self._conn = database.connect(autocommit=True)
         with self._conn.cursor() as cur:
             cur.execute(f"LISTEN {CHANNEL}")
 
@@ -472,11 +497,29 @@ class PgNotifier:
         self._conn.notifies.clear()
         return streams
 
-    def wait(self, timeout: float) -> set[str]:
-        """Block up to ``timeout`` for notifications (for tools without a reactor)."""
-        if not self._conn.notifies:
-            select.select([self._conn], [], [], timeout)
-        return self.drain()
-
     def close(self) -> None:
         self._conn.close()
+
+
+def _json_encoder(schema: StreamSchema) -> Callable[[StoredRow], bytes]:
+    """A stored row's column values as one JSON array (JSON columns are JSON text already)."""
+    json_columns = schema.json_columns
+    end = FIRST_VALUE + len(schema.columns)
+    dumps = orjson.dumps
+    fragment = orjson.Fragment
+    if not json_columns:
+        return lambda row: dumps(row[FIRST_VALUE:end])
+
+    def encode(row: StoredRow) -> bytes:
+        values = list(row[FIRST_VALUE:end])
+        for i in json_columns:
+            if values[i] is not None:
+                values[i] = fragment(values[i])
+        return dumps(values)
+
+    return encode
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

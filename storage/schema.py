@@ -181,6 +181,16 @@ class StreamSchema:
         names = ", ".join(("token", "instance_name", "ts", *self.column_names))
         return f"INSERT INTO {self.replicated_table} ({names}) VALUES %s"
 
+    def replicated_range_sql(self, after: int | None, upto: int, alias: str = "snap") -> str:
+        """A subquery of the rows of ``replicated_<stream>`` with ``after < token <= upto``.
+
+        For Spark's JDBC ``dbtable`` (a snapshot): the columns in the replicated
+        table's order; tokens are integers, formatted here (no parameters).
+        """
+        names = ", ".join(("token", "instance_name", "ts", *self.column_names))
+        where = f"token <= {int(upto)}" if after is None else f"token > {int(after)} AND token <= {int(upto)}"
+        return f"(SELECT {names} FROM {self.replicated_table} WHERE {where}) AS {alias}"
+
     def create_table_sql(self, dialect: str) -> list[str]:
         seq = "seq INTEGER PRIMARY KEY" if dialect == "sqlite" else "seq BIGSERIAL PRIMARY KEY"
         cols = self._column_ddl(dialect)

@@ -8,30 +8,46 @@ commit in order.
 from __future__ import annotations
 
 import sqlite3
-import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from storage import tso
+from storage.contracts import JsonRow, Row, StoredRow
 from storage.schema import StreamSchema, check_instance_name
 from storage.sqlite_db import SqliteDatabase
-from storage.store import StoredRow, StreamCatalog
-
-Row = Sequence[Any] | Mapping[str, Any]
+from storage.store import StreamCatalog
 
 
-class SqliteStreamStore(StreamCatalog, SqliteDatabase):
+class SqliteStreamStore:
+    """Implements :class:`storage.contracts.StreamStore`; holds its :class:`SqliteDatabase`."""
+
     def __init__(
         self,
         path: str,
         clock: Callable[[], float] = time.time,
         busy_timeout_ms: int = 30_000,
     ) -> None:
-        super().__init__(path, busy_timeout_ms)
+        self.database = SqliteDatabase(path, busy_timeout_ms)
         self._clock = clock
-        self._schemas: dict[str, StreamSchema] = {}
-        self._lock = threading.Lock()
+        self._catalog = StreamCatalog(self.database)
+
+    @property
+    def path(self) -> str:
+        return self.database.path
+
+    def migrate(self) -> list[int]:
+        """Create or upgrade the tables; returns the migration versions applied."""
+        return self.database.migrate()
+
+    def close(self) -> None:
+        self.database.close()
+
+    def catalog(self) -> dict[str, StreamSchema]:
+        return self._catalog.catalog()
+
+    def schema(self, stream: str) -> StreamSchema:
+        return self._catalog.schema(stream)
 
     # -- schema ---------------------------------------------------------------
 
@@ -39,7 +55,7 @@ class SqliteStreamStore(StreamCatalog, SqliteDatabase):
         """Create the stream's table if missing; refuse a changed declaration."""
 
         def run(conn: sqlite3.Connection) -> None:
-            if self._registered_already(conn, schema):
+            if self._catalog.registered_already(conn, schema):
                 return
             for statement in schema.create_table_sql("sqlite"):
                 conn.execute(statement)
@@ -49,9 +65,8 @@ class SqliteStreamStore(StreamCatalog, SqliteDatabase):
             )
             conn.execute("INSERT INTO tickline_stream_heads (stream, token) VALUES (?, 0)", (schema.name,))
 
-        self.write(run)
-        with self._lock:
-            self._schemas[schema.name] = schema
+        self.database.write(run)
+        self._catalog.remember(schema)
 
     # -- writing ----------------------------------------------------------------
 
@@ -93,7 +108,7 @@ class SqliteStreamStore(StreamCatalog, SqliteDatabase):
             )
             return tokens
 
-        return self.write(run)
+        return self.database.write(run)
 
     def _allocate_timestamps(self, conn: sqlite3.Connection, count: int) -> int:
         (last,) = conn.execute("SELECT last_ts FROM tickline_tso WHERE id = 1").fetchone()
@@ -103,14 +118,16 @@ class SqliteStreamStore(StreamCatalog, SqliteDatabase):
 
     def allocate_timestamps(self, count: int = 1) -> list[int]:
         """Timestamps from the oracle without writing rows (strictly increasing)."""
-        first = self.write(lambda conn: self._allocate_timestamps(conn, count))
+        first = self.database.write(lambda conn: self._allocate_timestamps(conn, count))
         return list(range(first, first + count))
 
     # -- reading ----------------------------------------------------------------
 
     def heads(self) -> dict[str, int]:
         """The highest committed token of every stream."""
-        rows = self.read(lambda conn: conn.execute("SELECT stream, token FROM tickline_stream_heads").fetchall())
+        rows = self.database.read(
+            lambda conn: conn.execute("SELECT stream, token FROM tickline_stream_heads").fetchall()
+        )
         return dict(rows)
 
     def safe_positions(self, expire_writers: bool = True) -> dict[str, int]:
@@ -138,7 +155,7 @@ class SqliteStreamStore(StreamCatalog, SqliteDatabase):
             schema, f"seq, token, instance_name, ts, {', '.join(schema.column_names)}", after, upto, limit
         )
 
-    def read_rows_json(self, stream: str, after: int, upto: int, limit: int) -> list[tuple]:
+    def read_rows_json(self, stream: str, after: int, upto: int, limit: int) -> list[JsonRow]:
         """Like :meth:`read_rows`, but each row is ``(seq, token, instance_name, ts, json)``.
 
         ``json`` is the UTF-8 bytes of the JSON array of the row's columns, built
@@ -169,15 +186,15 @@ class SqliteStreamStore(StreamCatalog, SqliteDatabase):
             limit,
         )
 
-    def _read_range(self, schema: StreamSchema, columns: str, after: int, upto: int, limit: int) -> list[tuple]:
+    def _read_range(self, schema: StreamSchema, columns: str, after: int, upto: int, limit: int) -> list[Any]:
         first = f"SELECT {columns} FROM {schema.table} WHERE token > ? AND token <= ? ORDER BY token, seq LIMIT ?"
         rest = f"SELECT {columns} FROM {schema.table} WHERE token = ? AND seq > ? ORDER BY seq"
 
-        def run(conn: sqlite3.Connection) -> list[StoredRow]:
+        def run(conn: sqlite3.Connection) -> list[Any]:
             rows = conn.execute(first, (after, upto, limit)).fetchall()
             if len(rows) == limit and rows:
                 last = rows[-1]
                 rows.extend(conn.execute(rest, (last[1], last[0])).fetchall())
             return rows
 
-        return self.read(run)
+        return self.database.read(run)

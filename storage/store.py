@@ -1,19 +1,34 @@
-"""The stream store's errors, row shape and factory (one per database URL)."""
+"""The storage errors, the stored row's layout, the stream catalog and the stream store's factory."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final, Protocol
 
+from storage.contracts import StoredRow, StreamStore
 from storage.schema import StreamSchema
 from storage.urls import DatabaseUrl, parse_database_url
 
-# A stored row as read back: (seq, token, instance_name, ts, *column values).
-# JSON columns are JSON text; booleans may come back as 0/1 from SQLite.
-StoredRow = tuple[Any, ...]
-SEQ, TOKEN, INSTANCE, TS, FIRST_VALUE = 0, 1, 2, 3, 4
+__all__ = ["StoredRow", "StreamStore", "open_store"]
+
+# Positions in a stored row (and, but for FIRST_VALUE, in a JSON row).
+SEQ: Final = 0
+TOKEN: Final = 1
+INSTANCE: Final = 2
+TS: Final = 3
+FIRST_VALUE: Final = 4
+
+
+class Database(Protocol):
+    """What a store needs of the database object it holds (``SqliteDatabase``, ``PgDatabase``)."""
+
+    placeholder: str
+
+    def read(self, fn: Callable[[Any], Any]) -> Any: ...
+
+    def write(self, fn: Callable[[Any], Any]) -> Any: ...
 
 
 class StorageError(Exception):
@@ -35,25 +50,38 @@ class UnknownStream(StorageError, KeyError):
         return f"unknown stream {self.args[0]!r}"
 
 
-class StreamCatalog:
-    """The stream declarations a store knows, cached; mixed into both stores."""
+class StaleApply(StorageError):
+    """An apply at or below the stream's applied token (a bug upstream: history is not rewritten)."""
 
-    _schemas: dict[str, StreamSchema]
-    _lock: threading.Lock
-    placeholder: str
-    read: Callable[[Callable[[Any], Any]], Any]
+
+class StreamCatalog:
+    """The stream declarations a database holds, cached; each stream store holds one."""
+
+    def __init__(self, database: Database) -> None:
+        self._database = database
+        self._schemas: dict[str, StreamSchema] = {}
+        self._lock = threading.Lock()
 
     def catalog(self) -> dict[str, StreamSchema]:
         """Every stream registered in this database."""
-        rows = self.read(lambda cur: cur.execute("SELECT name, columns FROM tickline_streams").fetchall())
+        rows = self._database.read(lambda cur: cur.execute("SELECT name, columns FROM tickline_streams").fetchall())
         found = {name: StreamSchema.from_columns_json(name, columns) for name, columns in rows}
         with self._lock:
             self._schemas.update(found)
         return found
 
-    def _registered_already(self, cur: Any, schema: StreamSchema) -> bool:
+    def known(self) -> list[StreamSchema]:
+        """The schemas seen so far (without reading the database)."""
+        with self._lock:
+            return list(self._schemas.values())
+
+    def remember(self, schema: StreamSchema) -> None:
+        with self._lock:
+            self._schemas[schema.name] = schema
+
+    def registered_already(self, cur: Any, schema: StreamSchema) -> bool:
         """In a registering transaction: is the stream there (refusing a changed declaration)?"""
-        p = self.placeholder
+        p = self._database.placeholder
         found = cur.execute(f"SELECT columns FROM tickline_streams WHERE name = {p}", (schema.name,)).fetchone()
         if found is None:
             return False
@@ -89,21 +117,24 @@ def open_store(
     clock: Callable[[], float] = time.time,
     base_dir: str | None = None,
     **pg_options: Any,
-):
-    """Open (and migrate) the stream store behind a database URL."""
+) -> StreamStore:
+    """Open (and migrate) the stream store behind a database URL.
+
+    ``pg_options`` (``report_interval``, ``writer_timeout``) apply to PostgreSQL only.
+    psycopg2 is imported only for a PostgreSQL URL.
+    """
     parsed = url if isinstance(url, DatabaseUrl) else parse_database_url(url, base_dir)
-    store: Any
     if parsed.is_sqlite:
         from storage.sqlite_store import SqliteStreamStore
 
         assert parsed.path is not None
-        store = SqliteStreamStore(parsed.path, clock=clock)
-    else:
-        require_postgres()
-        from storage.pg_store import PgStreamStore
+        sqlite_store = SqliteStreamStore(parsed.path, clock=clock)
+        sqlite_store.migrate()
+        return sqlite_store
+    require_postgres()
+    from storage.pg_store import PgStreamStore
 
-        assert parsed.dsn is not None
-
-        store = PgStreamStore(parsed.dsn, clock=clock, **pg_options)
-    store.migrate()
-    return store
+    assert parsed.dsn is not None
+    pg_store = PgStreamStore(parsed.dsn, clock=clock, **pg_options)
+    pg_store.migrate()
+    return pg_store

@@ -3,6 +3,11 @@
 ``apply`` runs the caller's effects and moves the stream's applied token in
 one transaction: after a crash (even ``kill -9``) either both happened or
 neither did, so a resumed worker neither loses nor repeats a row.
+
+The backends live in ``storage.sqlite_worker`` and ``storage.pg_worker``;
+the factories here import the PostgreSQL one (and psycopg2) only for a
+PostgreSQL URL. :func:`open_snapshot_reader` opens a worker's database
+read-only for a Spark snapshot: it never creates nor migrates it.
 """
 
 from __future__ import annotations
@@ -10,80 +15,87 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from storage.schema import StreamSchema
-from storage.sqlite_db import SqliteDatabase
-from storage.store import require_postgres
+from storage.contracts import ApplyTransaction, Effects, SnapshotReader, WorkerStore
+from storage.store import StaleApply, require_postgres
 from storage.urls import DatabaseUrl, parse_database_url
 
-Effects = Callable[[Any], None]
+__all__ = [
+    "ApplyTransaction",
+    "Effects",
+    "SnapshotReader",
+    "StaleApply",
+    "WorkerStore",
+    "open_snapshot_reader",
+    "open_worker_store",
+]
+
+Execute = Callable[[str, tuple[Any, ...]], Any]
 
 
-class WorkerStore:
-    """Worker state on either database (mixed into its connection class)."""
+def move_applied_token(execute: Execute, placeholder: str, stream: str, token: int) -> None:
+    """Inside an apply transaction: move the stream's applied token forwards, or :class:`StaleApply`.
 
-    placeholder: str
-    dialect: str
-    read: Callable[[Callable[[Any], Any]], Any]
-    write: Callable[[Callable[[Any], Any]], Any]
-
-    def applied_tokens(self) -> dict[str, int]:
-        rows = self.read(lambda conn: conn.execute("SELECT stream, token FROM tickline_applied").fetchall())
-        return dict(rows)
-
-    def create_replicated_table(self, schema: StreamSchema) -> None:
-        def run(conn: Any) -> None:
-            for statement in schema.create_replicated_table_sql(self.dialect):
-                conn.execute(statement)
-
-        self.write(run)
-
-    def apply(self, stream: str, token: int, effects: Effects) -> None:
-        """Run ``effects(connection)`` and set the applied token, atomically.
-
-        Refuses to move the token backwards (a stale or repeated apply is a bug
-        upstream, and must not rewrite history).
-        """
-
-        p = self.placeholder
-
-        def run(conn: Any) -> None:
-            # One statement moves the token only forwards (and locks the row).
-            moved = conn.execute(
-                f"INSERT INTO tickline_applied (stream, token) VALUES ({p}, {p}) "
-                "ON CONFLICT (stream) DO UPDATE SET token = excluded.token "
-                "WHERE tickline_applied.token < excluded.token",
-                (stream, token),
-            ).rowcount
-            if moved != 1:
-                raise StaleApply(f"stream {stream!r}: token {token} is not above the applied token")
-            effects(conn)
-
-        self.write(run)
+    One statement moves the token only forwards (and locks the row); ``execute``
+    returns a cursor with ``rowcount``.
+    """
+    p = placeholder
+    moved = execute(
+        f"INSERT INTO tickline_applied (stream, token) VALUES ({p}, {p}) "
+        "ON CONFLICT (stream) DO UPDATE SET token = excluded.token "
+        "WHERE tickline_applied.token < excluded.token",
+        (stream, token),
+    ).rowcount
+    if moved != 1:
+        raise StaleApply(f"stream {stream!r}: token {token} is not above the applied token")
 
 
-class StaleApply(Exception):
-    """An apply at or below the stream's applied token."""
-
-
-class SqliteWorkerStore(WorkerStore, SqliteDatabase):
-    placeholder = "?"
+def token_bounds(execute: Execute, p: str, table: str, after: int | None, upto: int) -> tuple[int | None, int | None]:
+    """In a read transaction: lowest and highest token of ``table`` in ``(after, upto]``."""
+    if not table.replace("_", "").isalnum():
+        raise ValueError(f"bad table name {table!r}")
+    if after is None:
+        row = execute(f"SELECT min(token), max(token) FROM {table} WHERE token <= {p}", (upto,)).fetchone()
+    else:
+        row = execute(
+            f"SELECT min(token), max(token) FROM {table} WHERE token > {p} AND token <= {p}", (after, upto)
+        ).fetchone()
+    low, high = row
+    return (None if low is None else int(low)), (None if high is None else int(high))
 
 
 def open_worker_store(url: str | DatabaseUrl, base_dir: str | None = None) -> WorkerStore:
     """Open (and migrate) a worker's database."""
     parsed = url if isinstance(url, DatabaseUrl) else parse_database_url(url, base_dir)
-    store: WorkerStore
     if parsed.is_sqlite:
+        from storage.sqlite_worker import SqliteWorkerStore
+
         assert parsed.path is not None
-        store = SqliteWorkerStore(parsed.path)
-    else:
-        require_postgres()
-        from storage.pg_db import PgDatabase
+        sqlite_store = SqliteWorkerStore(parsed.path)
+        sqlite_store.migrate()
+        return sqlite_store
+    require_postgres()
+    from storage.pg_worker import PgWorkerStore
 
-        class PgWorkerStore(WorkerStore, PgDatabase):
-            placeholder = "%s"
+    assert parsed.dsn is not None
+    pg_store = PgWorkerStore(parsed.dsn)
+    pg_store.migrate()
+    return pg_store
 
-        assert parsed.dsn is not None
-        store = PgWorkerStore(parsed.dsn)
-    store.migrate()
-    return store
+
+def open_snapshot_reader(url: str | DatabaseUrl, base_dir: str | None = None) -> SnapshotReader:
+    """A worker's database opened read-only, for snapshots (nothing is created or migrated).
+
+    Raises :class:`~storage.store.DatabaseUnavailable` if there is no such database
+    or it cannot be reached.
+    """
+    parsed = url if isinstance(url, DatabaseUrl) else parse_database_url(url, base_dir)
+    if parsed.is_sqlite:
+        from storage.sqlite_worker import SqliteSnapshotReader
+
+        assert parsed.path is not None
+        return SqliteSnapshotReader(parsed.path)
+    require_postgres()
+    from storage.pg_worker import PgSnapshotReader
+
+    assert parsed.dsn is not None
+    return PgSnapshotReader(parsed.dsn)

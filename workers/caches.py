@@ -103,10 +103,6 @@ class CacheRegistry:
                 found = self._caches[name] = LruCache(name, max_size or self._default_max_size)
             return found
 
-    def names(self) -> list[str]:
-        with self._lock:
-            return sorted(self._caches)
-
     def cached(
         self, name: str | None = None, max_size: int | None = None
     ) -> Callable[[Callable[..., T]], Callable[..., T]]:

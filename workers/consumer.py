@@ -33,6 +33,7 @@ from twisted.internet import defer
 from twisted.python.failure import Failure
 
 from replication.reactor_types import Clock
+from storage.contracts import ApplyTransaction, Effects
 from storage.schema import StreamSchema
 from storage.tso import compose, physical_ms
 from workers.handlers import ApplyContext, Handler, ReplicatedRow
@@ -66,8 +67,7 @@ class StreamConsumer:
         schema: StreamSchema,
         applied: int,
         handlers: list[Handler],
-        apply_in_db: Callable[[str, int, Callable[[Any], None]], defer.Deferred[None]],
-        placeholder: str,
+        apply_in_db: Callable[[str, int, Effects], defer.Deferred[None]],
         worker_name: str,
         clock: Clock,
         settings: ApplySettings = ApplySettings(),
@@ -80,7 +80,6 @@ class StreamConsumer:
         self.known = applied
         self.handlers = handlers
         self._apply_in_db = apply_in_db
-        self._placeholder = placeholder
         self._worker_name = worker_name
         self._clock = clock
         self.settings = settings
@@ -93,7 +92,6 @@ class StreamConsumer:
         self._retry_call: Any = None
         self.applied_ts: int | None = None
         self.rows_applied = 0
-        self.rows_dropped = 0
 
     # -- input from the connection ---------------------------------------------------
 
@@ -118,7 +116,6 @@ class StreamConsumer:
         the stream's columns carries none.
         """
         if token <= self.known:
-            self.rows_dropped += len(rows)
             logger.debug("%s: dropped stale rows at token %s (known %s)", self.stream, token, self.known)
             return
         width = self._width
@@ -182,16 +179,16 @@ class StreamConsumer:
         rows = [row for item in group for row in item.rows]
         generation = self._generation
         self._applying = True
-        d = self._apply_in_db(self.stream, token, lambda conn: self._run_handlers(conn, rows))
+        d = self._apply_in_db(self.stream, token, lambda txn: self._run_handlers(txn, rows))
         d.addCallbacks(
             self._applied, self._failed, callbackArgs=(group, token, rows, generation), errbackArgs=(group, rows)
         )
 
-    def _run_handlers(self, connection: Any, rows: list[ReplicatedRow]) -> None:
+    def _run_handlers(self, transaction: ApplyTransaction, rows: list[ReplicatedRow]) -> None:
         """On the database thread, inside the apply transaction."""
         if not rows:
             return
-        ctx = ApplyContext(connection, self._placeholder, self.stream, self.schema, self._worker_name)
+        ctx = ApplyContext(transaction, self.stream, self.schema, self._worker_name)
         for handler in self.handlers:
             handler(ctx, rows)
 

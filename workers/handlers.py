@@ -21,6 +21,7 @@ from typing import Any
 
 import attr
 
+from storage.contracts import ApplyTransaction
 from storage.schema import StreamSchema
 
 
@@ -38,13 +39,27 @@ class ReplicatedRow:
 
 @attr.s(slots=True, auto_attribs=True)
 class ApplyContext:
-    """One apply transaction on the worker's database."""
+    """One apply transaction on the worker's database, for one stream's rows.
 
-    connection: Any  # DB-API connection inside the transaction
-    placeholder: str  # "?" for SQLite, "%s" for PostgreSQL
+    ``connection`` is the transaction's DB-API-like connection and
+    ``placeholder`` its parameter marker (``?`` on SQLite, ``%s`` on
+    PostgreSQL), for a handler's own SQL; ``transaction`` is the worker
+    store's side of it (``transaction.replicate`` copies rows into
+    ``replicated_<stream>``).
+    """
+
+    transaction: ApplyTransaction
     stream: str
     schema: StreamSchema
     worker_name: str
+
+    @property
+    def connection(self) -> Any:
+        return self.transaction.connection
+
+    @property
+    def placeholder(self) -> str:
+        return self.transaction.placeholder
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
         return self.connection.execute(sql, params)

@@ -10,6 +10,8 @@ from workers.handlers import ApplyContext, Handler, ReplicatedRow
 def table_replicator(schema: StreamSchema) -> Handler:
     """Copy rows into ``replicated_<stream>``: the columns plus token, instance_name, ts.
 
+    The worker store writes them (many rows per statement on PostgreSQL).
+
     Each row is checked against the stream's columns first, so a worker whose
     declaration differs from the master's stops (and says why) instead of
     storing wrong data.
@@ -17,12 +19,7 @@ def table_replicator(schema: StreamSchema) -> Handler:
     check = schema.check_row
 
     def replicate(ctx: ApplyContext, rows: list[ReplicatedRow]) -> None:
-        values = [(r.token, r.instance_name, r.ts, *check(r.values)) for r in rows]
-        execute_values = getattr(ctx.connection, "execute_values", None)
-        if execute_values is not None:  # PostgreSQL: many rows per statement
-            execute_values(schema.insert_replicated_values_sql(), values)
-        else:
-            ctx.executemany(schema.insert_replicated_sql(ctx.placeholder), values)
+        ctx.transaction.replicate(schema, [(r.token, r.instance_name, r.ts, *check(r.values)) for r in rows])
 
     replicate.__name__ = f"replicate_{schema.name}"
     return replicate

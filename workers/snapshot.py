@@ -38,7 +38,6 @@ PySpark is imported only inside the functions that need it, so this module
 from __future__ import annotations
 
 import os
-import sqlite3
 import tempfile
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -46,8 +45,11 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 import attr
 
+from storage.contracts import SnapshotView
 from storage.schema import StreamSchema
-from storage.urls import DatabaseUrl, parse_database_url
+from storage.store import StorageError
+from storage.urls import DatabaseUrl, parse_database_url, redact_url
+from storage.worker_store import open_snapshot_reader
 
 if TYPE_CHECKING:  # pragma: no cover
     from pyspark.sql import DataFrame, SparkSession
@@ -84,6 +86,16 @@ class SnapshotError(ValueError):
     """A snapshot that cannot be taken; the message says why and what to do."""
 
 
+def require_spark() -> None:
+    """Fail with one line naming the extra when PySpark is not installed."""
+    try:
+        import pyspark  # noqa: F401
+    except ImportError:
+        raise SnapshotError(
+            "Spark support is not installed (pyspark is missing): pip install 'tickline[spark]'"
+        ) from None
+
+
 # -- step 1: the bounds, in one transaction ---------------------------------------------------------
 
 
@@ -106,11 +118,6 @@ class SnapshotBounds:
     @property
     def is_empty(self) -> bool:
         return self.min_token is None
-
-    def where(self) -> str:
-        """The SQL condition of the range (tokens are integers we formatted ourselves)."""
-        upper = f"token <= {int(self.token)}"
-        return upper if self.after is None else f"token > {int(self.after)} AND {upper}"
 
 
 def resolve_schema(
@@ -154,23 +161,28 @@ def read_bounds(
             raise SnapshotError(f"{name} must be a token (a whole number >= 0), got {value!r}")
     table = schema.replicated_table
     wanted = ("token", "instance_name", "ts", *schema.column_names)
+    try:
+        reader = open_snapshot_reader(parsed)
+    except StorageError as e:
+        raise SnapshotError(str(e)) from None
+    where = reader.describe()
 
-    def run(execute: Any, table_exists: Any, table_columns: Any, p: str) -> SnapshotBounds:
-        if not table_exists("tickline_applied"):
-            raise SnapshotError(f"{_where(parsed)} is not a worker's database (it has no tickline_applied table)")
-        if not table_exists(table):
+    def run(view: SnapshotView) -> SnapshotBounds:
+        if not view.has_table("tickline_applied"):
+            raise SnapshotError(f"{where} is not a worker's database (it has no tickline_applied table)")
+        if not view.has_table(table):
             raise SnapshotError(
-                f"{_where(parsed)} has no table {table}: the worker does not replicate stream "
+                f"{where} has no table {table}: the worker does not replicate stream "
                 f"{schema.name!r} (add it to worker.replicate or run the worker with --replicate {schema.name})"
             )
-        missing = [c for c in wanted if c not in table_columns(table)]
+        columns = view.table_columns(table)
+        missing = [c for c in wanted if c not in columns]
         if missing:
             raise SnapshotError(
-                f"table {table} in {_where(parsed)} lacks column(s) {', '.join(missing)} of stream "
+                f"table {table} in {where} lacks column(s) {', '.join(missing)} of stream "
                 f"{schema.name!r}: the stream's declaration differs from the worker's"
             )
-        found = execute(f"SELECT token FROM tickline_applied WHERE stream = {p}", (schema.name,))
-        applied = int(found[0][0]) if found else 0
+        applied = view.applied_token(schema.name)
         upper = applied if as_of is None else as_of
         if upper > applied:
             raise SnapshotError(
@@ -182,95 +194,19 @@ def read_bounds(
                 f"after token {after} is above the upper bound {upper} for stream {schema.name!r} "
                 f"(the worker's applied token is {applied})"
             )
-        bounds = SnapshotBounds(parsed, schema, upper, after, applied, None, None)
-        low, high = execute(f"SELECT min(token), max(token) FROM {table} WHERE {bounds.where()}", ())[0]
-        return attr.evolve(
-            bounds, min_token=None if low is None else int(low), max_token=None if high is None else int(high)
-        )
+        low, high = view.token_bounds(table, after, upper)
+        return SnapshotBounds(parsed, schema, upper, after, applied, low, high)
 
-    if parsed.is_sqlite:
-        return _read_sqlite(parsed, run)
-    return _read_postgresql(parsed, run)
+    try:
+        return reader.read(run)
+    except StorageError as e:
+        raise SnapshotError(str(e)) from None
+    finally:
+        reader.close()
 
 
 def _where(url: DatabaseUrl) -> str:
-    return f"SQLite database {url.path}" if url.is_sqlite else f"PostgreSQL database {_safe_url(url.dsn or '')}"
-
-
-def _read_sqlite(url: DatabaseUrl, run: Any) -> SnapshotBounds:
-    path = url.path or ""
-    if not os.path.isfile(path):
-        raise SnapshotError(f"no SQLite database at {path} (is this the worker's database URL?)")
-    try:
-        conn = sqlite3.connect(path, timeout=30, isolation_level=None)
-    except sqlite3.Error as e:
-        raise SnapshotError(f"cannot open SQLite database {path}: {e}") from None
-    try:
-
-        def execute(sql: str, params: tuple) -> list:
-            return conn.execute(sql, params).fetchall()
-
-        def table_exists(name: str) -> bool:
-            return bool(execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)))
-
-        def table_columns(name: str) -> set[str]:
-            return {row[1] for row in execute(f"PRAGMA table_info({name})", ())}
-
-        # In WAL mode one read transaction sees one snapshot of the file.
-        conn.execute("BEGIN")
-        try:
-            return run(execute, table_exists, table_columns, "?")
-        finally:
-            conn.execute("COMMIT")
-    except sqlite3.DatabaseError as e:
-        raise SnapshotError(f"cannot read SQLite database {path}: {e}") from None
-    finally:
-        conn.close()
-
-
-def _read_postgresql(url: DatabaseUrl, run: Any) -> SnapshotBounds:
-    import psycopg2
-    import psycopg2.extensions
-
-    try:
-        conn = psycopg2.connect(url.dsn, connect_timeout=5, application_name="tickline-snapshot")
-    except psycopg2.Error as e:
-        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise SnapshotError(f"cannot connect to PostgreSQL at {_safe_url(url.dsn or '')}: {message}") from None
-    try:
-        # REPEATABLE READ: every statement below sees the same snapshot.
-        conn.set_session(isolation_level=psycopg2.extensions.ISOLATION_LEVEL_REPEATABLE_READ, readonly=True)
-        with conn.cursor() as cur:
-
-            def execute(sql: str, params: tuple) -> list:
-                cur.execute(sql, params)
-                return cur.fetchall()
-
-            def table_exists(name: str) -> bool:
-                return execute("SELECT to_regclass(%s)", (name,))[0][0] is not None
-
-            def table_columns(name: str) -> set[str]:
-                rows = execute(
-                    "SELECT column_name FROM information_schema.columns "
-                    "WHERE table_name = %s AND table_schema = ANY (current_schemas(false))",
-                    (name,),
-                )
-                return {row[0] for row in rows}
-
-            result = run(execute, table_exists, table_columns, "%s")
-        conn.commit()
-        return result
-    except psycopg2.Error as e:
-        raise SnapshotError(f"cannot read PostgreSQL at {_safe_url(url.dsn or '')}: {str(e).strip()}") from None
-    finally:
-        conn.close()
-
-
-def _safe_url(dsn: str) -> str:
-    parts = urlsplit(dsn)
-    if parts.password:
-        return dsn.replace(f":{parts.password}@", ":***@", 1)
-    return dsn
+    return f"SQLite database {url.path}" if url.is_sqlite else f"PostgreSQL database {redact_url(url.text)}"
 
 
 # -- JDBC -----------------------------------------------------------------------------------------
@@ -333,8 +269,7 @@ def jdbc_options(url: str | DatabaseUrl, base_dir: str | None = None) -> dict[st
 
 
 def _range_query(bounds: SnapshotBounds) -> str:
-    names = ", ".join(("token", "instance_name", "ts", *bounds.schema.column_names))
-    return f"(SELECT {names} FROM {bounds.schema.replicated_table} WHERE {bounds.where()}) AS snap"
+    return bounds.schema.replicated_range_sql(bounds.after, bounds.token)
 
 
 def jdbc_read_options(bounds: SnapshotBounds, num_partitions: int, fetchsize: int) -> dict[str, str]:
@@ -424,7 +359,9 @@ def _explain(error: Exception, bounds: SnapshotBounds, settings: SparkSettings) 
             f"or add {jar} to spark.jars (Debian: libxerial-sqlite-jdbc-java, libpostgresql-jdbc-java)"
         )
     first = next((line.strip() for line in text.splitlines() if "Exception" in line), text.strip()[:300])
-    return SnapshotError(f"Spark could not read {bounds.schema.replicated_table} from {_where(bounds.url)}: {first}")
+    return SnapshotError(
+        redact_url(f"Spark could not read {bounds.schema.replicated_table} from {_where(bounds.url)}: {first}")
+    )
 
 
 def snapshot(
@@ -530,6 +467,7 @@ def spark_session(
     them). ``quiet`` keeps the JVM's log to errors only. If a session is already
     running in this process, Spark returns that one and its jars stay as they were.
     """
+    require_spark()
     settings = settings or SparkSettings()
     jars = [settings.postgresql_jar, settings.sqlite_jar]
     absent = [jar for jar in jars if not os.path.isfile(jar)]

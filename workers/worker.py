@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 import attr
@@ -39,6 +38,7 @@ from replication.commands import (
 from replication.dbthreads import DatabaseRunner, DatabaseThreads
 from replication.protocol import ProtocolConfig
 from replication.stats import STATS, ConnectionStats, ProtocolCounters
+from storage.contracts import Effects, WorkerStore
 from storage.schema import StreamSchema
 from workers.caches import CacheRegistry
 from workers.consumer import ConsumerStats, StreamConsumer
@@ -62,7 +62,7 @@ class Worker(ReplicationHandler):
         self,
         config: WorkerConfig,
         protocol_config: ProtocolConfig,
-        store: Any,
+        store: WorkerStore,
         streams: dict[str, StreamSchema],
         reactor: Any,
         handlers: HandlerRegistry | None = None,
@@ -84,7 +84,6 @@ class Worker(ReplicationHandler):
         self.consumers: dict[str, StreamConsumer] = {}
         self.client: ClientProtocol | None = None
         self.factory: WorkerFactory | None = None
-        self.connected_once: defer.Deferred[None] = defer.Deferred()
         self.reconnects = 0
         self.syncing_users: dict[str, int] = {}
         self._federation_ack: int | None = None
@@ -129,7 +128,6 @@ class Worker(ReplicationHandler):
                 applied.get(stream, 0),
                 handlers,
                 self._apply_in_db,
-                self.store.placeholder,
                 self.config.name,
                 self.reactor,
                 self.config.apply,
@@ -181,7 +179,7 @@ class Worker(ReplicationHandler):
             options=frozenset({"live"}),
         )
 
-    def _apply_in_db(self, stream: str, token: int, effects: Callable[[Any], None]) -> defer.Deferred[None]:
+    def _apply_in_db(self, stream: str, token: int, effects: Effects) -> defer.Deferred[None]:
         return self.db.run(self.store.apply, stream, token, effects)
 
     # -- connection events --------------------------------------------------------------
@@ -211,8 +209,6 @@ class Worker(ReplicationHandler):
             client.send(UserSyncCommand(self.config.name, user_id, True, last))
         if self._federation_ack is not None:
             client.send(FederationAckCommand(self.config.name, self._federation_ack))
-        if not self.connected_once.called:
-            self.connected_once.callback(None)
 
     def on_position(self, client: ClientProtocol, command: PositionCommand) -> None:
         consumer = self.consumers.get(command.stream)
@@ -320,10 +316,6 @@ class Worker(ReplicationHandler):
             connection=self.client.stats() if self.client is not None else None,
             protocol=STATS.snapshot(),
         )
-
-    def lag_ms(self) -> dict[str, int | None]:
-        now = int(time.time() * 1000)
-        return {s: c.lag_ms(now) for s, c in self.consumers.items()}
 
     # -- commands to the master -------------------------------------------------------
 

@@ -6,6 +6,7 @@ import logging
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 
@@ -101,7 +102,9 @@ def test_a_fenced_writer_retries_with_new_tokens_and_loses_nothing(pg_url, caplo
 
     def slow_is_dead() -> bool:
         other.safe_positions()  # what the master does: expire silent writers
-        alive = other.read(lambda c: c.execute("SELECT instance_name FROM tickline_writers WHERE alive").fetchall())
+        alive = other.database.read(
+            lambda c: c.execute("SELECT instance_name FROM tickline_writers WHERE alive").fetchall()
+        )
         return not any(name.startswith("slow/") for (name,) in alive)
 
     wait_for(slow_is_dead, 10, "the silent writer to be declared dead")
@@ -149,12 +152,18 @@ def test_four_writers_5000_rows_each_reach_a_worker_and_a_tail_once_in_order(
         cwd=ROOT,
         env=_env(),
     )
+    # Drain the tail while the writers run: a full stdout pipe would block its
+    # reactor, and the master would drop it for not answering PINGs.
+    output: list[tuple[str, str]] = []
+    reader = threading.Thread(target=lambda: output.append(tail.communicate(timeout=240)), daemon=True)
+    reader.start()
     writers = [writer(pg_url, f"w{i}", "5000") for i in range(4)]
     try:
         for w in writers:
             assert w.stdout.readline().strip() == "DONE"
             assert w.wait(timeout=120) == 0
-        out, err = tail.communicate(timeout=120)
+        reader.join(timeout=240)
+        out, err = output[0]
         assert tail.returncode == 0, err
         records = [orjson.loads(line) for line in out.splitlines()]
         assert len(records) == 20000
@@ -210,7 +219,9 @@ def test_two_processes_with_one_instance_name_do_not_fence_each_other(pg_url, ca
             tokens += store.append("events", [[f"$e{i}", "!r", "t", None, None]], "writer")
     assert tokens == list(range(1, 21))  # no transaction was fenced off and retried
     assert "declared dead" not in caplog.text
-    alive = first.read(lambda c: c.execute("SELECT instance_name FROM tickline_writers WHERE alive").fetchall())
+    alive = first.database.read(
+        lambda c: c.execute("SELECT instance_name FROM tickline_writers WHERE alive").fetchall()
+    )
     assert len(alive) == 2 and all(name.startswith("writer/") for (name,) in alive)
     first.close()
     second.close()

@@ -128,3 +128,39 @@ def test_postgres_without_its_extra_is_one_line_naming_it(tmp_path: Path) -> Non
     assert len(lines) == 1, result.stderr
     assert "tickline[postgres]" in lines[0]
     assert "hunter2" not in result.stderr
+
+
+def test_snapshot_without_spark_is_one_line_naming_the_extra(tmp_path: Path) -> None:
+    env = _env(tmp_path)
+    worker_db = tmp_path / "worker.db"
+    result = _tickline(env, "snapshot", "--database", f"sqlite:///{worker_db}", "--stream", "events")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "tickline[spark]" in lines[0] and "pyspark" in lines[0]
+    assert not worker_db.exists()  # nothing was created on the way
+
+
+def test_snapshot_of_postgres_without_its_extra_names_it_without_the_password(tmp_path: Path) -> None:
+    env = _env(tmp_path)
+    # Reading a snapshot's bounds needs no Spark: the missing psycopg2 is what fails.
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from storage.schema import Column, StreamSchema\n"
+            "from workers.snapshot import SnapshotError, read_bounds\n"
+            "try:\n"
+            "    read_bounds('postgresql://u:hunter2@127.0.0.1:1/db', StreamSchema('s', (Column('a', 'text'),)))\n"
+            "except SnapshotError as e:\n"
+            "    print(e)\n",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "tickline[postgres]" in result.stdout
+    assert "hunter2" not in result.stdout + result.stderr

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from storage.schema import Column, StreamSchema
-from storage.worker_store import open_worker_store
+from storage.worker_store import ApplyTransaction, open_worker_store
 from workers.handlers import ApplyContext, ReplicatedRow
 from workers.replicator import table_replicator
 
@@ -107,8 +107,8 @@ class SimulatedWorker:
         rows = rows_for(token) if rows is None else rows
         store = self.store
 
-        def effects(conn: Any) -> None:
-            self.handler(ApplyContext(conn, store.placeholder, self.schema.name, self.schema, "w"), rows)
+        def effects(txn: ApplyTransaction) -> None:
+            self.handler(ApplyContext(txn, self.schema.name, self.schema, "w"), rows)
 
         store.apply(self.schema.name, token, effects)
         self.applied = token

@@ -117,7 +117,7 @@ def test_errors_are_clear_and_need_no_spark(pg_server, config_file: Path, tmp_pa
     w.fill(20)
     w.stop()
     bare = SimulatedWorker(f"sqlite:///{tmp_path / 'bare.db'}", SAMPLE)  # a worker db ...
-    bare.store.write(lambda conn: conn.execute("DROP TABLE replicated_sample"))  # ... that replicates nothing
+    bare.store.database.write(lambda conn: conn.execute("DROP TABLE replicated_sample"))  # ... that replicates nothing
     bare.stop()
     base = ["snapshot", "-c", str(config_file)]
     cases = [

@@ -22,7 +22,7 @@ from storage.store import (
     UnknownStream,
     open_store,
 )
-from storage.urls import BadDatabaseUrl, parse_database_url
+from storage.urls import BadDatabaseUrl, parse_database_url, redact_url
 
 EVENT = ["$e", "!r", "m.room.message", None, None]
 
@@ -203,6 +203,77 @@ def test_unreachable_postgresql_names_the_server() -> None:
         open_store(f"postgresql://u@127.0.0.1:{port}/db")
 
 
+def test_redact_url_hides_every_password_form() -> None:
+    cases = {
+        "postgresql://u:hunter2@127.0.0.1:5432/db": "postgresql://u:***@127.0.0.1:5432/db",
+        "at postgresql://u:p@ss@h/db: refused": "at postgresql://u:***@h/db: refused",
+        "postgresql://u@h/db?sslmode=require&password=hunter2": "postgresql://u@h/db?sslmode=require&password=***",
+        "host=h password='hunter 2' user=u": "host=h password=*** user=u",
+        "postgresql://u@h/db": "postgresql://u@h/db",
+        "sqlite:////var/lib/a@b/x.db": "sqlite:////var/lib/a@b/x.db",
+    }
+    for text, redacted in cases.items():
+        assert redact_url(text) == redacted
+
+
+def test_no_message_shows_a_password(tmp_path) -> None:
+    from storage.worker_store import open_snapshot_reader, open_worker_store
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"postgresql://u:hunter2@127.0.0.1:{port}/db"
+    for fail in (
+        lambda: open_store(url),
+        lambda: open_worker_store(url),
+        lambda: open_snapshot_reader(url).read(lambda view: None),
+    ):
+        with pytest.raises(DatabaseUnavailable) as raised:
+            fail()
+        assert "hunter2" not in str(raised.value) and "u:***@" in str(raised.value)
+    for bad in ("postgresql://u:hunter2@/", "sqlite://u:hunter2@x", "mysql://u:hunter2@h/db"):
+        with pytest.raises(BadDatabaseUrl) as raised:
+            parse_database_url(bad)
+        assert "hunter2" not in str(raised.value)
+
+
+def test_snapshot_reader_never_creates_a_database(tmp_path) -> None:
+    from storage.worker_store import open_snapshot_reader
+
+    reader = open_snapshot_reader(f"sqlite:///{tmp_path}/absent.db")
+    with pytest.raises(DatabaseUnavailable, match="no SQLite database"):
+        reader.read(lambda view: view.applied_token("events"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_snapshot_reader_sees_the_worker_state_read_only(db_url) -> None:
+    from storage.worker_store import open_snapshot_reader, open_worker_store
+
+    store = open_worker_store(db_url)
+    store.create_replicated_table(EVENTS)
+    for token in (3, 5, 9):
+        store.apply(
+            "events", token, lambda txn, t=token: txn.replicate(EVENTS, [(t, "w", 1, "$e", "!r", "t", None, None)])
+        )
+    store.close()
+
+    def look(view):
+        return (
+            view.has_table("tickline_applied"),
+            view.has_table("replicated_nothing"),
+            {"token", "instance_name", "ts", "event_id"} <= view.table_columns("replicated_events"),
+            view.applied_token("events"),
+            view.applied_token("caches"),
+            view.token_bounds("replicated_events", None, 9),
+            view.token_bounds("replicated_events", 3, 8),
+            view.token_bounds("replicated_events", 9, 9),
+        )
+
+    reader = open_snapshot_reader(db_url)
+    assert reader.read(look) == (True, False, True, 9, 0, (3, 9), (5, 5), (None, None))
+    assert "hunter2" not in reader.describe()
+
+
 def _append_many(url: str, instance: str, count: int, queue) -> None:
     s = open_store(url)
     queue.put([s.append("events", [EVENT], instance)[0] for _ in range(count)])
@@ -235,10 +306,9 @@ def test_worker_apply_moves_the_token_only_forwards_with_its_effects(db_url) -> 
 
     store = open_worker_store(db_url)
     store.create_replicated_table(EVENTS)
-    insert = EVENTS.insert_replicated_sql(store.placeholder)
 
     def effects(token: int):
-        return lambda conn: conn.execute(insert, (token, "w", 1, f"$e{token}", "!r", "t", None, None))
+        return lambda txn: txn.replicate(EVENTS, [(token, "w", 1, f"$e{token}", "!r", "t", None, None)])
 
     store.apply("events", 5, effects(5))
     with pytest.raises(StaleApply):
@@ -247,6 +317,6 @@ def test_worker_apply_moves_the_token_only_forwards_with_its_effects(db_url) -> 
         store.apply("events", 3, effects(3))
     store.apply("events", 6, effects(6))
     assert store.applied_tokens() == {"events": 6}
-    rows = store.read(lambda c: c.execute("SELECT token FROM replicated_events ORDER BY token").fetchall())
+    rows = store.database.read(lambda c: c.execute("SELECT token FROM replicated_events ORDER BY token").fetchall())
     assert [r[0] for r in rows] == [5, 6]  # the refused applies left nothing behind
     store.close()

@@ -102,7 +102,7 @@ class Harness:
     def rows(self) -> list[tuple]:
         return [
             tuple(row)
-            for row in self.store.read(
+            for row in self.store.database.read(
                 lambda c: c.execute(
                     "SELECT token, instance_name, ts, event_id FROM replicated_events ORDER BY token, event_id"
                 ).fetchall()

@@ -1,0 +1,175 @@
+"""What the layers above need from storage, as ``typing.Protocol`` s.
+
+Both backends (SQLite and PostgreSQL) implement every contract here; the
+factories (:func:`storage.store.open_store`,
+:func:`storage.worker_store.open_worker_store`,
+:func:`storage.worker_store.open_snapshot_reader`) return these types, and
+the master, the workers and the scripts depend on nothing else. The stores
+*hold* their database object: connections, ``read`` and ``write`` are not
+part of any contract. SQL stays inside ``storage/``.
+
+- :class:`StreamStore`: the master's side (and ``tickline write``): streams,
+  appends, the timestamp oracle, heads and safe positions, rows for the
+  fan-out and for replays, writer retirement, change notification.
+- :class:`Notifier`: a file descriptor the master's reactor watches.
+- :class:`WorkerStore` and :class:`ApplyTransaction`: a worker's database,
+  where the effects of rows and the stream's applied token commit together.
+- :class:`SnapshotReader` and :class:`SnapshotView`: the Spark snapshot's
+  read-only look at a worker's database (applied token, token bounds,
+  table and column checks), in one read transaction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
+
+from storage.schema import StreamSchema
+
+# A stored row as read back: (seq, token, instance_name, ts, *column values).
+# JSON columns are JSON text; booleans may come back as 0/1 from SQLite.
+StoredRow = tuple[Any, ...]
+# A row for the fan-out: (seq, token, instance_name as UTF-8 bytes, ts, the
+# row's JSON array as UTF-8 bytes); ``replication.rows.encode_json_rows``
+# turns a list of them into RDATA lines without touching the values.
+JsonRow = tuple[int, int, bytes, int, bytes]
+# A row as written: a list in column order or an object by column name.
+Row = Sequence[Any] | Mapping[str, Any]
+# A row for ``replicated_<stream>``: (token, instance_name, ts, *checked column values).
+ReplicatedValues = tuple[Any, ...]
+
+T = TypeVar("T")
+
+
+class Notifier(Protocol):
+    """Change notification (PostgreSQL ``LISTEN``): watched by the master's reactor."""
+
+    def fileno(self) -> int:
+        """The descriptor that becomes readable when notifications arrive."""
+        ...
+
+    def drain(self) -> set[str]:
+        """The streams named by the notifications that arrived; never blocks."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class StreamStore(Protocol):
+    """The master's storage: streams with tokens, the oracle, reads for the fan-out."""
+
+    def register_stream(self, schema: StreamSchema) -> None:
+        """Create the stream's table if missing; :class:`~storage.store.SchemaMismatch` if declared otherwise."""
+        ...
+
+    def catalog(self) -> dict[str, StreamSchema]:
+        """Every stream registered in the database."""
+        ...
+
+    def schema(self, stream: str) -> StreamSchema:
+        """A registered stream's schema; :class:`~storage.store.UnknownStream` if none."""
+        ...
+
+    def append(self, stream: str, rows: Iterable[Row], instance_name: str, batch: bool = False) -> list[int]:
+        """Append rows in one transaction (all or none); the token of each row."""
+        ...
+
+    def allocate_timestamps(self, count: int = 1) -> list[int]:
+        """``count`` strictly increasing timestamps from the oracle."""
+        ...
+
+    def heads(self) -> dict[str, int]:
+        """The highest token per stream (allocated; on SQLite also committed)."""
+        ...
+
+    def safe_positions(self, expire_writers: bool = True) -> dict[str, int]:
+        """Per stream, the token up to which every row has committed."""
+        ...
+
+    def read_rows(self, stream: str, after: int, upto: int, limit: int) -> list[StoredRow]:
+        """Rows with ``after < token <= upto`` in order, about ``limit`` (never splitting a token)."""
+        ...
+
+    def read_rows_json(self, stream: str, after: int, upto: int, limit: int) -> list[JsonRow]:
+        """As :meth:`read_rows`, each row's values already one JSON array (bytes), for the fan-out."""
+        ...
+
+    def retire_writers(self) -> None:
+        """This process's writers stop holding their streams back (at shutdown)."""
+        ...
+
+    def notifier(self) -> Notifier | None:
+        """A new change-notification listener, or None if the backend has none (poll)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class ApplyTransaction(Protocol):
+    """One open apply transaction of a worker store, handed to the effects."""
+
+    @property
+    def connection(self) -> Any:
+        """The DB-API-like connection of the transaction, for handlers' own SQL."""
+        ...
+
+    @property
+    def placeholder(self) -> str:
+        """The parameter marker of the backend's SQL: ``?`` (SQLite) or ``%s`` (PostgreSQL)."""
+        ...
+
+    def replicate(self, schema: StreamSchema, rows: Sequence[ReplicatedValues]) -> None:
+        """Insert rows into ``replicated_<stream>`` (many per statement where the backend can)."""
+        ...
+
+
+Effects = Callable[[ApplyTransaction], None]
+
+
+class WorkerStore(Protocol):
+    """A worker's database: applied tokens, moved with the effects of the rows."""
+
+    def applied_tokens(self) -> dict[str, int]: ...
+
+    def create_replicated_table(self, schema: StreamSchema) -> None:
+        """Create ``replicated_<stream>`` if missing."""
+        ...
+
+    def apply(self, stream: str, token: int, effects: Effects) -> None:
+        """Run ``effects`` and move the stream's applied token to ``token``, in one transaction.
+
+        :class:`~storage.store.StaleApply` if ``token`` is not above the applied token.
+        """
+        ...
+
+    def close(self) -> None: ...
+
+
+class SnapshotView(Protocol):
+    """What a snapshot reads, inside one read-only transaction (one snapshot of the data)."""
+
+    def has_table(self, table: str) -> bool: ...
+
+    def table_columns(self, table: str) -> set[str]: ...
+
+    def applied_token(self, stream: str) -> int:
+        """The worker's applied token for the stream (0 if none)."""
+        ...
+
+    def token_bounds(self, table: str, after: int | None, upto: int) -> tuple[int | None, int | None]:
+        """Lowest and highest ``token`` of ``table`` in ``(after, upto]`` (None, None if no rows)."""
+        ...
+
+
+class SnapshotReader(Protocol):
+    """A worker's database opened read-only (never created nor migrated)."""
+
+    def describe(self) -> str:
+        """The database for messages: ``SQLite database /path`` or ``PostgreSQL database <url>`` (redacted)."""
+        ...
+
+    def read(self, fn: Callable[[SnapshotView], T]) -> T:
+        """Run ``fn`` in one read-only transaction."""
+        ...
+
+    def close(self) -> None: ...
