@@ -27,7 +27,7 @@ from typing import Any
 
 import attr
 import orjson
-from twisted.internet import threads
+from twisted.internet import defer, threads
 from twisted.internet.protocol import ReconnectingClientFactory
 from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
@@ -89,6 +89,7 @@ class TimelineConsumer:
         reactor: Any,
         secret: str | None = None,
         reconnect_max: float = 5.0,
+        run_handler: Callable[[JobHandler, TimelineJob], defer.Deferred[Any]] | None = None,
     ) -> None:
         self.settings = settings
         self.handler = handler
@@ -103,6 +104,10 @@ class TimelineConsumer:
         self.failures: OrderedDict[str, int] = OrderedDict()
         self.counters = {"handled": 0, "failed": 0, "extended": 0, "lost": 0}
         self._pool = ThreadPool(minthreads=0, maxthreads=settings.credit, name=f"tickline-timeline-{name}")
+        # How a handler runs: on the pool (tests inject their own).
+        self._run_handler = run_handler or (
+            lambda handler, job: threads.deferToThreadPool(self.reactor, self._pool, handler, job)
+        )
         self._factory = _Factory(self, reconnect_max)
         self._connector: Any = None
         self._stopping = False
@@ -166,7 +171,7 @@ class TimelineConsumer:
         except orjson.JSONDecodeError:
             body = command.body
         work = TimelineJob(command.topic, command.id, command.version, command.until_ms, body)
-        d = threads.deferToThreadPool(self.reactor, self._pool, self.handler, work)
+        d = self._run_handler(self.handler, work)
         d.addCallbacks(self._handled, self._raised, (command.id,), {}, (command.id,))
 
     def _plan_extend(self, mid: str, job: _Running) -> None:
