@@ -76,7 +76,7 @@ def test_a_running_handler_is_extended_at_half_of_each_lease() -> None:
 
 
 def test_a_raising_handler_is_released_with_exponential_backoff() -> None:
-    consumer, clock, client, running = make(lease_ms=60_000, backoff_initial_ms=1000, backoff_max_ms=3000)
+    consumer, _clock, client, running = make(lease_ms=60_000, backoff_initial_ms=1000, backoff_max_ms=3000)
     now = int(T0 * 1000)
     delays = []
     for version in (2, 4, 6, 8):
@@ -109,7 +109,7 @@ def test_a_refused_extend_is_a_lost_lease_and_the_finish_is_still_reported() -> 
 
 
 def test_a_lease_sent_again_after_a_reconnect_keeps_the_running_handler() -> None:
-    consumer, clock, client, running = make(lease_ms=1000)
+    consumer, _clock, client, running = make(lease_ms=1000)
     now = int(T0 * 1000)
     consumer.on_lease(client, lease("a", 2, now + 1000))  # type: ignore[arg-type]
     first = running["a"]
