@@ -283,11 +283,12 @@ class SqlTimelineStore:
                         f"WITH d AS MATERIALIZED (SELECT ctid, id, ts FROM {TABLE} WHERE topic = ? AND bucket = ? "
                         f"AND deleted_ms IS NULL AND ts <= ?{skip_own} ORDER BY ts LIMIT ? FOR UPDATE SKIP LOCKED), "
                         f"u AS (UPDATE {TABLE} SET consumer = ?, ts = ?, version = version + 1 "
-                        "WHERE ctid = ANY(ARRAY(SELECT ctid FROM d)) AND topic = ? AND deleted_ms IS NULL AND ts <= ? "
+                        # No indexable condition beside the ctids: the plan is a TID scan.
+                        "WHERE ctid = ANY(ARRAY(SELECT ctid FROM d)) AND deleted_ms IS NULL AND ts <= ? "
                         f"RETURNING {_COLUMNS}) "
                         "SELECT u.topic, u.id, u.ts, u.body, u.producer_group, u.consumer, u.bucket, u.version, "
                         "u.created_ms, d.ts FROM u JOIN d ON u.id = d.id",
-                        (topic, bucket, now_ms, *own, want, consumer, until, topic, now_ms),
+                        (topic, bucket, now_ms, *own, want, consumer, until, now_ms),
                     )
                     found = [(_message(r[:9]), int(r[9])) for r in rows]
                 else:
