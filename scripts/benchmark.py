@@ -64,6 +64,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIRE_SCENARIOS = ("wire", "wire-live")
 SCENARIOS = (*WIRE_SCENARIOS, "catch-up", "end-to-end")  # the last two: scripts/bench_workers.py
 SCENARIOS += ("snapshot",)  # Spark JDBC snapshots: scripts/bench_snapshot.py
+SCENARIOS += ("ordered",)  # timestamp order across streams: scripts/bench_ordered.py
 SCENARIOS += ("timeline",)  # timeline leases/s on PostgreSQL: scripts/bench_timeline.py
 DEFAULT_ROWS = 200_000
 DEFAULT_REPEAT = 5
@@ -699,7 +700,7 @@ def main(
     wire = [s for s in chosen if s in WIRE_SCENARIOS]
     try:
         results = run_wire(wire, rows, repeat, workdir, profile_dir, verbose) if wire else {}
-        if any(s not in (*WIRE_SCENARIOS, "snapshot", "timeline") for s in chosen):
+        if any(s not in (*WIRE_SCENARIOS, "snapshot", "ordered", "timeline") for s in chosen):
             from scripts.bench_workers import run_worker_scenarios
 
             run_worker_scenarios(chosen, rows, workdir)
@@ -707,6 +708,10 @@ def main(
             from scripts.bench_snapshot import print_results, run_snapshot_bench
 
             print_results(run_snapshot_bench(requested_rows, repeat, workdir, verbose))
+        if "ordered" in chosen:
+            from scripts import bench_ordered
+
+            bench_ordered.print_results(bench_ordered.run_ordered(workdir))
         if "timeline" in chosen:
             from scripts import bench_timeline
 

@@ -37,6 +37,7 @@ import orjson
 import psycopg2
 import psycopg2.extensions
 
+from storage import time_index
 from storage.contracts import JsonRow, Row, StoredRow
 from storage.pg_db import Cursor, PgDatabase
 from storage.schema import StreamSchema, check_instance_name
@@ -96,6 +97,14 @@ class PgStreamStore:
 
     def catalog(self) -> dict[str, StreamSchema]:
         return self._catalog.catalog()
+
+    # -- time (storage.time_index) ------------------------------------------------------
+
+    def first_token_at(self, stream: str, since_ts: int) -> time_index.TokenAt:
+        return time_index.first_token_at(self, stream, since_ts)
+
+    def safe_point(self, expire_writers: bool = True, allocate: bool = True) -> tuple[dict[str, int], dict[str, int]]:
+        return time_index.safe_point(self, expire_writers, allocate)
 
     def schema(self, stream: str) -> StreamSchema:
         return self._catalog.schema(stream)
@@ -160,6 +169,30 @@ class PgStreamStore:
             )
             (last,) = cur.fetchone()
         return list(range(last - count + 1, last + 1))
+
+    def allocate_rows(self, schema: StreamSchema, ts_count: int, token_count: int) -> tuple[int, list[int]]:
+        """``ts_count`` timestamps and ``token_count`` tokens of the stream, in one statement.
+
+        The statement holds the oracle's row lock from its ``UPDATE`` until it
+        commits, and takes the tokens (``nextval``) for the rows the update
+        returned, so inside that lock: whichever of two writers allocates
+        first gets both the lower timestamps and the lower tokens. Hence a
+        stream's ``ts`` increases with its token, on PostgreSQL as on SQLite
+        (``storage.time_index`` relies on it), and a timestamp the master takes
+        from the oracle is above every timestamp of a token already allocated.
+        """
+        from storage import tso
+
+        floor = tso.compose(max(int(self._clock() * 1000), 0)) + ts_count - 1
+        with self._side_cursor() as cur:
+            cur.execute(
+                "WITH oracle AS (UPDATE tickline_tso SET last_ts = GREATEST(last_ts + %s, %s) WHERE id = 1 "
+                "RETURNING last_ts) SELECT oracle.last_ts, nextval(%s) FROM oracle, generate_series(1, %s)",
+                (ts_count, floor, _seq(schema), token_count),
+            )
+            rows = cur.fetchall()
+        last = rows[0][0]
+        return last - ts_count + 1, sorted(r[1] for r in rows)
 
     # -- writers -------------------------------------------------------------------------
 
@@ -425,20 +458,15 @@ class WriteTransaction:
         if not values:
             return []
         count = len(values)
-        first_ts = self._store.allocate_timestamps(count)[0]
-        store, cur = self._store, self._cur
+        store = self._store
         # Allocation and registration as in flight happen under the lock, so
-        # a concurrent report never claims a token still in flight.
+        # a concurrent report never claims a token still in flight. Tokens and
+        # timestamps come from one statement (see allocate_rows).
         with store._lock:
-            allocated = [
-                r[0]
-                for r in cur.execute(
-                    "SELECT nextval(%s) FROM generate_series(1, %s)", (_seq(self._schema), 1 if batch else count)
-                ).fetchall()
-            ]
+            first_ts, allocated = store.allocate_rows(self._schema, count, 1 if batch else count)
             self._state.inflight.setdefault(self._id, allocated[0])
         tokens = [allocated[0]] * count if batch else allocated
-        cur.execute_values(
+        self._cur.execute_values(
             self._insert,
             [
                 (token, self._instance, first_ts + i, *row)

@@ -43,3 +43,14 @@ def test_bench_command_refuses_an_unknown_scenario() -> None:
     assert proc.returncode == 2
     assert "unknown scenario 'nosuch'" in proc.stderr
     assert "wire" in proc.stderr
+
+
+def test_ordered_scenario_is_ordered_and_exactly_once(tmp_path) -> None:
+    """A short run of the "ordered" scenario (PostgreSQL, two writer processes, two workers)."""
+    from scripts import bench_ordered
+
+    r = bench_ordered.run_ordered(str(tmp_path), seconds=2.0)
+    assert r["ordered"]["backwards"] == 0
+    assert r["ordered"]["exactly_once"] and r["unordered"]["exactly_once"]
+    assert r["replay-ordered"] > 0 and r["replay-unordered"] > 0
+    bench_ordered.print_results(r)

@@ -34,6 +34,9 @@ def test_sample_config_loads_and_states_the_defaults() -> None:
         for field in attr.fields(cls):
             if field.name in ("listen_host", "listen_port", "master_host", "master_port", "apply"):
                 continue
+            if field.name == "start_at_ms":  # the key is worker.start_at
+                assert "start_at:" in text
+                continue
             assert f"{field.name}:" in text, f"sample_config.yaml does not document {field.name}"
     assert config.worker == WorkerConfig()
     assert config.timeline == TimelineSettings()
@@ -112,3 +115,26 @@ def test_check_config_command(tmp_path, capsys) -> None:
     bad.write_text("protocol:\n  ping_timeout: -1\n")
     assert main(["check-config", "-c", str(bad)]) == 2
     assert "protocol.ping_timeout" in capsys.readouterr().err
+
+
+def test_worker_time_keys() -> None:
+    config = config_from_mapping({"worker": {"ordered": False, "start_at": "2026-11-23T00:00:00Z"}})
+    assert config.worker.ordered is False
+    assert config.worker.start_at_ms == 1795392000000
+    assert config_from_mapping({"worker": {"start_at": 1234}}).worker.start_at_ms == 1234
+    assert config_from_mapping({"master": {"tick_interval": 0.05}}).master.tick_interval == 0.05
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"worker": {"ordered": "yes"}}, "worker.ordered: expected true or false"),
+        ({"worker": {"start_at": "yesterday"}}, "worker.start_at: 'yesterday': expected Unix ms"),
+        ({"worker": {"start_at": -5}}, "worker.start_at: -5: Unix milliseconds cannot be negative"),
+        ({"master": {"tick_interval": 0}}, "master.tick_interval: expected a positive number"),
+    ],
+)
+def test_bad_worker_time_keys(raw, message) -> None:
+    with pytest.raises(ConfigError) as e:
+        config_from_mapping(raw)
+    assert message in str(e.value)
