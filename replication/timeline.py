@@ -269,7 +269,8 @@ class TimelineService:
         now = self.now_ms()
 
         def run() -> dict[str, dict[str, int]]:
-            self.store.remove_deleted(self.settings.remove_batch)
+            if self.store.deleted_count() > 0:  # a read first: no write lock taken for nothing
+                self.store.remove_deleted(self.settings.remove_batch)
             return {topic: self.store.counts(topic, now) for topic in topics}
 
         d = self.db.run(run)
