@@ -33,17 +33,25 @@ from typing import Any
 from twisted.internet import defer, task
 from twisted.internet.error import ConnectionLost
 from twisted.internet.interfaces import IReadDescriptor
-from twisted.internet.protocol import Factory
 from zope.interface import implementer
 
 from replication.client_commands import ClientCommandHandlers
 from replication.commands import PositionCommand
 from replication.dbthreads import DatabaseRunner, DatabaseThreads
+from replication.limits import (
+    LIMIT_STATS,
+    ConnectionLimiter,
+    ConnectionSlot,
+    LimitedFactory,
+    SharedLogBudget,
+    ensure_file_limit,
+    watch_accept_errors,
+)
 from replication.protocol import ProtocolConfig
 from replication.reactor_types import Reactor
 from replication.rows import encode_json_rows
 from replication.server import ServerProtocol
-from replication.settings import MasterConfig
+from replication.settings import LimitsConfig, MasterConfig, TLSConfig
 from replication.stats import STATS, MasterStats, StreamStats
 from replication.streams import cache_invalidation_row
 from replication.subscriptions import FanOutTarget, Subscription
@@ -68,10 +76,16 @@ class Master:
         streams: dict[str, StreamSchema],
         reactor: Reactor,
         db: DatabaseRunner | None = None,
+        limits: LimitsConfig | None = None,
+        tls: TLSConfig | None = None,
         timeline_store: TimelineStore | None = None,
         timeline_settings: TimelineSettings | None = None,
     ) -> None:
         self.config = config
+        self.limits = limits or LimitsConfig()
+        self.tls = tls or TLSConfig()
+        self.limiter = ConnectionLimiter(self.limits, reactor)
+        self.log_budget = SharedLogBudget(reactor, self.limits.max_log_lines_per_second)
         self.protocol_config = protocol_config
         self.store = store
         self.reactor = reactor
@@ -125,17 +139,34 @@ class Master:
             lambda f: logger.error("following stream heads stopped: %s", f.getTraceback())
         )
         self.timeticks.start()
-        factory = Factory.forProtocol(lambda: ServerProtocol(self, self.protocol_config, self.reactor))
-        self.port = self.reactor.listenTCP(self.config.listen_port, factory, interface=self.config.listen_host)
+        self.port = self._listen()
         address = self.port.getHost()
         logger.info(
-            "master %s listening on %s:%s with streams %s",
+            "master %s listening on %s:%s%s with streams %s",
             self.config.server_name,
             address.host,
             address.port,
+            " (TLS)" if self.tls.server_enabled else "",
             ", ".join(f"{s}@{t}" for s, t in sorted(self._live.items())),
         )
         return self.port
+
+    def _listen(self) -> Any:
+        """Listen with the connection limits (replication.limits), over TLS when configured."""
+        ensure_file_limit(self.limits.max_connections)
+        factory: Any = LimitedFactory(self.limiter, self._build_protocol)
+        if self.tls.server_enabled:
+            from replication.tls import server_factory
+
+            factory = server_factory(self.tls, factory)
+        port = self.reactor.listenTCP(self.config.listen_port, factory, interface=self.config.listen_host)
+        watch_accept_errors(port, self.reactor)
+        return port
+
+    def _build_protocol(self, addr: Any, slot: ConnectionSlot) -> ServerProtocol:
+        protocol = ServerProtocol(self, self.protocol_config, self.reactor)
+        protocol.slot = slot
+        return protocol
 
     def stop_following(self) -> None:
         """Stop the periodic pass over the stream heads (``stop`` does this too)."""
@@ -214,6 +245,7 @@ class Master:
             catchup_rows=self._catchup_rows,
             live_rows=self._live_rows,
             protocol=STATS.snapshot(),
+            limits=LIMIT_STATS.snapshot(),
         )
 
     def read_encoded(

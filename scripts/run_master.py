@@ -34,7 +34,11 @@ def run_master(args: argparse.Namespace, config: Config) -> int:
     from storage.timeline_store import open_timeline_store
 
     url = database_url(args, config)
-    store = open_store(url, writer_timeout=master_config.writer_timeout)
+    store = open_store(
+        url,
+        writer_timeout=master_config.writer_timeout,
+        max_line_bytes=config.protocol.max_line_bytes,
+    )
     timeline_store = open_timeline_store(url, buckets=config.timeline.buckets)
     # The database threads (DatabaseThreads of master.db_threads) are built by default.
     master = Master(
@@ -43,6 +47,8 @@ def run_master(args: argparse.Namespace, config: Config) -> int:
         store,
         config.streams,
         reactor,
+        limits=config.limits,
+        tls=config.tls,
         timeline_store=timeline_store,
         timeline_settings=config.timeline,
     )

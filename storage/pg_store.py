@@ -39,6 +39,7 @@ import psycopg2.extensions
 
 from storage import time_index
 from storage.contracts import JsonRow, Row, StoredRow
+from storage.limits import DEFAULT_MAX_LINE_BYTES, check_rows
 from storage.pg_db import Cursor, PgDatabase
 from storage.schema import StreamSchema, check_instance_name
 from storage.store import FIRST_VALUE, DatabaseUnavailable, StreamCatalog
@@ -69,6 +70,8 @@ def _seq(schema: StreamSchema) -> str:
 
 class PgStreamStore:
     """Implements :class:`storage.contracts.StreamStore`; holds its :class:`PgDatabase`."""
+
+    max_line_bytes: int | None = DEFAULT_MAX_LINE_BYTES  # refuse rows whose RDATA line could be longer
 
     def __init__(
         self,
@@ -454,7 +457,7 @@ class WriteTransaction:
         self._insert = f"INSERT INTO {schema.table} ({names}) VALUES %s"
 
     def append(self, rows: Iterable[Row], batch: bool = False) -> list[int]:
-        values = [self._schema.check_row(row) for row in rows]
+        values = check_rows(self._schema, rows, self._store.max_line_bytes)
         if not values:
             return []
         count = len(values)
