@@ -71,6 +71,7 @@ WIRE_SCENARIOS = ("wire", "wire-live")
 SCENARIOS = (*WIRE_SCENARIOS, "catch-up", "end-to-end")  # the last two: scripts/bench_workers.py
 SCENARIOS += ("snapshot",)  # Spark JDBC snapshots: scripts/bench_snapshot.py
 SCENARIOS += ("ordered",)  # timestamp order across streams: scripts/bench_ordered.py
+SCENARIOS += ("timeline",)  # timeline leases/s on PostgreSQL: scripts/bench_timeline.py
 SCENARIOS += ("fanout",)  # 1, 10 and 50 clients, live and replay: scripts/bench_fanout.py
 DEFAULT_ROWS = 200_000
 DEFAULT_REPEAT = 5
@@ -718,7 +719,7 @@ def main(
 
                 plot_fanout(fanout, plot)
                 print(f"  plot: {plot}", flush=True)
-        if any(s not in (*WIRE_SCENARIOS, "snapshot", "ordered", "fanout") for s in chosen):
+        if any(s not in (*WIRE_SCENARIOS, "snapshot", "ordered", "timeline", "fanout") for s in chosen):
             from scripts.bench_workers import run_worker_scenarios
 
             run_worker_scenarios(chosen, rows, workdir)
@@ -730,6 +731,10 @@ def main(
             from scripts import bench_ordered
 
             bench_ordered.print_results(bench_ordered.run_ordered(workdir))
+        if "timeline" in chosen:
+            from scripts import bench_timeline
+
+            bench_timeline.print_results(bench_timeline.run_timeline_bench(requested_rows, workdir))
     except BenchError as e:
         print(f"tickline bench: error: {e}", file=sys.stderr)
         return 1
