@@ -23,6 +23,7 @@ master listens to instead of polling.
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import socket
@@ -39,13 +40,81 @@ import psycopg2.extensions
 
 from storage.contracts import JsonRow, Row, StoredRow
 from storage.pg_db import Cursor, PgDatabase
-from storage.schema import StreamSchema, check_instance_name
+from storage.schema import COLUMN_TYPES, StreamSchema, check_instance_name
 from storage.store import FIRST_VALUE, DatabaseUnavailable, StreamCatalog
 from storage.urls import redact_url
 
 logger = logging.getLogger(__name__)
 CHANNEL = "tickline"
 NOW_MS = "(extract(epoch from clock_timestamp()) * 1000)::bigint"
+COPY_ROWS = 100  # appends of at least this many rows go by COPY
+MAX_TOKEN = 2**63 - 1
+ORACLE_SEQUENCE = "tickline_tso_seq"
+ORACLE_FUNCTION = "tickline_allocate_v1"
+ORACLE_LOCK = 0x74736F  # "tso": held by the allocation function for microseconds, never across a commit
+
+# The timestamp oracle and token allocation on PostgreSQL, in one function
+# called inside the writer's own transaction (no commit of its own).
+#
+# * The oracle's state is a sequence: ``setval`` and ``nextval`` are atomic
+#   and immediately visible to every session, are never rolled back and need
+#   no commit. PostgreSQL persists a sequence by logging it ahead of the
+#   values handed out (a window of 32 values for ``nextval``, the new end for
+#   ``setval``) and that record is flushed by the writer's own commit: after a
+#   restart, even of the server, the oracle resumes above every timestamp a
+#   committed row carries. The physical part follows the caller's clock
+#   (``now_ms``) when it is ahead; when the clock stands still or steps back
+#   the logical part counts on.
+# * A session advisory lock, taken and released inside the call (never held
+#   across a commit), makes the timestamps and the tokens of one allocation
+#   one step: whichever writer allocates first gets both the lower timestamps
+#   and the lower tokens, so ``ts`` increases with the token in every stream.
+# * ``n_tokens`` consecutive tokens of the stream's sequence (``setval`` moves
+#   it once for the whole range); 0 takes timestamps only.
+_ORACLE_SQL = f"""
+CREATE FUNCTION {ORACLE_FUNCTION}(seq regclass, n_ts integer, n_tokens integer, now_ms bigint,
+    OUT first_token bigint, OUT first_ts bigint) LANGUAGE plpgsql AS $fn$
+DECLARE
+    last bigint;
+    called boolean;
+BEGIN
+    PERFORM pg_advisory_lock({ORACLE_LOCK});
+    BEGIN
+        SELECT last_value, is_called INTO last, called FROM {ORACLE_SEQUENCE};
+        IF NOT called THEN
+            last := last - 1;
+        END IF;
+        first_ts := GREATEST(last + 1, now_ms << 18);
+        IF n_ts = 1 AND first_ts = last + 1 AND called THEN
+            first_ts := nextval('{ORACLE_SEQUENCE}');
+        ELSE
+            PERFORM setval('{ORACLE_SEQUENCE}', first_ts + n_ts - 1, true);
+        END IF;
+        IF n_tokens > 0 THEN
+            first_token := nextval(seq);
+            IF n_tokens > 1 THEN
+                PERFORM setval(seq, first_token + n_tokens - 1, true);
+            END IF;
+        END IF;
+    EXCEPTION WHEN OTHERS OR query_canceled THEN
+        PERFORM pg_advisory_unlock({ORACLE_LOCK});
+        RAISE;
+    END;
+    PERFORM pg_advisory_unlock({ORACLE_LOCK});
+END
+$fn$
+"""
+
+
+def _create_oracle(cur: Cursor) -> None:
+    """Create the oracle's sequence (from ``tickline_tso``'s mark) and function, once."""
+    cur.execute("SELECT pg_advisory_xact_lock(%s)", (ORACLE_LOCK,))
+    if cur.execute("SELECT to_regclass(%s)", (ORACLE_SEQUENCE,)).fetchone()[0] is None:
+        (mark,) = cur.execute("SELECT last_ts FROM tickline_tso WHERE id = 1").fetchone()
+        cur.execute(f"CREATE SEQUENCE {ORACLE_SEQUENCE} MINVALUE 0 START 0")
+        cur.execute("SELECT setval(%s, %s, true)", (ORACLE_SEQUENCE, int(mark)))
+    if cur.execute("SELECT 1 FROM pg_proc WHERE proname = %s", (ORACLE_FUNCTION,)).fetchone() is None:
+        cur.execute(_ORACLE_SQL)
 
 
 class Fenced(Exception):
@@ -91,8 +160,14 @@ class PgStreamStore:
         self._process_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"  # autocommit connections for the oracle and reports
 
     def migrate(self) -> list[int]:
-        """Create or upgrade the tables; returns the migration versions applied."""
-        return self.database.migrate()
+        """Create or upgrade the tables; returns the migration versions applied.
+
+        Also creates the timestamp oracle's sequence and allocation function
+        (PostgreSQL only, so not in the shared migration files).
+        """
+        applied = self.database.migrate()
+        self.database.write(_create_oracle)
+        return applied
 
     def catalog(self) -> dict[str, StreamSchema]:
         return self._catalog.catalog()
@@ -145,21 +220,27 @@ class PgStreamStore:
     def allocate_timestamps(self, count: int = 1) -> list[int]:
         """``count`` timestamps, strictly increasing across every process.
 
-        One short autocommit statement on the oracle's row: the new high-water
-        mark is persisted before any of the timestamps is used.
+        The same allocation as an append's (``tickline_allocate``), and the
+        high-water mark is also recorded in ``tickline_tso`` in the same
+        statement: that write gives the statement a durable commit, so a
+        timestamp handed out here (the master's safe time) is never handed out
+        again, even after a crash of the database server. Appends do not pay
+        this commit: their own commit makes their timestamps durable.
         """
         if count < 1:
             raise ValueError("count must be at least 1")
-        from storage import tso
-
-        floor = tso.compose(max(int(self._clock() * 1000), 0)) + count - 1
         with self._side_cursor() as cur:
             cur.execute(
-                "UPDATE tickline_tso SET last_ts = GREATEST(last_ts + %s, %s) WHERE id = 1 RETURNING last_ts",
-                (count, floor),
+                f"WITH a AS (SELECT first_ts FROM {ORACLE_FUNCTION}(NULL, %s, 0, %s)) "
+                "UPDATE tickline_tso SET last_ts = GREATEST(last_ts, a.first_ts + %s - 1) FROM a WHERE id = 1 "
+                "RETURNING a.first_ts",
+                (count, self._now_ms(), count),
             )
-            (last,) = cur.fetchone()
-        return list(range(last - count + 1, last + 1))
+            (first,) = cur.fetchone()
+        return list(range(first, first + count))
+
+    def _now_ms(self) -> int:
+        return max(int(self._clock() * 1000), 0)
 
     # -- writers -------------------------------------------------------------------------
 
@@ -405,7 +486,14 @@ class PgStreamStore:
 
 
 class WriteTransaction:
-    """Rows appended by one writer in one open transaction (see ``PgStreamStore.writing``)."""
+    """Rows appended by one writer in one open transaction (see ``PgStreamStore.writing``).
+
+    A small append is one statement: the oracle's allocation (tokens and
+    timestamps), the ``INSERT`` and the writer's position with its ``NOTIFY``
+    (committed by the transaction's single commit). A large one allocates,
+    then sends the rows by ``COPY``; its position moves in :meth:`finish`.
+    With ``batch``, every batch append of the transaction shares one token.
+    """
 
     def __init__(
         self, store: PgStreamStore, schema: StreamSchema, instance: str, state: _WriterState, txn_id: int, cur: Cursor
@@ -417,53 +505,200 @@ class WriteTransaction:
         self._id = txn_id
         self._cur = cur
         self._last_token = 0
-        names = ", ".join(("token", "instance_name", "ts", *schema.column_names))
-        self._insert = f"INSERT INTO {schema.table} ({names}) VALUES %s"
+        self._position_sent = 0  # the last token whose position update is already in the transaction
+        self._batch_token: int | None = None
+        self._statements = _statements(schema)
 
     def append(self, rows: Iterable[Row], batch: bool = False) -> list[int]:
         values = [self._schema.check_row(row) for row in rows]
         if not values:
             return []
         count = len(values)
-        first_ts = self._store.allocate_timestamps(count)[0]
-        store, cur = self._store, self._cur
-        # Allocation and registration as in flight happen under the lock, so
-        # a concurrent report never claims a token still in flight.
-        with store._lock:
-            allocated = [
-                r[0]
-                for r in cur.execute(
-                    "SELECT nextval(%s) FROM generate_series(1, %s)", (_seq(self._schema), 1 if batch else count)
-                ).fetchall()
-            ]
-            self._state.inflight.setdefault(self._id, allocated[0])
-        tokens = [allocated[0]] * count if batch else allocated
-        cur.execute_values(
-            self._insert,
-            [
-                (token, self._instance, first_ts + i, *row)
-                for i, (token, row) in enumerate(zip(tokens, values, strict=False))
-            ],
-        )
+        if count >= COPY_ROWS:
+            first_token, _ = self._append_copy(values, batch)
+        else:
+            first_token, _ = self._append_small(values, batch)
+        tokens = [first_token] * count if batch else list(range(first_token, first_token + count))
         self._last_token = tokens[-1]
         return tokens
 
+    def _token_count(self, count: int, batch: bool) -> int:
+        if batch:
+            return 0 if self._batch_token is not None else 1
+        return count
+
+    def _allocated(self, first_token: int | None, batch: bool) -> int:
+        """Remember what was allocated (under the store's lock); the first token of the rows."""
+        if batch and self._batch_token is not None:
+            return self._batch_token
+        assert first_token is not None
+        self._state.inflight.setdefault(self._id, first_token)
+        if batch:
+            self._batch_token = first_token
+        return first_token
+
+    def _cap(self) -> int:
+        """The highest position this writer may claim: below its other transactions in flight."""
+        others = [t for other, t in self._state.inflight.items() if other != self._id]
+        return min(others) - 1 if others else MAX_TOKEN
+
+    def _append_small(self, values: list[tuple[Any, ...]], batch: bool) -> tuple[int, int]:
+        store, state, schema = self._store, self._state, self._schema
+        count = len(values)
+        token_count = self._token_count(count, batch)
+        sql = self._statements.small(count, batch, token_count == 0)
+        params: list[Any] = [_seq(schema), count, token_count, store._now_ms()]
+        if token_count == 0:
+            params.append(self._batch_token)
+        params.append(self._instance)
+        for i, row in enumerate(values, 1):
+            params.append(i)
+            params.extend(row)
+        # Allocation and registration as in flight happen under the lock, so
+        # a concurrent report never claims a token still in flight.
+        with store._lock:
+            cap = self._cap()
+            if token_count == 0:
+                params.append(self._batch_token)
+            params += [cap, schema.name, state.writer_id, state.epoch, CHANNEL, schema.name]
+            first_token, first_ts, updated, _ = self._cur.execute(sql, params).fetchone()
+            first = self._allocated(first_token, batch)
+        if updated != 1:
+            raise Fenced(self._instance)
+        self._position_sent = first if batch else first + count - 1
+        return first, first_ts
+
+    def _append_copy(self, values: list[tuple[Any, ...]], batch: bool) -> tuple[int, int]:
+        store, schema = self._store, self._schema
+        count = len(values)
+        token_count = self._token_count(count, batch)
+        with store._lock:
+            first_token, first_ts = self._cur.execute(
+                f"SELECT first_token, first_ts FROM {ORACLE_FUNCTION}(%s::regclass, %s, %s, %s)",
+                (_seq(schema), count, token_count, store._now_ms()),
+            ).fetchone()
+            first = self._allocated(first_token, batch)
+        self._cur.cursor.copy_expert(
+            self._statements.copy,
+            io.BytesIO(self._statements.copy_text(values, self._instance, first, 0 if batch else 1, first_ts).encode()),
+            size=1 << 20,
+        )
+        return first, first_ts
+
     def finish(self) -> None:
         """Move the writer's position with the commit, or refuse if it was fenced off."""
-        if not self._last_token:
+        if not self._last_token or self._last_token <= self._position_sent:
             return
         store = self._store
         with store._lock:
-            others = [t for other, t in self._state.inflight.items() if other != self._id]
-        position = min([self._last_token] + [t - 1 for t in others])
-        self._cur.execute(
-            f"UPDATE tickline_writers SET position = GREATEST(position, %s), heartbeat_ms = {NOW_MS} "
-            "WHERE stream = %s AND instance_name = %s AND epoch = %s AND alive",
-            (position, self._schema.name, self._state.writer_id, self._state.epoch),
-        )
-        if self._cur.rowcount != 1:
+            cap = self._cap()
+        position = min(self._last_token, cap)
+        found = self._cur.execute(
+            "WITH u AS (UPDATE tickline_writers SET position = GREATEST(position, %s), "
+            f"heartbeat_ms = {NOW_MS} WHERE stream = %s AND instance_name = %s AND epoch = %s AND alive RETURNING 1) "
+            "SELECT pg_notify(%s, %s) FROM u",
+            (position, self._schema.name, self._state.writer_id, self._state.epoch, CHANNEL, self._schema.name),
+        ).fetchall()
+        if len(found) != 1:
             raise Fenced(self._instance)
-        self._cur.execute("SELECT pg_notify(%s, %s)", (CHANNEL, self._schema.name))
+
+
+class _Statements:
+    """A stream's append statements, built once per stream and row count."""
+
+    def __init__(self, schema: StreamSchema) -> None:
+        self.schema = schema
+        names = ", ".join(("token", "instance_name", "ts", *schema.column_names))
+        self.copy = f"COPY {schema.table} ({names}) FROM STDIN"
+        self._small: dict[tuple[int, bool, bool], str] = {}
+        self._formats = [_COPY_FORMATS[c.type] for c in schema.columns]
+
+    def small(self, count: int, batch: bool, shared: bool) -> str:
+        key = (count, batch, shared)
+        sql = self._small.get(key)
+        if sql is None:
+            sql = self._small[key] = self._build_small(count, batch, shared)
+        return sql
+
+    def _build_small(self, count: int, batch: bool, shared: bool) -> str:
+        schema = self.schema
+        casts = ", ".join(f"(%s)::{COLUMN_TYPES[c.type][1]}" for c in schema.columns)
+        rows = ", ".join([f"(%s::int, {casts})"] * count)
+        aliases = ", ".join(f"v.{name}" for name in schema.column_names)
+        if shared:
+            token = "%s::bigint"
+        elif batch:
+            token = "a.first_token"
+        else:
+            token = "a.first_token + v._i - 1"
+        last = (
+            "COALESCE(%s::bigint, a.first_token)"
+            if shared
+            else ("a.first_token" if batch else f"a.first_token + {count - 1}")
+        )
+        names = ", ".join(("token", "instance_name", "ts", *schema.column_names))
+        return (
+            f"WITH a AS (SELECT first_token, first_ts FROM {ORACLE_FUNCTION}(%s::regclass, %s, %s, %s)), "
+            f"ins AS (INSERT INTO {schema.table} ({names}) SELECT {token}, %s, a.first_ts + v._i - 1, {aliases} "
+            f"FROM a, (VALUES {rows}) AS v(_i, {', '.join(schema.column_names)})), "
+            f"u AS (UPDATE tickline_writers SET position = GREATEST(position, LEAST({last}, %s)), "
+            f"heartbeat_ms = {NOW_MS} FROM a "
+            "WHERE stream = %s AND instance_name = %s AND epoch = %s AND alive RETURNING 1) "
+            "SELECT a.first_token, a.first_ts, (SELECT count(*) FROM u), pg_notify(%s, %s) FROM a"
+        )
+
+    def copy_text(
+        self, values: list[tuple[Any, ...]], instance: str, first_token: int, step: int, first_ts: int
+    ) -> str:
+        """The rows as COPY text: token, instance, ts, then the columns."""
+        formats = self._formats
+        name = _copy_text(instance)
+        lines = [
+            "\t".join(
+                [str(first_token + i * step), name, str(first_ts + i)]
+                + [NULL_COPY if v is None else f(v) for f, v in zip(formats, row, strict=False)]
+            )
+            for i, row in enumerate(values)
+        ]
+        lines.append("")
+        return "\n".join(lines)
+
+
+_COPY_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
+NULL_COPY = "\\N"
+
+
+def _copy_text(value: str) -> str:
+    return value.translate(_COPY_ESCAPES)
+
+
+def _copy_bool(value: bool) -> str:
+    return "t" if value else "f"
+
+
+def _copy_double(value: float) -> str:
+    text = repr(value)
+    return _SPECIAL.get(text, text)
+
+
+_SPECIAL = {"inf": "Infinity", "-inf": "-Infinity", "nan": "NaN"}
+_COPY_FORMATS: dict[str, Callable[[Any], str]] = {
+    "text": _copy_text,
+    "json": _copy_text,
+    "bigint": str,
+    "double": _copy_double,
+    "boolean": _copy_bool,
+}
+
+
+def _statements(schema: StreamSchema) -> _Statements:
+    found = _STATEMENTS.get(schema)
+    if found is None:
+        found = _STATEMENTS[schema] = _Statements(schema)
+    return found
+
+
+_STATEMENTS: dict[StreamSchema, _Statements] = {}
 
 
 def _report_loop(store_ref: weakref.ref[PgStreamStore], stop: threading.Event, interval: float) -> None:
