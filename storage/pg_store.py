@@ -39,6 +39,7 @@ import psycopg2
 import psycopg2.extensions
 
 from storage.contracts import JsonRow, Row, StoredRow
+from storage.pg_copy import _COPY_FORMATS, NULL_COPY, _copy_text
 from storage.pg_db import Cursor, PgDatabase
 from storage.schema import COLUMN_TYPES, StreamSchema, check_instance_name
 from storage.store import FIRST_VALUE, DatabaseUnavailable, StreamCatalog
@@ -662,33 +663,6 @@ class _Statements:
         ]
         lines.append("")
         return "\n".join(lines)
-
-
-_COPY_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
-NULL_COPY = "\\N"
-
-
-def _copy_text(value: str) -> str:
-    return value.translate(_COPY_ESCAPES)
-
-
-def _copy_bool(value: bool) -> str:
-    return "t" if value else "f"
-
-
-def _copy_double(value: float) -> str:
-    text = repr(value)
-    return _SPECIAL.get(text, text)
-
-
-_SPECIAL = {"inf": "Infinity", "-inf": "-Infinity", "nan": "NaN"}
-_COPY_FORMATS: dict[str, Callable[[Any], str]] = {
-    "text": _copy_text,
-    "json": _copy_text,
-    "bigint": str,
-    "double": _copy_double,
-    "boolean": _copy_bool,
-}
 
 
 def _statements(schema: StreamSchema) -> _Statements:

@@ -379,3 +379,36 @@ def test_a_transaction_of_several_appends_commits_once(db_url) -> None:
     assert len(s.read_rows("events", 0, 10**9, 10**6)) == 1 + 150 + 122
     assert s.safe_positions()["events"] >= shared[0]
     s.close()
+
+
+@pytest.mark.parametrize("count", [3, 120])  # one multi-row INSERT, and COPY from 50 rows
+def test_worker_replicates_every_value_by_statement_and_by_copy(db_url, count) -> None:
+    from storage.worker_store import open_worker_store
+
+    schema = StreamSchema(
+        "mixed",
+        (Column("t", "text", True), Column("x", "double", True), Column("ok", "boolean"), Column("j", "json", True)),
+    )
+    store = open_worker_store(db_url)
+    store.create_replicated_table(schema)
+    texts = ["tab\there", "new\nline\r", "back\\slash \\N", "ünïcode ☃", ""]
+    rows = [
+        (
+            7,
+            "w\\1",
+            100 + i,
+            *schema.check_row([texts[i % 5] if i % 4 else None, i / 3, i % 2 == 0, {"k": texts[i % 5]}]),
+        )
+        for i in range(count)
+    ]
+    store.apply("mixed", 7, lambda txn: txn.replicate(schema, rows))
+    back = store.database.read(
+        lambda c: c.execute("SELECT token, instance_name, ts, t, x, ok, j FROM replicated_mixed ORDER BY ts").fetchall()
+    )
+    assert len(back) == count
+    for row, got in zip(rows, back, strict=True):
+        assert tuple(got[:5]) == row[:5] and bool(got[5]) is row[5]
+        assert (
+            orjson.loads(got[6]) == orjson.loads(row[6]) if isinstance(got[6], str) else got[6] == orjson.loads(row[6])
+        )
+    store.close()
