@@ -53,8 +53,9 @@ class PgDatabase:
     dialect = "postgresql"
     placeholder = "%s"
 
-    def __init__(self, dsn: str, connect_timeout: int = 5) -> None:
+    def __init__(self, dsn: str, connect_timeout: int = 5, settings: dict[str, str] | None = None) -> None:
         self.dsn = dsn
+        self._settings = dict(settings or {})  # SET for every connection (e.g. synchronous_commit)
         self._connect_timeout = connect_timeout
         self._local = threading.local()
         self._all: list[Any] = []
@@ -67,6 +68,11 @@ class PgDatabase:
         except psycopg2.Error as e:
             message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise DatabaseUnavailable(redact_url(f"cannot connect to PostgreSQL at {self.dsn}: {message}")) from None
+        if self._settings:
+            conn.autocommit = True
+            with conn.cursor() as cur:
+                for name, value in self._settings.items():
+                    cur.execute("SELECT set_config(%s, %s, false)", (name, value))
         conn.autocommit = autocommit
         with self._all_lock:
             self._all.append(conn)

@@ -43,8 +43,13 @@ class PgApplyTransaction:
 class PgWorkerStore:
     """Implements :class:`storage.contracts.WorkerStore`; holds its :class:`PgDatabase`."""
 
-    def __init__(self, dsn: str) -> None:
-        self.database = PgDatabase(dsn)
+    def __init__(self, dsn: str, synchronous_commit: bool = False) -> None:
+        # synchronous_commit off (the default, as PostgreSQL's own apply workers):
+        # a commit returns before its WAL is flushed. Exactly once still holds,
+        # since the applied token commits in the same transaction as the
+        # effects; a crash of the server may lose the last applies, token and
+        # effects together, and the worker fetches those rows again.
+        self.database = PgDatabase(dsn, settings={"synchronous_commit": "on" if synchronous_commit else "off"})
 
     def migrate(self) -> list[int]:
         return self.database.migrate()

@@ -32,4 +32,5 @@ class WorkerConfig:
     reconnect_max: float = 5.0
     replicate_retry: float = 5.0  # retry a REPLICATE the master refused
     max_pending_rows: int = 50000
+    synchronous_commit: bool = False  # PostgreSQL worker database: wait for each apply's WAL flush
     apply: ApplySettings = ApplySettings()

@@ -412,3 +412,12 @@ def test_worker_replicates_every_value_by_statement_and_by_copy(db_url, count) -
             orjson.loads(got[6]) == orjson.loads(row[6]) if isinstance(got[6], str) else got[6] == orjson.loads(row[6])
         )
     store.close()
+
+
+def test_worker_synchronous_commit_is_a_choice(pg_url) -> None:
+    from storage.worker_store import open_worker_store
+
+    for choice, expected in ((False, "off"), (True, "on")):
+        store = open_worker_store(pg_url, synchronous_commit=choice)
+        assert store.database.read(lambda c: c.execute("SHOW synchronous_commit").fetchone()[0]) == expected
+        store.close()
