@@ -51,7 +51,7 @@ NOW_MS = "(extract(epoch from clock_timestamp()) * 1000)::bigint"
 COPY_ROWS = 100  # appends of at least this many rows go by COPY
 MAX_TOKEN = 2**63 - 1
 ORACLE_SEQUENCE = "tickline_tso_seq"
-ORACLE_FUNCTION = "tickline_allocate_v1"
+ORACLE_FUNCTION = "tickline_allocate_v2"
 ORACLE_LOCK = 0x74736F  # "tso": held by the allocation function for microseconds, never across a commit
 
 # The timestamp oracle and token allocation on PostgreSQL, in one function
@@ -70,6 +70,12 @@ ORACLE_LOCK = 0x74736F  # "tso": held by the allocation function for microsecond
 #   across a commit), makes the timestamps and the tokens of one allocation
 #   one step: whichever writer allocates first gets both the lower timestamps
 #   and the lower tokens, so ``ts`` increases with the token in every stream.
+# * An error between lock and unlock (none is expected: a sequence at its
+#   maximum, a cancelled statement) would leave the session holding the lock:
+#   the store then releases it (``pg_advisory_unlock_all``) before it uses
+#   the connection again (see ``_release_oracle_lock``); a closed connection
+#   releases it by itself. No exception block: it would cost a subtransaction
+#   per call.
 # * ``n_tokens`` consecutive tokens of the stream's sequence (``setval`` moves
 #   it once for the whole range); 0 takes timestamps only.
 _ORACLE_SQL = f"""
@@ -80,31 +86,55 @@ DECLARE
     called boolean;
 BEGIN
     PERFORM pg_advisory_lock({ORACLE_LOCK});
-    BEGIN
-        SELECT last_value, is_called INTO last, called FROM {ORACLE_SEQUENCE};
-        IF NOT called THEN
-            last := last - 1;
+    SELECT last_value, is_called INTO last, called FROM {ORACLE_SEQUENCE};
+    IF NOT called THEN
+        last := last - 1;
+    END IF;
+    first_ts := GREATEST(last + 1, now_ms << 18);
+    IF n_ts = 1 AND first_ts = last + 1 AND called THEN
+        first_ts := nextval('{ORACLE_SEQUENCE}');
+    ELSE
+        PERFORM setval('{ORACLE_SEQUENCE}', first_ts + n_ts - 1, true);
+    END IF;
+    IF n_tokens > 0 THEN
+        first_token := nextval(seq);
+        IF n_tokens > 1 THEN
+            PERFORM setval(seq, first_token + n_tokens - 1, true);
         END IF;
-        first_ts := GREATEST(last + 1, now_ms << 18);
-        IF n_ts = 1 AND first_ts = last + 1 AND called THEN
-            first_ts := nextval('{ORACLE_SEQUENCE}');
-        ELSE
-            PERFORM setval('{ORACLE_SEQUENCE}', first_ts + n_ts - 1, true);
-        END IF;
-        IF n_tokens > 0 THEN
-            first_token := nextval(seq);
-            IF n_tokens > 1 THEN
-                PERFORM setval(seq, first_token + n_tokens - 1, true);
-            END IF;
-        END IF;
-    EXCEPTION WHEN OTHERS OR query_canceled THEN
-        PERFORM pg_advisory_unlock({ORACLE_LOCK});
-        RAISE;
-    END;
+    END IF;
     PERFORM pg_advisory_unlock({ORACLE_LOCK});
 END
 $fn$
 """
+
+
+FENCED_CODE = "TK001"
+FENCED_FUNCTION = "tickline_fenced_v1"
+_FENCED_SQL = f"""
+CREATE FUNCTION {FENCED_FUNCTION}() RETURNS boolean LANGUAGE plpgsql AS $fn$
+BEGIN
+    RAISE EXCEPTION 'this writer was declared dead (fenced off)' USING ERRCODE = '{FENCED_CODE}';
+END
+$fn$
+"""
+
+
+def _release_oracle_lock(conn: Any) -> None:
+    """After an error: the session may hold the oracle's lock (an error inside the function); release it."""
+    try:
+        if conn.closed:
+            return
+        if conn.get_transaction_status() != psycopg2.extensions.TRANSACTION_STATUS_IDLE:
+            conn.rollback()
+        with conn.cursor() as cur:
+            cur.execute("SELECT pg_advisory_unlock_all()")
+        if not conn.autocommit:
+            conn.commit()
+    except psycopg2.Error:
+        try:
+            conn.close()  # closing the session releases its locks
+        except psycopg2.Error:
+            pass
 
 
 def _create_oracle(cur: Cursor) -> None:
@@ -116,6 +146,8 @@ def _create_oracle(cur: Cursor) -> None:
         cur.execute("SELECT setval(%s, %s, true)", (ORACLE_SEQUENCE, int(mark)))
     if cur.execute("SELECT 1 FROM pg_proc WHERE proname = %s", (ORACLE_FUNCTION,)).fetchone() is None:
         cur.execute(_ORACLE_SQL)
+    if cur.execute("SELECT 1 FROM pg_proc WHERE proname = %s", (FENCED_FUNCTION,)).fetchone() is None:
+        cur.execute(_FENCED_SQL)
 
 
 class Fenced(Exception):
@@ -206,12 +238,18 @@ class PgStreamStore:
             with conn.cursor() as cur:
                 yield cur
         except psycopg2.OperationalError as e:
-            try:
-                conn.close()
-            except psycopg2.Error:
-                pass
-            self._side.conn = None
+            self._drop_side(conn)
             raise DatabaseUnavailable(redact_url(f"PostgreSQL at {self.database.dsn}: {_first_line(e)}")) from None
+        except psycopg2.Error:
+            _release_oracle_lock(conn)
+            raise
+
+    def _drop_side(self, conn: Any) -> None:
+        try:
+            conn.close()
+        except psycopg2.Error:
+            pass
+        self._side.conn = None
 
     def _head_sql(self, schema: StreamSchema) -> str:
         return f"SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {_seq(schema)}"
@@ -278,6 +316,8 @@ class PgStreamStore:
         rows = list(rows)
         for _attempt in range(5):
             try:
+                if len(rows) < COPY_ROWS:
+                    return self._append_one_statement(stream, rows, instance_name, batch)
                 with self.writing(stream, instance_name) as txn:
                     return txn.append(rows, batch)
             except Fenced:
@@ -287,6 +327,31 @@ class PgStreamStore:
                     stream,
                 )
         raise Fenced(f"writer {instance_name} of {stream} was fenced off 5 times in a row")
+
+    def _append_one_statement(self, stream: str, rows: list[Row], instance_name: str, batch: bool) -> list[int]:
+        """A small append as one statement in autocommit: a transaction of its own, one round trip.
+
+        The statement allocates, inserts, moves the writer's position and
+        notifies; it fails as a whole (nothing committed) if the writer was
+        fenced off.
+        """
+        schema = self.schema(stream)
+        check_instance_name(instance_name)
+        state = self._register(schema, instance_name)
+        with self._lock:
+            self._next_txn += 1
+            txn_id = self._next_txn
+        try:
+            with self._side_cursor() as raw:
+                return WriteTransaction(self, schema, instance_name, state, txn_id, Cursor(raw)).append(rows, batch)
+        except Fenced:
+            with self._lock:
+                if self._writers.get((stream, instance_name)) is state:
+                    del self._writers[(stream, instance_name)]
+            raise
+        finally:
+            with self._lock:
+                state.inflight.pop(txn_id, None)
 
     @contextlib.contextmanager
     def writing(self, stream: str, instance_name: str) -> Iterator[WriteTransaction]:
@@ -321,6 +386,7 @@ class PgStreamStore:
         except BaseException:
             if not conn.closed:
                 conn.rollback()
+                _release_oracle_lock(conn)
             raise
         finally:
             with self._lock:
@@ -547,7 +613,7 @@ class WriteTransaction:
         store, state, schema = self._store, self._state, self._schema
         count = len(values)
         token_count = self._token_count(count, batch)
-        sql = self._statements.small(count, batch, token_count == 0)
+        sql = self._statements.small(count, batch, token_count == 0, self._cur.cursor)
         params: list[Any] = [_seq(schema), count, token_count, store._now_ms()]
         if token_count == 0:
             params.append(self._batch_token)
@@ -562,10 +628,13 @@ class WriteTransaction:
             if token_count == 0:
                 params.append(self._batch_token)
             params += [cap, schema.name, state.writer_id, state.epoch, CHANNEL, schema.name]
-            first_token, first_ts, updated, _ = self._cur.execute(sql, params).fetchone()
+            try:
+                first_token, first_ts, _ = self._cur.execute(sql, params).fetchone()
+            except psycopg2.Error as e:
+                if e.pgcode == FENCED_CODE:
+                    raise Fenced(self._instance) from None
+                raise
             first = self._allocated(first_token, batch)
-        if updated != 1:
-            raise Fenced(self._instance)
         self._position_sent = first if batch else first + count - 1
         return first, first_ts
 
@@ -614,12 +683,26 @@ class _Statements:
         self._small: dict[tuple[int, bool, bool], str] = {}
         self._formats = [_COPY_FORMATS[c.type] for c in schema.columns]
 
-    def small(self, count: int, batch: bool, shared: bool) -> str:
+    def small(self, count: int, batch: bool, shared: bool, cursor: Any) -> str:
+        """The statement for ``count`` rows; for few rows a prepared one (``EXECUTE``, no parse or plan)."""
         key = (count, batch, shared)
         sql = self._small.get(key)
         if sql is None:
             sql = self._small[key] = self._build_small(count, batch, shared)
-        return sql
+        if count > PREPARED_ROWS:
+            return sql
+        conn = cursor.connection
+        prepared = _PREPARED.get(conn)
+        if prepared is None:
+            prepared = _PREPARED[conn] = {}
+        execute = prepared.get(sql)
+        if execute is None:
+            name = f"tickline_{len(prepared)}"
+            parts = sql.split("%s")
+            numbered = "".join(f"{part}${i}" for i, part in enumerate(parts[:-1], 1)) + parts[-1]
+            cursor.execute(f"PREPARE {name} AS {numbered}")
+            execute = prepared[sql] = f"EXECUTE {name} ({', '.join(['%s'] * (len(parts) - 1))})"
+        return execute
 
     def _build_small(self, count: int, batch: bool, shared: bool) -> str:
         schema = self.schema
@@ -645,7 +728,8 @@ class _Statements:
             f"u AS (UPDATE tickline_writers SET position = GREATEST(position, LEAST({last}, %s)), "
             f"heartbeat_ms = {NOW_MS} FROM a "
             "WHERE stream = %s AND instance_name = %s AND epoch = %s AND alive RETURNING 1) "
-            "SELECT a.first_token, a.first_ts, (SELECT count(*) FROM u), pg_notify(%s, %s) FROM a"
+            "SELECT a.first_token, a.first_ts, pg_notify(%s, %s) FROM a "
+            f"WHERE (SELECT count(*) FROM u) = 1 OR {FENCED_FUNCTION}()"
         )
 
     def copy_text(
@@ -673,6 +757,9 @@ def _statements(schema: StreamSchema) -> _Statements:
 
 
 _STATEMENTS: dict[StreamSchema, _Statements] = {}
+# Per connection: statement text -> its EXECUTE (prepared statements live as long as their connection).
+_PREPARED: weakref.WeakKeyDictionary[Any, dict[str, str]] = weakref.WeakKeyDictionary()
+PREPARED_ROWS = 8  # appends of up to this many rows use prepared statements
 
 
 def _report_loop(store_ref: weakref.ref[PgStreamStore], stop: threading.Event, interval: float) -> None:
