@@ -62,7 +62,8 @@ import orjson
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIRE_SCENARIOS = ("wire", "wire-live")
-SCENARIOS = (*WIRE_SCENARIOS, "catch-up", "end-to-end")  # the last two: scripts/bench_workers.py
+PG_SCENARIOS = ("end-to-end", "latency", "catch-up")  # against logical replication: scripts/bench_pg.py
+SCENARIOS = (*WIRE_SCENARIOS, *PG_SCENARIOS)
 SCENARIOS += ("snapshot",)  # Spark JDBC snapshots: scripts/bench_snapshot.py
 DEFAULT_ROWS = 200_000
 DEFAULT_REPEAT = 5
@@ -679,6 +680,8 @@ def main(
     repeat: int = DEFAULT_REPEAT,
     profile_dir: str | None = None,
     verbose: bool = False,
+    rate: int = 1000,
+    seconds: float = 10.0,
 ) -> int:
     """Run the scenarios (default: all); print one result line each. Returns an exit code."""
     chosen = list(scenarios or SCENARIOS)
@@ -690,18 +693,19 @@ def main(
         return 2
     requested_rows = rows  # the snapshot scenario's default is its own (1,000,000)
     rows = DEFAULT_ROWS if rows is None else rows
-    if rows < 1 or repeat < 1:
-        print("tickline bench: error: --rows and --repeat must be positive", file=sys.stderr)
+    if rows < 1 or repeat < 1 or rate < 1 or not seconds > 0:
+        print("tickline bench: error: --rows, --repeat, --rate and --seconds must be positive", file=sys.stderr)
         return 2
     print(f"tickline bench: {rows:,} rows, best of {repeat} runs, {os.cpu_count()} cores", flush=True)
     workdir = tempfile.mkdtemp(prefix="tickline-bench-")
     wire = [s for s in chosen if s in WIRE_SCENARIOS]
     try:
         results = run_wire(wire, rows, repeat, workdir, profile_dir, verbose) if wire else {}
-        if any(s not in (*WIRE_SCENARIOS, "snapshot") for s in chosen):
-            from scripts.bench_workers import run_worker_scenarios
+        if any(s in PG_SCENARIOS for s in chosen):
+            from scripts.bench_pg import run as run_pg
 
-            run_worker_scenarios(chosen, rows, workdir)
+            # Each PostgreSQL scenario starts and replicates whole databases: 3 interleaved runs at most.
+            run_pg(chosen, rows, workdir, min(repeat, 3), rate, seconds, verbose=verbose)
         if "snapshot" in chosen:
             from scripts.bench_snapshot import print_results, run_snapshot_bench
 
@@ -760,8 +764,10 @@ def _cli(argv: Sequence[str] | None = None) -> int:
         help="after the timed runs, one more replay sampled by py-spy (master and client); print where time goes",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="print each run")
+    p.add_argument("--rate", type=int, default=1000, help="latency: single-row commits per second (default 1000)")
+    p.add_argument("--seconds", type=float, default=10.0, help="latency: seconds of paced commits (default 10)")
     a = p.parse_args(argv)
-    return main(a.scenarios, a.rows, a.repeat, a.profile, a.verbose)
+    return main(a.scenarios, a.rows, a.repeat, a.profile, a.verbose, a.rate, a.seconds)
 
 
 if __name__ == "__main__":
