@@ -35,6 +35,7 @@ from replication.commands import (
     RemoteServerUpCommand,
     ReplicateCommand,
     ServerCommand,
+    TickCommand,
     parse_rdata_fast,
 )
 from replication.protocol import LineCommandProtocol, ProtocolConfig
@@ -65,6 +66,9 @@ class ReplicationHandler:
         With the ``ts`` option acknowledged (``client.rows_have_ts``) each row
         ends with its timestamp; otherwise rows are the stream's columns only.
         """
+
+    def on_tick(self, client: ClientProtocol, command: TickCommand) -> None:
+        """The stream's safe time (``OPTIONS tick``); only for streams positioned on this connection."""
 
     def on_error(self, client: ClientProtocol, message: str) -> None:
         pass
@@ -127,12 +131,12 @@ class ClientProtocol(LineCommandProtocol):
         super().connectionLost(reason)
         self.handler.disconnected(self, reason or Failure(ConnectionDone()))
 
-    def replicate(self, stream: str | None = None, token: int | None = None) -> None:
-        """``REPLICATE`` (every stream, live from now) or one stream after a token."""
+    def replicate(self, stream: str | None = None, token: int | None = None, since_ms: int | None = None) -> None:
+        """``REPLICATE`` (every stream, live from now), one stream after a token, or from a time."""
         if stream is not None:
             self.positioned.discard(stream)
             self._pending_batch.pop(stream, None)
-        self.send(ReplicateCommand(stream, token))
+        self.send(ReplicateCommand(stream, None if since_ms is not None else token, since_ms))
 
     # -- commands from the server --------------------------------------------------
 
@@ -196,6 +200,10 @@ class ClientProtocol(LineCommandProtocol):
             pending.append(row)
             rows = pending
         self.handler.on_rows(self, stream, instance, token, rows)
+
+    def on_TICK(self, command: TickCommand) -> None:
+        if command.stream in self.positioned:
+            self.handler.on_tick(self, command)
 
     def on_ERROR(self, command: ErrorCommand) -> None:
         if self.options and not self.acknowledged and (self.options_pending or "OPTIONS" in command.message):

@@ -164,29 +164,39 @@ class NameCommand(Command):
 
 @attr.s(slots=True, frozen=True, auto_attribs=True)
 class ReplicateCommand(Command):
-    """``REPLICATE`` or ``REPLICATE <stream> <token>``.
+    """``REPLICATE``, ``REPLICATE <stream> <token>`` or ``REPLICATE <stream> @<unix_ms>``.
 
     Plain ``REPLICATE`` asks for a ``POSITION`` of every stream and live rows
     from then on. With a stream and a token the master replays that stream's
-    rows after the token over the same connection, then continues live.
+    rows after the token over the same connection, then continues live. With
+    ``@<unix_ms>`` (start at a time) it replays the rows whose timestamp's
+    physical time is at or after that Unix millisecond, answering first with
+    ``POSITION <stream> <instance> <t> <t>`` where ``t`` is the token just
+    before the first of them.
     """
 
     NAME: ClassVar[str] = "REPLICATE"
     stream: str | None = None
     token: int | None = None
+    since_ms: int | None = None  # set (and token None) for @<unix_ms>
 
     @classmethod
     def parse(cls, args: str) -> ReplicateCommand:
         if not args:
             return cls()
-        stream, token = _split(args, 2, "REPLICATE or REPLICATE <stream> <token>")
+        usage = "REPLICATE or REPLICATE <stream> <token> or REPLICATE <stream> @<unix_ms>"
+        stream, token = _split(args, 2, usage)
         if " " in token:
-            raise MalformedCommand("expected REPLICATE or REPLICATE <stream> <token>")
+            raise MalformedCommand(f"expected {usage}")
+        if token.startswith("@"):
+            return cls(_word(stream, "stream"), None, _token(token[1:], "@<unix_ms>"))
         return cls(_word(stream, "stream"), _token(token, "token"))
 
     def to_args(self) -> str:
         if self.stream is None:
             return ""
+        if self.since_ms is not None:
+            return f"{self.stream} @{self.since_ms}"
         return f"{self.stream} {self.token}"
 
 
@@ -454,7 +464,7 @@ class AuthCommand(Command):
 
 
 # The options this implementation knows; a master acknowledges only these.
-KNOWN_OPTIONS = frozenset({"ts", "live"})
+KNOWN_OPTIONS = frozenset({"ts", "live", "tick"})
 
 
 @attr.s(slots=True, frozen=True, auto_attribs=True)
@@ -476,6 +486,9 @@ class OptionsCommand(Command):
     ``live``: a replay (``REPLICATE <stream> <token>``) ends with
     ``POSITION <stream> <instance> <head> <head>`` when it reaches the live
     rows, so the client knows it has caught up.
+
+    ``tick``: the master sends ``TICK`` (the stream's safe time, see
+    :class:`TickCommand`) for every stream the client follows live.
     """
 
     NAME: ClassVar[str] = "OPTIONS"
@@ -555,3 +568,41 @@ def parse_line(line: str) -> Command:
         return cls.parse(args)
     except MalformedCommand as e:
         raise MalformedCommand(f"malformed {name}: {e}") from None
+
+
+# -- time across streams (TICK) ---------------------------------------------------------
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class TickCommand(Command):
+    """``TICK <stream> <safe_token> <safe_ts>``: the stream's safe time (``OPTIONS tick``).
+
+    No row of the stream with a timestamp at or below ``safe_ts`` has a token
+    above ``safe_token``: once a client has every row up to ``safe_token`` it
+    has every row of the stream up to ``safe_ts``, and every later row has a
+    larger timestamp. Sent, to connections that asked for it, for every stream
+    that is live on the connection, after each batch of rows the master fans
+    out and at least every ``master.tick_interval`` while the stream is idle.
+    ``safe_ts`` never goes backwards on a connection.
+    """
+
+    NAME: ClassVar[str] = "TICK"
+    stream: str
+    safe_token: int
+    safe_ts: int
+
+    @classmethod
+    def parse(cls, args: str) -> TickCommand:
+        usage = "TICK <stream> <safe_token> <safe_ts>"
+        stream, token, ts = _split(args, 3, usage)
+        if " " in ts:
+            raise MalformedCommand(f"expected {usage}")
+        return cls(_word(stream, "stream"), _token(token, "safe_token"), _token(ts, "safe_ts"))
+
+    def to_args(self) -> str:
+        return f"{self.stream} {self.safe_token} {self.safe_ts}"
+
+
+COMMAND_CLASSES[TickCommand.NAME] = TickCommand
+SERVER_COMMANDS = SERVER_COMMANDS | {TickCommand.NAME}
+__all__ += ["TickCommand"]

@@ -47,9 +47,11 @@ from replication.settings import MasterConfig
 from replication.stats import STATS, MasterStats, StreamStats
 from replication.streams import cache_invalidation_row
 from replication.subscriptions import FanOutTarget, Subscription
+from replication.timeticks import TimeTicker, read_since
 from storage.contracts import Notifier, StreamStore
 from storage.schema import StreamSchema
 from storage.store import TOKEN, StorageError
+from storage.time_index import TokenAt
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +92,7 @@ class Master:
         self._relistening = False
         self._db_error: str | None = None
         self.port: Any = None  # the reactor's listening port
+        self.timeticks = TimeTicker(self, config.tick_interval)  # safe times and TICK
 
     # -- start and stop ------------------------------------------------------------
 
@@ -114,6 +117,7 @@ class Master:
         self._poller.start(interval, now=False).addErrback(
             lambda f: logger.error("following stream heads stopped: %s", f.getTraceback())
         )
+        self.timeticks.start()
         factory = Factory.forProtocol(lambda: ServerProtocol(self, self.protocol_config, self.reactor))
         self.port = self.reactor.listenTCP(self.config.listen_port, factory, interface=self.config.listen_host)
         address = self.port.getHost()
@@ -130,6 +134,7 @@ class Master:
         """Stop the periodic pass over the stream heads (``stop`` does this too)."""
         if self._poller is not None and self._poller.running:
             self._poller.stop()
+        self.timeticks.stop()
 
     async def stop(self) -> None:
         self.stop_following()
@@ -186,7 +191,15 @@ class Master:
         streams = []
         for stream in self.stream_names():
             safe = self.safe_position(stream)
-            streams.append(StreamStats(stream, max(self._allocated.get(stream, 0), safe), safe, self._live[stream]))
+            streams.append(
+                StreamStats(
+                    stream,
+                    max(self._allocated.get(stream, 0), safe),
+                    safe,
+                    self._live[stream],
+                    self.timeticks.safe_time_ms(stream),
+                )
+            )
         return MasterStats(
             streams=tuple(streams),
             connections=tuple(conn.stats() for conn in self.connections),
@@ -202,6 +215,21 @@ class Master:
         d: defer.Deferred[Any] = self.db.run(self._read_encoded, stream, after, upto, limit, (with_ts,))
         d.addCallback(lambda result: (result[0].get(with_ts, b""), result[1], result[2]))
         return d
+
+    def read_encoded_since(
+        self, stream: str, after: int, upto: int, limit: int, with_ts: bool, since_ts: int
+    ) -> defer.Deferred[tuple[bytes, int, int]]:
+        """Like :meth:`read_encoded`, without rows older than ``since_ts`` (start at a time)."""
+        return read_since(self, stream, after, upto, limit, with_ts, since_ts)
+
+    def token_at(self, stream: str, since_ts: int) -> defer.Deferred[TokenAt]:
+        """The first token at or after ``since_ts``, from the stream's ``ts`` index, off the reactor."""
+        d: defer.Deferred[TokenAt] = self.db.run(self.store.first_token_at, stream, since_ts)
+        return d
+
+    def live_subscriptions(self, stream: str) -> list[tuple[FanOutTarget, Subscription]]:
+        """The subscriptions that are live on ``stream`` (for ``TICK``)."""
+        return list(self._live_subs.get(stream, {}).items())
 
     def _read_encoded(
         self, stream: str, after: int, upto: int, limit: int, variants: tuple[bool, ...]
@@ -285,7 +313,14 @@ class Master:
     async def _advance(self) -> None:
         # The safe position: every row up to it has committed (see storage).
         expire, self._expire_writers = self._expire_writers, False
-        heads = await self.db.run(self.store.safe_positions, expire)
+        # A time taken before the safe positions gives each stream a safe time (TICK).
+        # The first chunk of each live stream is read in the same hop to the
+        # database thread: few rows take one hop from wake-up to RDATA.
+        live = {stream: self._live[stream] for stream, subs in self._live_subs.items() if subs and stream in self._live}
+        variants_of = {stream: tuple(sorted({target.with_ts for target in self._live_subs[stream]})) for stream in live}
+        safe_times, heads, chunks = await self.db.run(
+            self._learn_and_read, expire, self.timeticks.wanted(), live, variants_of
+        )
         self._safe.update(heads)
         if any(stream not in self._schemas for stream in heads):
             self._learn(await self.db.run(self.store.catalog))
@@ -301,13 +336,38 @@ class Master:
                     self._live[stream] = head
                     break
                 variants = tuple(sorted({target.with_ts for target in subs}))
-                encoded, last_token, count = await self.db.run(
-                    self._read_encoded, stream, self._live[stream], head, self.config.fanout_rows, variants
-                )
+                ahead = chunks.pop(stream, None)
+                if ahead is not None and ahead[0] == self._live[stream] and ahead[1] == head:
+                    encoded, last_token, count = ahead[2]
+                else:
+                    encoded, last_token, count = await self.db.run(
+                        self._read_encoded, stream, self._live[stream], head, self.config.fanout_rows, variants
+                    )
                 if count == 0:
                     self._timetick(stream, head)
                     break
                 self._fan_out(stream, encoded, last_token, count)
+        self.timeticks.passed(safe_times, heads)
+
+    def _learn_and_read(
+        self,
+        expire: bool,
+        wanted: str | None,
+        live: dict[str, int],
+        variants_of: dict[str, tuple[bool, ...]],
+    ) -> tuple[dict[str, int] | None, dict[str, int], dict[str, tuple[int, int, tuple[dict[bool, bytes], int, int]]]]:
+        """In the database thread: the safe point, then the first chunk after ``live`` of each stream that moved."""
+        safe_times, heads = self.timeticks.safe_point(expire, wanted)
+        chunks = {}
+        for stream, after in live.items():
+            head = heads.get(stream)
+            if head is not None and after < head and stream in self._schemas:
+                chunks[stream] = (
+                    after,
+                    head,
+                    self._read_encoded(stream, after, head, self.config.fanout_rows, variants_of[stream]),
+                )
+        return safe_times, heads, chunks
 
     def _timetick(self, stream: str, safe: int) -> None:
         """No rows in (live, safe]: tell live subscriptions they may move to ``safe``."""

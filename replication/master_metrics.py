@@ -45,7 +45,15 @@ class MasterCollector(Collector):
             safe.add_metric([stream.stream], stream.safe)
             sent.add_metric([stream.stream], stream.live)
             lag.add_metric([stream.stream], max(0, stream.safe - stream.live))
-        yield from (head, safe, sent, lag)
+        safe_time = GaugeMetricFamily(
+            "tickline_stream_safe_time_seconds",
+            "The stream's safe time (Unix seconds): no further row will have a timestamp at or below it",
+            labels=["stream"],
+        )
+        for stream in stats.streams:
+            if stream.safe_time_ms is not None:
+                safe_time.add_metric([stream.stream], stream.safe_time_ms / 1000)
+        yield from (head, safe, sent, lag, safe_time)
         yield GaugeMetricFamily("tickline_connections", "Open replication connections", value=len(stats.connections))
         yield GaugeMetricFamily(
             "tickline_pending_bytes",

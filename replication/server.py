@@ -43,6 +43,8 @@ from replication.protocol import LineCommandProtocol, ProtocolConfig
 from replication.reactor_types import Clock, DelayedCall
 from replication.settings import MasterConfig
 from replication.subscriptions import StreamSource, Subscriptions
+from replication.timeticks import TICK_OPTION, replicate_at
+from storage.time_index import TokenAt
 
 if TYPE_CHECKING:
     from replication.client_commands import ClientCommandHandlers
@@ -70,6 +72,10 @@ class MasterServices(StreamSource, Protocol):
     def connection_made(self, conn: ServerProtocol) -> None: ...
 
     def connection_lost(self, conn: ServerProtocol) -> None: ...
+
+    def token_at(self, stream: str, since_ts: int) -> defer.Deferred[TokenAt]:
+        """The first token of ``stream`` at or after ``since_ts`` (``REPLICATE <stream> @<ms>``)."""
+        ...
 
 
 @implementer(IPushProducer)
@@ -170,10 +176,15 @@ class ServerProtocol(LineCommandProtocol):
             if "ts" in accepted.options:
                 self.subscriptions.use_ts()
             self.announce_live = self.announce_live or "live" in accepted.options
+            if TICK_OPTION in accepted.options:
+                self.subscriptions.use_ticks()
             self.send(accepted)
 
     def on_REPLICATE(self, command: ReplicateCommand) -> None:
         if not self._allowed("REPLICATE"):
+            return
+        if command.since_ms is not None:
+            replicate_at(self, command)  # start at a time (replication.timeticks)
             return
         master = self.master
         stream, token = command.stream, command.token

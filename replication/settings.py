@@ -35,3 +35,4 @@ class MasterConfig:
     writer_timeout: float = 5.0  # drop a writer silent this long from the safe position (PostgreSQL)
     fanout_rows: int = 10000  # rows per storage read for live fan-out
     db_threads: int = 4
+    tick_interval: float = 0.2  # seconds: the longest gap between TICKs of an idle stream

@@ -65,6 +65,7 @@ class StreamStats:
     head: int  # highest token allocated (refreshed now and then), never below ``safe``
     safe: int  # every row up to here has committed (the timetick)
     live: int  # rows up to here went out to live subscriptions
+    safe_time_ms: int | None = None  # the stream's safe time (Unix ms), see replication.timeticks
 
 
 @attr.s(slots=True, frozen=True, auto_attribs=True)

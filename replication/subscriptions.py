@@ -44,9 +44,16 @@ logger = logging.getLogger(__name__)
 class Subscription:
     """One stream on one connection (its state is changed only by :class:`Subscriptions`)."""
 
-    __slots__ = ("announce_live", "generation", "live", "reading", "sent_token", "stream")
+    __slots__ = ("announce_live", "generation", "live", "reading", "sent_token", "since_ts", "stream")
 
-    def __init__(self, stream: str, sent_token: int, announce_live: bool = False, generation: int = 0) -> None:
+    def __init__(
+        self,
+        stream: str,
+        sent_token: int,
+        announce_live: bool = False,
+        generation: int = 0,
+        since_ts: int | None = None,
+    ) -> None:
         self.stream = stream
         self.sent_token = sent_token  # every row up to here has been written
         self.live = False  # False: catching up from storage
@@ -55,6 +62,8 @@ class Subscription:
         self.announce_live = announce_live
         self.reading = False  # a catch-up read is in flight
         self.generation = generation  # bumped when a new REPLICATE restarts the stream
+        # REPLICATE <stream> @<unix_ms>: the replay drops rows older than this.
+        self.since_ts = since_ts
 
     @property
     def state(self) -> str:
@@ -82,6 +91,12 @@ class StreamSource(Protocol):
         self, stream: str, after: int, upto: int, limit: int, with_ts: bool
     ) -> defer.Deferred[tuple[bytes, int, int]]:
         """RDATA bytes for rows in ``(after, upto]``: (bytes, last token, row count)."""
+        ...
+
+    def read_encoded_since(
+        self, stream: str, after: int, upto: int, limit: int, with_ts: bool, since_ts: int
+    ) -> defer.Deferred[tuple[bytes, int, int]]:
+        """The same, without rows older than ``since_ts`` (``replication.timeticks.read_since``)."""
         ...
 
     def join_live(self, target: FanOutTarget, sub: Subscription) -> None: ...
@@ -116,6 +131,11 @@ class FanOutTarget(Protocol):
     @property
     def with_ts(self) -> bool: ...
 
+    @property
+    def ticks(self) -> bool:
+        """OPTIONS tick: the connection gets TICK lines (``replication.timeticks``)."""
+        ...
+
     def send_live(
         self, sub: Subscription, data: bytes, last_token: int, command: str = "RDATA", count: int = 1
     ) -> None:
@@ -136,6 +156,7 @@ class Subscriptions:
         self._catchup_rows = catchup_rows
         self._subs: dict[str, Subscription] = {}
         self._with_ts = False  # OPTIONS ts: rows carry their timestamp
+        self._ticks = False  # OPTIONS tick: TICK lines for live streams
         self.paused = False  # the connection's transport asked us to stop producing
 
     # -- what the connection asks --------------------------------------------------
@@ -148,6 +169,14 @@ class Subscriptions:
         """Rows from now on carry their timestamp (``OPTIONS ts``; cannot be undone)."""
         self._with_ts = True
 
+    @property
+    def ticks(self) -> bool:
+        return self._ticks
+
+    def use_ticks(self) -> None:
+        """Live streams get ``TICK`` lines from now on (``OPTIONS tick``; cannot be undone)."""
+        self._ticks = True
+
     def __len__(self) -> int:
         return len(self._subs)
 
@@ -157,15 +186,18 @@ class Subscriptions:
     def all_live(self) -> bool:
         return all(sub.live for sub in self._subs.values())
 
-    def start(self, stream: str, token: int, announce_live: bool = False) -> Subscription:
-        """Replace the stream's subscription with one that has sent everything up to ``token``."""
+    def start(self, stream: str, token: int, announce_live: bool = False, since_ts: int | None = None) -> Subscription:
+        """Replace the stream's subscription with one that has sent everything up to ``token``.
+
+        With ``since_ts`` (start at a time) its replay drops rows older than that.
+        """
         old = self._subs.get(stream)
         generation = 0
         if old is not None:
             old.generation += 1
             self._source.leave_live(self, old)
             generation = old.generation + 1
-        sub = Subscription(stream, token, announce_live, generation)
+        sub = Subscription(stream, token, announce_live, generation, since_ts)
         self._subs[stream] = sub
         self._pump(sub)
         return sub
@@ -217,6 +249,7 @@ class Subscriptions:
         head = source.live_token(sub.stream)
         if sub.sent_token >= head:
             sub.live = True
+            sub.since_ts = None
             source.join_live(self, sub)
             if sub.announce_live:
                 sub.announce_live = False
@@ -225,7 +258,12 @@ class Subscriptions:
             return
         sub.reading = True
         generation = sub.generation
-        d = source.read_encoded(sub.stream, sub.sent_token, head, self._catchup_rows, self._with_ts)
+        if sub.since_ts is not None:
+            d = source.read_encoded_since(
+                sub.stream, sub.sent_token, head, self._catchup_rows, self._with_ts, sub.since_ts
+            )
+        else:
+            d = source.read_encoded(sub.stream, sub.sent_token, head, self._catchup_rows, self._with_ts)
         d.addCallbacks(
             self._read, self._read_failed, callbackArgs=(sub, generation, head), errbackArgs=(sub, generation)
         )

@@ -515,3 +515,41 @@ def run(
                 flush=True,
             )
     return results
+
+
+def plot(results: dict[str, dict[str, Any]], path: str) -> None:
+    """A PNG: throughput ratios (left) and commit -> applied percentiles (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    names, ratios = [], []
+    if "end-to-end" in results:
+        r = results["end-to-end"]
+        names += ["end-to-end\nvs COPY", "end-to-end\nvs execute_values"]
+        ratios += [r["tickline"] / r["copy"], r["tickline"] / r["execute_values"]]
+    if "catch-up" in results:
+        c = results["catch-up"]
+        names.append("catch-up")
+        ratios.append(c["tickline"] / c["baseline"])
+    if "latency" in results:
+        t, b = results["latency"]["tickline"], results["latency"]["baseline"]
+        names.append("latency\n(p99 ratio)")
+        ratios.append(b["p99"] / t["p99"])
+        width = 0.35
+        xs = range(2)
+        right.bar([x - width / 2 for x in xs], [t["p50"], t["p99"]], width, label="tickline")
+        right.bar([x + width / 2 for x in xs], [b["p50"], b["p99"]], width, label="logical replication")
+        right.set_xticks(list(xs), ["p50", "p99"])
+        right.set_ylabel("commit -> applied (ms)")
+        right.set_title("single-row commits, paced")
+        right.legend()
+    left.bar(names, ratios, color=["tab:green" if r >= 1.0 else "tab:red" for r in ratios])
+    left.axhline(1.0, color="black", linewidth=0.8)
+    left.set_ylabel("tickline / logical replication (>1: tickline better)")
+    left.set_title("ratios, same run")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -65,6 +65,7 @@ WIRE_SCENARIOS = ("wire", "wire-live")
 PG_SCENARIOS = ("end-to-end", "latency", "catch-up")  # against logical replication: scripts/bench_pg.py
 SCENARIOS = (*WIRE_SCENARIOS, *PG_SCENARIOS)
 SCENARIOS += ("snapshot",)  # Spark JDBC snapshots: scripts/bench_snapshot.py
+SCENARIOS += ("ordered",)  # timestamp order across streams: scripts/bench_ordered.py
 DEFAULT_ROWS = 200_000
 DEFAULT_REPEAT = 5
 STREAM = "events"
@@ -682,6 +683,7 @@ def main(
     verbose: bool = False,
     rate: int = 1000,
     seconds: float = 10.0,
+    plot_path: str | None = None,
 ) -> int:
     """Run the scenarios (default: all); print one result line each. Returns an exit code."""
     chosen = list(scenarios or SCENARIOS)
@@ -705,11 +707,20 @@ def main(
             from scripts.bench_pg import run as run_pg
 
             # Each PostgreSQL scenario starts and replicates whole databases: 3 interleaved runs at most.
-            run_pg(chosen, rows, workdir, min(repeat, 3), rate, seconds, verbose=verbose)
+            pg_results = run_pg(chosen, rows, workdir, min(repeat, 3), rate, seconds, verbose=verbose)
+            if plot_path:
+                from scripts.bench_pg import plot
+
+                plot(pg_results, plot_path)
+                print(f"  plot: {plot_path}", flush=True)
         if "snapshot" in chosen:
             from scripts.bench_snapshot import print_results, run_snapshot_bench
 
             print_results(run_snapshot_bench(requested_rows, repeat, workdir, verbose))
+        if "ordered" in chosen:
+            from scripts import bench_ordered
+
+            bench_ordered.print_results(bench_ordered.run_ordered(workdir))
     except BenchError as e:
         print(f"tickline bench: error: {e}", file=sys.stderr)
         return 1
@@ -766,8 +777,9 @@ def _cli(argv: Sequence[str] | None = None) -> int:
     p.add_argument("-v", "--verbose", action="store_true", help="print each run")
     p.add_argument("--rate", type=int, default=1000, help="latency: single-row commits per second (default 1000)")
     p.add_argument("--seconds", type=float, default=10.0, help="latency: seconds of paced commits (default 10)")
+    p.add_argument("--plot", metavar="PNG", help="end-to-end, latency, catch-up: plot ratios and percentiles")
     a = p.parse_args(argv)
-    return main(a.scenarios, a.rows, a.repeat, a.profile, a.verbose, a.rate, a.seconds)
+    return main(a.scenarios, a.rows, a.repeat, a.profile, a.verbose, a.rate, a.seconds, a.plot)
 
 
 if __name__ == "__main__":

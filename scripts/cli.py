@@ -50,7 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
     tail.add_argument("--master", metavar="HOST:PORT", help="master address (default: the config's listen)")
     tail.add_argument("--from", dest="from_token", metavar="TOKEN", type=int, help="replay rows after TOKEN first")
     tail.add_argument("--count", metavar="N", type=int, help="exit after N rows")
-    tail.add_argument("--ts", action="store_true", help='add each row\'s timestamp as "ts"')
+    tail.add_argument(
+        "--since",
+        metavar="WHEN",
+        help="replay rows from this time first: Unix ms, ISO-8601 (UTC unless a zone is given), or -30s/-5m/-2h/-1d",
+    )
+    tail.add_argument(
+        "--ts", action="store_true", help='add each row\'s timestamp as "ts" and its time as "ts_iso" (ISO-8601, UTC)'
+    )
     tail.add_argument("--name", default="tail", help="client name sent in NAME (default: tail)")
     tail.add_argument("streams", metavar="STREAM", nargs="+")
 
@@ -101,9 +108,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _relative_since(argv: Sequence[str]) -> list[str]:
+    """``--since -5m`` as ``--since=-5m``: argparse would take ``-5m`` for an option."""
+    out: list[str] = []
+    args = iter(argv)
+    for arg in args:
+        if arg == "--since":
+            value = next(args, None)
+            if value is None:
+                out.append(arg)
+            elif value.startswith("-") and value[1:2].isdigit():
+                out.append(f"--since={value}")
+            else:
+                out += [arg, value]
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_relative_since(sys.argv[1:] if argv is None else argv))
     try:
         if args.command == "check-config":
             load_config(args.config)

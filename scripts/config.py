@@ -19,6 +19,7 @@ import yaml
 
 from replication.settings import MasterConfig, ProtocolConfig
 from replication.streams import all_streams, schema_from_config
+from scripts.when import BadInstant, parse_when
 from storage.schema import NAME_WORD, SchemaError, StreamSchema
 from storage.urls import BadDatabaseUrl, parse_database_url
 from workers.settings import ApplySettings, WorkerConfig
@@ -219,10 +220,12 @@ def _string_list(value: Any, key: str) -> tuple[str, ...]:
 def _worker_config(
     section: Mapping[str, Any], streams: Mapping[str, StreamSchema], master: MasterConfig
 ) -> WorkerConfig:
-    special = ("master", "replicate", "handlers", "database")
+    special = ("master", "replicate", "handlers", "database", "ordered", "start_at")
     apply_keys = tuple(f.name for f in attr.fields(ApplySettings))
     plain_keys = tuple(
-        f.name for f in attr.fields(WorkerConfig) if f.name not in (*special, "master_host", "master_port", "apply")
+        f.name
+        for f in attr.fields(WorkerConfig)
+        if f.name not in (*special, "master_host", "master_port", "apply", "start_at_ms")
     )
     plain = {k: v for k, v in section.items() if k not in special and k not in apply_keys}
     values = _checked(WorkerConfig, plain, "worker.", plain_keys)
@@ -255,6 +258,13 @@ def _worker_config(
             raise ConfigError(f"worker.handlers.{stream}: unknown stream {stream!r}")
         pairs += [(stream, path) for path in _string_list(paths, f"worker.handlers.{stream}")]
     values["handlers"] = tuple(pairs)
+    if section.get("ordered") is not None:
+        values["ordered"] = _check_type(section["ordered"], bool, "worker.ordered")
+    if section.get("start_at") is not None:
+        try:
+            values["start_at_ms"] = parse_when(section["start_at"])
+        except BadInstant as e:
+            raise ConfigError(f"worker.start_at: {e}") from None
     return WorkerConfig(**values)
 
 

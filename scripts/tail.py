@@ -15,6 +15,8 @@ from replication.commands import PositionCommand
 from replication.rows import split_ts
 from scripts.config import Config, parse_address
 from scripts.stopping import stop_reactor
+from scripts.when import BadInstant, iso_ms, parse_when
+from storage.tso import physical_ms
 
 # How long after the first POSITION every requested stream must have one.
 POSITIONS_GRACE = 1.0
@@ -22,11 +24,18 @@ POSITIONS_GRACE = 1.0
 
 class TailHandler(ReplicationHandler):
     def __init__(
-        self, reactor: Any, streams: list[str], from_token: int | None, count: int | None, with_ts: bool
+        self,
+        reactor: Any,
+        streams: list[str],
+        from_token: int | None,
+        count: int | None,
+        with_ts: bool,
+        since_ms: int | None = None,
     ) -> None:
         self.reactor = reactor
         self.streams = streams
         self.from_token = from_token
+        self.since_ms = since_ms
         self.remaining = count
         self.with_ts = with_ts
         self.exit_code = 0
@@ -39,14 +48,17 @@ class TailHandler(ReplicationHandler):
         if self.remaining == 0:
             self.finish(0)
             return
-        if self.from_token is None:
+        if self.since_ms is not None:
+            for stream in self.streams:
+                client.replicate(stream, since_ms=self.since_ms)
+        elif self.from_token is None:
             client.replicate()  # live from now; POSITION for every stream
         else:
             for stream in self.streams:
                 client.replicate(stream, self.from_token)
 
     def on_position(self, client: ClientProtocol, command: PositionCommand) -> None:
-        if self.from_token is None and self._check_call is None:
+        if self.from_token is None and self.since_ms is None and self._check_call is None:
             self._check_call = self.reactor.callLater(POSITIONS_GRACE, self._check_streams, client)
 
     def _check_streams(self, client: ClientProtocol) -> None:
@@ -64,6 +76,7 @@ class TailHandler(ReplicationHandler):
             record = {"stream": stream, "instance": instance, "token": token, "row": values}
             if self.with_ts:
                 record["ts"] = ts
+                record["ts_iso"] = iso_ms(physical_ms(ts)) if isinstance(ts, int) else None
             self._out.write(orjson.dumps(record) + b"\n")
             if self.remaining is not None:
                 self.remaining -= 1
@@ -139,7 +152,17 @@ def run_tail(args: argparse.Namespace, config: Config) -> int:
     if args.from_token is not None and args.from_token < 0:
         print("tickline tail: error: --from must be a non-negative token", file=sys.stderr)
         return 2
-    handler = TailHandler(reactor, list(args.streams), args.from_token, args.count, args.ts)
+    since_ms = None
+    if args.since is not None:
+        if args.from_token is not None:
+            print("tickline tail: error: --since and --from exclude each other", file=sys.stderr)
+            return 2
+        try:
+            since_ms = parse_when(args.since)
+        except BadInstant as e:
+            print(f"tickline tail: error: --since {e}", file=sys.stderr)
+            return 2
+    handler = TailHandler(reactor, list(args.streams), args.from_token, args.count, args.ts, since_ms)
     reactor.connectTCP(host, port, TailFactory(handler, args.name, config, reactor, args.ts))
     # Stopped by a signal (Ctrl-C, SIGTERM): a normal end, not a lost master.
     reactor.addSystemEventTrigger("before", "shutdown", handler.stopping)

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 from storage.schema import StreamSchema
+from storage.time_index import TokenAt
 
 # A stored row as read back: (seq, token, instance_name, ts, *column values).
 # JSON columns are JSON text; booleans may come back as 0/1 from SQLite.
@@ -96,6 +97,14 @@ class StreamStore(Protocol):
 
     def retire_writers(self) -> None:
         """This process's writers stop holding their streams back (at shutdown)."""
+        ...
+
+    def first_token_at(self, stream: str, since_ts: int) -> TokenAt:
+        """The first token whose row has ``ts >= since_ts``, from the ``ts`` index (``storage.time_index``)."""
+        ...
+
+    def safe_point(self, expire_writers: bool = True, allocate: bool = True) -> tuple[dict[str, int], dict[str, int]]:
+        """Per stream a safe time and the safe position (``storage.time_index.safe_point``)."""
         ...
 
     def notifier(self) -> Notifier | None:

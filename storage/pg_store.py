@@ -38,6 +38,7 @@ import orjson
 import psycopg2
 import psycopg2.extensions
 
+from storage import time_index
 from storage.contracts import JsonRow, Row, StoredRow
 from storage.pg_copy import _COPY_FORMATS, NULL_COPY, _copy_text
 from storage.pg_db import Cursor, PgDatabase
@@ -51,12 +52,15 @@ NOW_MS = "(extract(epoch from clock_timestamp()) * 1000)::bigint"
 COPY_ROWS = 100  # appends of at least this many rows go by COPY
 MAX_TOKEN = 2**63 - 1
 ORACLE_SEQUENCE = "tickline_tso_seq"
-ORACLE_FUNCTION = "tickline_allocate_v2"
+ORACLE_FUNCTION = "tickline_allocate_v4"
 ORACLE_LOCK = 0x74736F  # "tso": held by the allocation function for microseconds, never across a commit
 
 # The timestamp oracle and token allocation on PostgreSQL, in one function
 # called inside the writer's own transaction (no commit of its own).
 #
+# * ``tickline_tso.last_ts`` stays a floor (the oracle hands out only above
+#   it): ``allocate_timestamps`` records its high-water mark there with a
+#   durable commit, and an operator (or a bulk load) can move it up.
 # * The oracle's state is a sequence: ``setval`` and ``nextval`` are atomic
 #   and immediately visible to every session, are never rolled back and need
 #   no commit. PostgreSQL persists a sequence by logging it ahead of the
@@ -76,6 +80,9 @@ ORACLE_LOCK = 0x74736F  # "tso": held by the allocation function for microsecond
 #   the connection again (see ``_release_oracle_lock``); a closed connection
 #   releases it by itself. No exception block: it would cost a subtransaction
 #   per call.
+# * Tokens first, then timestamps: a reader of the oracle's mark without the
+#   lock (``time_index.oracle_last``) that sees the new timestamps also finds
+#   the new tokens allocated (the safe-time proof in docs/time.md needs it).
 # * ``n_tokens`` consecutive tokens of the stream's sequence (``setval`` moves
 #   it once for the whole range); 0 takes timestamps only.
 _ORACLE_SQL = f"""
@@ -86,21 +93,21 @@ DECLARE
     called boolean;
 BEGIN
     PERFORM pg_advisory_lock({ORACLE_LOCK});
-    SELECT last_value, is_called INTO last, called FROM {ORACLE_SEQUENCE};
-    IF NOT called THEN
-        last := last - 1;
-    END IF;
-    first_ts := GREATEST(last + 1, now_ms << 18);
-    IF n_ts = 1 AND first_ts = last + 1 AND called THEN
-        first_ts := nextval('{ORACLE_SEQUENCE}');
-    ELSE
-        PERFORM setval('{ORACLE_SEQUENCE}', first_ts + n_ts - 1, true);
-    END IF;
     IF n_tokens > 0 THEN
         first_token := nextval(seq);
         IF n_tokens > 1 THEN
             PERFORM setval(seq, first_token + n_tokens - 1, true);
         END IF;
+    END IF;
+    SELECT last_value, is_called INTO last, called FROM {ORACLE_SEQUENCE};
+    IF NOT called THEN
+        last := last - 1;
+    END IF;
+    first_ts := GREATEST(last + 1, now_ms << 18, (SELECT last_ts + 1 FROM tickline_tso WHERE id = 1));
+    IF n_ts = 1 AND first_ts = last + 1 AND called THEN
+        first_ts := nextval('{ORACLE_SEQUENCE}');
+    ELSE
+        PERFORM setval('{ORACLE_SEQUENCE}', first_ts + n_ts - 1, true);
     END IF;
     PERFORM pg_advisory_unlock({ORACLE_LOCK});
 END
@@ -204,6 +211,14 @@ class PgStreamStore:
 
     def catalog(self) -> dict[str, StreamSchema]:
         return self._catalog.catalog()
+
+    # -- time (storage.time_index) ------------------------------------------------------
+
+    def first_token_at(self, stream: str, since_ts: int) -> time_index.TokenAt:
+        return time_index.first_token_at(self, stream, since_ts)
+
+    def safe_point(self, expire_writers: bool = True, allocate: bool = True) -> tuple[dict[str, int], dict[str, int]]:
+        return time_index.safe_point(self, expire_writers, allocate)
 
     def schema(self, stream: str) -> StreamSchema:
         return self._catalog.schema(stream)

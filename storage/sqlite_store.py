@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from storage import tso
+from storage import time_index, tso
 from storage.contracts import JsonRow, Row, StoredRow
 from storage.schema import StreamSchema, check_instance_name
 from storage.sqlite_db import SqliteDatabase
@@ -45,6 +45,14 @@ class SqliteStreamStore:
 
     def catalog(self) -> dict[str, StreamSchema]:
         return self._catalog.catalog()
+
+    # -- time (storage.time_index) ------------------------------------------------------
+
+    def first_token_at(self, stream: str, since_ts: int) -> time_index.TokenAt:
+        return time_index.first_token_at(self, stream, since_ts)
+
+    def safe_point(self, expire_writers: bool = True, allocate: bool = True) -> tuple[dict[str, int], dict[str, int]]:
+        return time_index.safe_point(self, expire_writers, allocate)
 
     def schema(self, stream: str) -> StreamSchema:
         return self._catalog.schema(stream)

@@ -74,3 +74,14 @@ def test_postgresql_scenarios_print_their_lines_against_logical_replication() ->
     assert re.search(r"^latency: tickline [\d.]+ ms, baseline [\d.]+ ms, ratio \d+\.\d\d$", proc.stdout, re.M)
     assert re.search(r"^  tickline: commit -> applied p50 .* reached \((held|NOT held)\)$", proc.stdout, re.M)
     assert re.search(r"written by execute_values it reached [\d,]+ rows/s", proc.stdout), proc.stdout
+
+
+def test_ordered_scenario_is_ordered_and_exactly_once(tmp_path) -> None:
+    """A short run of the "ordered" scenario (PostgreSQL, two writer processes, two workers)."""
+    from scripts import bench_ordered
+
+    r = bench_ordered.run_ordered(str(tmp_path), seconds=2.0)
+    assert r["ordered"]["backwards"] == 0
+    assert r["ordered"]["exactly_once"] and r["unordered"]["exactly_once"]
+    assert r["replay-ordered"] > 0 and r["replay-unordered"] > 0
+    bench_ordered.print_results(r)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attr
 from twisted.internet import defer
@@ -38,6 +38,9 @@ from storage.schema import StreamSchema
 from storage.tso import compose, physical_ms
 from workers.handlers import ApplyContext, Handler, ReplicatedRow
 from workers.settings import ApplySettings
+
+if TYPE_CHECKING:
+    from workers.ordering import OrderedDelivery
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +54,20 @@ class ConsumerStats:
     received: int  # highest token received on this connection (queued or applied)
     pending_rows: int  # received, waiting to be applied
     applied_rows: int  # since the process started
-    lag_ms: int  # how old the applied data is while rows wait to be applied; 0 when nothing waits
+    # now minus the time up to which the stream is complete here (None: not known yet)
+    lag_ms: int | None
+    # Ordered delivery (workers.ordering), for ordered streams only:
+    ordered: bool = False
+    held_rows: int = 0  # received, held back for timestamp order
+    blocking: bool = False  # the lowest waiting row of another stream waits for this one
+    released_rows: int = 0  # handed on in timestamp order
 
 
 @attr.s(slots=True, auto_attribs=True)
 class _Item:
     token: int
     rows: list[ReplicatedRow]  # empty: a POSITION moved the token without rows
+    seq: int = 0  # ordered delivery: the release order across streams (workers.ordering)
 
 
 class StreamConsumer:
@@ -92,6 +102,12 @@ class StreamConsumer:
         self._retry_call: Any = None
         self.applied_ts: int | None = None
         self.rows_applied = 0
+        # Ordered delivery across streams: received tokens pass through the gate.
+        self.gate: OrderedDelivery | None = None
+        # The latest TICK (safe token, safe ts) and the start time of a new stream.
+        self.tick_token: int | None = None
+        self.tick_ts: int | None = None
+        self.start_at_ms: int | None = None
 
     # -- input from the connection ---------------------------------------------------
 
@@ -132,10 +148,9 @@ class StreamConsumer:
             if arrived is None:
                 arrived = compose(int(self._clock.seconds() * 1000))
             replicated.append(ReplicatedRow(self.stream, token, instance, arrived, tuple(row)))
-        self._queue.append(_Item(token, replicated))
         self.queued_rows += len(replicated)
         self.known = token
-        self.kick()
+        self._enqueue(_Item(token, replicated))
 
     def position(self, prev_token: int, new_token: int) -> int | None:
         """Handle ``POSITION``; returns the token to replay after if rows were missed."""
@@ -143,9 +158,58 @@ class StreamConsumer:
             logger.info("%s: rows missed in (%s, %s]; catching up", self.stream, self.known, prev_token)
             return self.known
         if new_token > self.known:
-            self._queue.append(_Item(new_token, []))
             self.known = new_token
-            self.kick()
+            self._enqueue(_Item(new_token, []))
+        return None
+
+    def started_at(self, token: int) -> None:
+        """The answer to ``REPLICATE <stream> @<ms>``: the stream starts after ``token``."""
+        if token > self.known:
+            self.known = token
+            self._enqueue(_Item(token, []))  # applied (without rows), so a restart resumes here
+
+    def tick(self, safe_token: int, safe_ts: int) -> None:
+        """``TICK``: every row with a timestamp up to ``safe_ts`` has a token up to ``safe_token``."""
+        if self.tick_ts is None or safe_ts > self.tick_ts:
+            self.tick_token, self.tick_ts = safe_token, safe_ts
+        if self.gate is not None:
+            self.gate.tick(self, safe_token, safe_ts)
+
+    def complete_ts(self) -> int | None:
+        """The timestamp up to which this stream is complete in the worker's database.
+
+        Every row with a timestamp at or below it is applied: the last applied
+        row's, the safe time of a TICK whose token is applied, or just below
+        the first row still waiting (all before it is applied).
+        """
+        best = self.applied_ts
+        if self.tick_ts is not None and self.tick_token is not None and self.applied >= self.tick_token:
+            best = self.tick_ts if best is None else max(best, self.tick_ts)
+        for item in self._queue:
+            if item.token > self.applied and item.rows and item.rows[0].ts is not None:
+                waiting = item.rows[0].ts - 1
+                best = waiting if best is None else max(best, waiting)
+                break
+        return best
+
+    # -- the queue ------------------------------------------------------------------------
+
+    def _enqueue(self, item: _Item) -> None:
+        if self.gate is not None:
+            self.gate.offer(self, item)  # released in timestamp order across streams
+        else:
+            self.accept(item)
+
+    def accept(self, item: _Item) -> None:
+        """A token may be applied (at once, or as released by the ordering gate)."""
+        self._queue.append(item)
+        self.kick()
+
+    def front_seq(self) -> int | None:
+        """The release number of the first unapplied token (ordered delivery)."""
+        for item in self._queue:
+            if item.token > self.applied:
+                return item.seq
         return None
 
     # -- applying ----------------------------------------------------------------------
@@ -156,7 +220,8 @@ class StreamConsumer:
 
     @property
     def busy(self) -> bool:
-        return self._applying or bool(self._queue)
+        held = self.gate is not None and self.gate.holds(self)
+        return self._applying or bool(self._queue) or held
 
     def kick(self) -> None:
         if self._applying or not self._queue:
@@ -167,11 +232,19 @@ class StreamConsumer:
             self.queued_rows -= len(self._queue.popleft().rows)
         if not self._queue:
             return
+        limit = None
+        if self.gate is not None and self.gate.enabled:
+            # Ordered delivery: apply only in release order across streams.
+            limit = self.gate.apply_limit(self)
+            if limit is None:
+                return
         group = [self._queue[0]]
         if self._failures == 0:
             count = len(group[0].rows)
             for item in list(self._queue)[1:]:
                 if count + len(item.rows) > self.settings.apply_rows:
+                    break
+                if limit is not None and item.seq >= limit:
                     break
                 group.append(item)
                 count += len(item.rows)
@@ -208,6 +281,8 @@ class StreamConsumer:
         if self._on_progress is not None:
             self._on_progress(self)
         self.kick()
+        if self.gate is not None:
+            self.gate.applied(self)
 
     def _failed(self, failure: Failure, group: list[_Item], rows: list[ReplicatedRow]) -> None:
         self._applying = False
@@ -245,11 +320,19 @@ class StreamConsumer:
         self._retry_call = None
 
     def stats(self, now_ms: int) -> ConsumerStats:
-        lag = (self.lag_ms(now_ms) or 0) if self.busy else 0
-        return ConsumerStats(self.stream, self.applied, self.known, self.queued_rows, self.rows_applied, lag)
+        lag = self.lag_ms(now_ms)
+        stats = ConsumerStats(self.stream, self.applied, self.known, self.queued_rows, self.rows_applied, lag)
+        if self.gate is not None:
+            stats = self.gate.stats_of(self, stats)
+        return stats
 
     def lag_ms(self, now_ms: int) -> int | None:
-        """How far the applied data is behind ``now_ms`` (None before any row)."""
-        if self.applied_ts is None:
+        """``now_ms`` minus the time up to which the stream is complete here (None: not known yet).
+
+        About zero for an idle stream whose TICKs are applied; growing for a
+        stream whose rows wait, or whose worker stopped applying.
+        """
+        complete = self.complete_ts()
+        if complete is None:
             return None
-        return max(0, now_ms - physical_ms(self.applied_ts))
+        return max(0, now_ms - physical_ms(complete))

@@ -23,6 +23,7 @@ import attr
 
 from storage.contracts import ApplyTransaction
 from storage.schema import StreamSchema
+from storage.tso import physical_ms
 
 
 @attr.s(slots=True, frozen=True, auto_attribs=True)
@@ -32,6 +33,11 @@ class ReplicatedRow:
     instance_name: str
     ts: int | None
     values: tuple[Any, ...]  # the stream's columns in declared order (JSON columns parsed)
+
+    @property
+    def ts_ms(self) -> int | None:
+        """The physical time of ``ts``: Unix milliseconds (``ts`` is the raw 64-bit value)."""
+        return None if self.ts is None else physical_ms(self.ts)
 
     def as_dict(self, schema: StreamSchema) -> dict[str, Any]:
         return dict(zip(schema.column_names, self.values, strict=False))

@@ -33,6 +33,7 @@ from replication.commands import (
     PositionCommand,
     RemoteServerUpCommand,
     RemovePusherCommand,
+    TickCommand,
     UserSyncCommand,
 )
 from replication.dbthreads import DatabaseRunner, DatabaseThreads
@@ -43,6 +44,7 @@ from storage.schema import StreamSchema
 from workers.caches import CacheRegistry
 from workers.consumer import ConsumerStats, StreamConsumer
 from workers.handlers import HandlerRegistry
+from workers.ordering import OrderedDelivery
 from workers.replicator import cache_invalidator, table_replicator
 from workers.settings import WorkerConfig
 
@@ -94,6 +96,9 @@ class Worker(ReplicationHandler):
         # replay reached the live rows (the POSITION that OPTIONS live adds).
         self._answered: set[str] = set()
         self._live_streams: set[str] = set()
+        # Streams started at a time (worker.start_at) whose POSITION is awaited.
+        self._starting: set[str] = set()
+        self.ordering: OrderedDelivery | None = None  # worker.ordered (workers.ordering)
         self.stopping = False
 
     # -- set-up --------------------------------------------------------------------
@@ -133,11 +138,35 @@ class Worker(ReplicationHandler):
                 self.config.apply,
                 on_progress=self._progress,
             )
+        for stream, consumer in self.consumers.items():
+            if self.config.start_at_ms is not None and stream not in applied:
+                consumer.start_at_ms = self.config.start_at_ms  # a new stream starts at that time
+        ordered = self.ordered_streams()
+        if ordered:
+            self.ordering = OrderedDelivery(
+                [self.consumers[s] for s in ordered],
+                max_held_rows=self.config.max_pending_rows * 2,
+                resubscribe=self._resubscribe,
+            )
+            logger.info("worker %s delivers %s in timestamp order", self.config.name, ", ".join(ordered))
         logger.info(
             "worker %s resumes %s",
             self.config.name,
             ", ".join(f"{s}@{c.applied}" for s, c in sorted(self.consumers.items())) or "no streams",
         )
+
+    def ordered_streams(self) -> list[str]:
+        """The streams whose handlers see rows in timestamp order across them.
+
+        Streams with handlers of the worker's own (``worker.handlers``,
+        ``worker.replicate``); the built-in cache invalidation alone does not
+        make a stream ordered. ``worker.ordered`` unset means true when there
+        are two or more; false turns it off.
+        """
+        with_handlers = sorted(set(self.config.replicate) | set(self.handlers.streams()))
+        if self.config.ordered is False or len(with_handlers) < 2:
+            return []
+        return with_handlers
 
     def start(self) -> None:
         self.db.start()
@@ -176,7 +205,7 @@ class Worker(ReplicationHandler):
             self.reactor,
             with_ts=True,
             secret=self.secret,
-            options=frozenset({"live"}),
+            options=frozenset({"live", "tick"}),
         )
 
     def _apply_in_db(self, stream: str, token: int, effects: Effects) -> defer.Deferred[None]:
@@ -220,7 +249,14 @@ class Worker(ReplicationHandler):
             # REPLICATE is all there is: once what it announced is applied,
             # the stream is caught up.
             self._live_streams.add(command.stream)
+        first_answer = command.stream not in self._answered
         self._answered.add(command.stream)
+        if first_answer and command.stream in self._starting:
+            # The answer to REPLICATE <stream> @<ms>: the stream starts here.
+            self._starting.discard(command.stream)
+            consumer.started_at(command.new_token)
+            self._check_caught_up()
+            return
         missed_from = consumer.position(command.prev_token, command.new_token)
         if missed_from is not None:
             self._replicate(client, command.stream, missed_from)
@@ -235,6 +271,22 @@ class Worker(ReplicationHandler):
             self._reading_paused = True
             if client.transport is not None:
                 client.transport.pauseProducing()
+
+    def on_options(self, client: ClientProtocol, acknowledged: frozenset[str]) -> None:
+        if self.ordering is None:
+            return
+        enabled = {"tick", "ts"} <= acknowledged
+        if not enabled and self.ordering.enabled:
+            logger.warning(
+                "the master does not acknowledge OPTIONS tick ts: delivering %s unordered on this connection",
+                ", ".join(sorted(self.ordering.lanes)),
+            )
+        self.ordering.enabled = enabled
+
+    def on_tick(self, client: ClientProtocol, command: TickCommand) -> None:
+        consumer = self.consumers.get(command.stream)
+        if consumer is not None:
+            consumer.tick(command.safe_token, command.safe_ts)
 
     def on_error(self, client: ClientProtocol, message: str) -> None:
         logger.error("master refused: %s", message)
@@ -254,6 +306,13 @@ class Worker(ReplicationHandler):
     def _replicate(self, client: ClientProtocol, stream: str, token: int) -> None:
         self._answered.discard(stream)
         self._live_streams.discard(stream)
+        consumer = self.consumers[stream]
+        if consumer.start_at_ms is not None and consumer.applied == 0 and token == 0:
+            # worker.start_at: a stream never applied here starts at that time.
+            self._starting.add(stream)
+            client.replicate(stream, since_ms=consumer.start_at_ms)
+            return
+        self._starting.discard(stream)
         client.replicate(stream, token)
 
     def on_remote_server_up(self, client: ClientProtocol, server: str) -> None:
@@ -264,8 +323,11 @@ class Worker(ReplicationHandler):
             self.client = None
         self._answered.clear()
         self._live_streams.clear()
+        self._starting.clear()
         for consumer in self.consumers.values():
             consumer.reset()
+        if self.ordering is not None:
+            self.ordering.reset()
         for call in self._retry_calls.values():
             if call.active():
                 call.cancel()
@@ -278,7 +340,19 @@ class Worker(ReplicationHandler):
     # -- progress --------------------------------------------------------------------
 
     def _pending_rows(self) -> int:
-        return sum(c.queued_rows for c in self.consumers.values())
+        """Rows received and waiting to be applied; not those held back for ordering.
+
+        Held rows wait for rows and TICKs of other streams on this connection,
+        so they must not stop the reading (they are bounded by parking, see
+        ``workers.ordering``).
+        """
+        held = 0 if self.ordering is None else sum(lane.pending_rows for lane in self.ordering.lanes.values())
+        return sum(c.queued_rows for c in self.consumers.values()) - held
+
+    def _resubscribe(self, stream: str, token: int) -> None:
+        """Ordered delivery asks again for a parked stream's rows after ``token``."""
+        if self.client is not None and self.client.transport is not None:
+            self._replicate(self.client, stream, token)
 
     def _progress(self, consumer: StreamConsumer) -> None:
         if self._reading_paused and self._pending_rows() <= self.config.max_pending_rows // 2:

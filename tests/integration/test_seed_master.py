@@ -117,7 +117,7 @@ def test_worker_follows_a_seed_protocol_master(tmp_path, seed, monkeypatch, opti
     try:
         conn = seed.accept()
         opening = conn.commands("REPLICATE events")
-        assert opening == ["NAME w1", "OPTIONS live ts", "REPLICATE caches 0", "REPLICATE events 0"]
+        assert opening == ["NAME w1", "OPTIONS live tick ts", "REPLICATE caches 0", "REPLICATE events 0"]
         if options_answer is not None:
             conn.send(options_answer)
         # Early: RDATA before the stream's POSITION is dropped.
@@ -153,7 +153,7 @@ def test_worker_follows_a_seed_protocol_master(tmp_path, seed, monkeypatch, opti
         again = seed.accept()
         assert again.commands("REPLICATE events") == [
             "NAME w1",
-            "OPTIONS live ts",
+            "OPTIONS live tick ts",
             "REPLICATE caches 0",
             "REPLICATE events 8",
         ]
@@ -213,7 +213,7 @@ def test_tail_reads_a_seed_protocol_master(seed, options_answer) -> None:
     assert tail.returncode == 0, err
     lines = out.decode().splitlines()
     assert lines == [
-        '{"stream":"events","instance":"m","token":2,"row":["$e2","!r","m.t",null,null],"ts":null}',
-        '{"stream":"events","instance":"m","token":2,"row":["$e3","!r","m.t",null,null],"ts":null}',
-        '{"stream":"events","instance":"m","token":3,"row":["$e4","!r","m.t",null,null],"ts":null}',
+        '{"stream":"events","instance":"m","token":2,"row":["$e2","!r","m.t",null,null],"ts":null,"ts_iso":null}',
+        '{"stream":"events","instance":"m","token":2,"row":["$e3","!r","m.t",null,null],"ts":null,"ts_iso":null}',
+        '{"stream":"events","instance":"m","token":3,"row":["$e4","!r","m.t",null,null],"ts":null,"ts_iso":null}',
     ]

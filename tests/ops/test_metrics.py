@@ -21,6 +21,7 @@ MASTER_METRICS = {
     "tickline_stream_safe_token": "gauge",
     "tickline_stream_sent_token": "gauge",
     "tickline_stream_lag_tokens": "gauge",
+    "tickline_stream_safe_time_seconds": "gauge",
     "tickline_connections": "gauge",
     "tickline_pending_bytes": "gauge",
     "tickline_paused_connections": "gauge",
@@ -148,6 +149,13 @@ def test_master_and_worker_metrics_move_while_rows_flow(master, procs, tmp_path)
     assert sample(after_w, "tickline_worker_lag_tokens", stream="events") == 0
     assert sample(after_w, "tickline_worker_pending_rows", stream="events") == 0
     assert 0 <= sample(after_w, "tickline_worker_lag_seconds", stream="events") < 30
+    # Time: the master's safe time follows the clock; an idle stream lags about zero.
+    assert abs(sample(after_m, "tickline_stream_safe_time_seconds", stream="caches") - time.time()) < 5
+    wait_for(
+        lambda: 0 <= (sample(scrape(worker_metrics), "tickline_worker_lag_seconds", stream="caches") or 99) < 2,
+        10,
+        "the idle caches stream to lag about zero",
+    )
     assert sample(after_w, "tickline_worker_applied_token", stream="caches") == 0
     assert sample(after_w, "tickline_commands_sent_total", command="REPLICATE") == 2  # caches and events
     assert sample(after_w, "tickline_reconnects_total") == 0

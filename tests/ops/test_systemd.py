@@ -187,7 +187,7 @@ def test_worker_sends_clear_user_sync_on_sigterm_and_exits_0_in_time(tmp_path, n
     worker = procs("worker", "worker", "-c", str(config))
     conn = fake_master.accept()
     opening = fake_master.handshake(conn, ["caches", "events"])
-    assert opening[:3] == ["NAME w1", opening[1], "OPTIONS live ts"] and opening[1].startswith("PING ")
+    assert opening[:3] == ["NAME w1", opening[1], "OPTIONS live tick ts"] and opening[1].startswith("PING ")
     ready_at, _ = notify.wait("READY", "1", pid=worker.pid, alive=lambda: worker.popen.poll() is None)
 
     started = time.monotonic()

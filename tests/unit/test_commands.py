@@ -23,6 +23,7 @@ from replication.commands import (
     RemovePusherCommand,
     ReplicateCommand,
     ServerCommand,
+    TickCommand,
     UnknownCommand,
     UserSyncCommand,
     encode_rdata,
@@ -38,6 +39,8 @@ ROUND_TRIPS = [
     ("REPLICATE", ReplicateCommand()),
     ("REPLICATE events 42", ReplicateCommand("events", 42)),
     ("REPLICATE events 0", ReplicateCommand("events", 0)),
+    ("REPLICATE events @1700000000123", ReplicateCommand("events", None, 1700000000123)),
+    ("TICK events 12 470655961688440832", TickCommand("events", 12, 470655961688440832)),
     ("POSITION events master 5 9", PositionCommand("events", "master", 5, 9)),
     ("POSITION caches master 7 7", PositionCommand("caches", "master", 7, 7)),
     (
@@ -95,6 +98,7 @@ def test_every_command_has_a_class_and_a_direction() -> None:
         "REMOTE_SERVER_UP",
         "AUTH",
         "OPTIONS",
+        "TICK",
     }
     assert set(COMMAND_CLASSES) == expected
     for name, cls in COMMAND_CLASSES.items():
@@ -105,7 +109,7 @@ def test_every_command_has_a_class_and_a_direction() -> None:
 
 
 def test_direction_sets_follow_the_protocol_table() -> None:
-    assert {"SERVER", "PING", "POSITION", "RDATA", "ERROR", "REMOTE_SERVER_UP", "OPTIONS"} == SERVER_COMMANDS
+    assert {"SERVER", "PING", "POSITION", "RDATA", "ERROR", "REMOTE_SERVER_UP", "OPTIONS", "TICK"} == SERVER_COMMANDS
     assert {
         "PING",
         "NAME",
@@ -123,7 +127,7 @@ def test_direction_sets_follow_the_protocol_table() -> None:
     # OPTIONS: the client asks, the master answers with what it accepted.
     assert {"PING", "ERROR", "REMOTE_SERVER_UP", "OPTIONS"} == SERVER_COMMANDS & CLIENT_COMMANDS
     # A client may never send what only the master sends.
-    for name in ("SERVER", "POSITION", "RDATA"):
+    for name in ("SERVER", "POSITION", "RDATA", "TICK"):
         assert name not in CLIENT_COMMANDS
     for name in ("NAME", "REPLICATE", "USER_SYNC", "AUTH"):
         assert name not in SERVER_COMMANDS
@@ -198,6 +202,13 @@ MALFORMED = [
     ("REPLICATE events -1", ["malformed REPLICATE", "token", "'-1'"]),
     ("REPLICATE events 1 2", ["malformed REPLICATE", "REPLICATE <stream> <token>"]),
     ("REPLICATE events  5", ["malformed REPLICATE"]),
+    ("REPLICATE events @", ["malformed REPLICATE", "@<unix_ms> must be a non-negative integer", "''"]),
+    ("REPLICATE events @-1", ["malformed REPLICATE", "@<unix_ms>", "'-1'"]),
+    ("REPLICATE events @1 2", ["malformed REPLICATE", "REPLICATE <stream> @<unix_ms>"]),
+    ("REPLICATE events @@5", ["malformed REPLICATE", "@<unix_ms>", "'@5'"]),
+    ("TICK events 1", ["malformed TICK", "TICK <stream> <safe_token> <safe_ts>"]),
+    ("TICK events x 2", ["malformed TICK", "safe_token", "'x'"]),
+    ("TICK events 1 2 3", ["malformed TICK", "TICK <stream> <safe_token> <safe_ts>"]),
     ("POSITION events master 1", ["malformed POSITION", "POSITION <stream> <instance> <prev_token> <new_token>"]),
     ("POSITION events master x 2", ["malformed POSITION", "prev_token", "'x'"]),
     ("POSITION events master 1 y", ["malformed POSITION", "new_token", "'y'"]),

@@ -33,6 +33,9 @@ def test_sample_config_loads_and_states_the_defaults() -> None:
         for field in attr.fields(cls):
             if field.name in ("listen_host", "listen_port", "master_host", "master_port", "apply"):
                 continue
+            if field.name == "start_at_ms":  # the key is worker.start_at
+                assert "start_at:" in text
+                continue
             assert f"{field.name}:" in text, f"sample_config.yaml does not document {field.name}"
     assert config.worker == WorkerConfig()
 
@@ -121,3 +124,26 @@ def test_worker_synchronous_commit_defaults_off_and_is_checked(tmp_path) -> None
     path.write_text("worker:\n  synchronous_commit: maybe\n")
     with pytest.raises(ConfigError, match="synchronous_commit"):
         load_config(str(path))
+
+
+def test_worker_time_keys() -> None:
+    config = config_from_mapping({"worker": {"ordered": False, "start_at": "2026-11-23T00:00:00Z"}})
+    assert config.worker.ordered is False
+    assert config.worker.start_at_ms == 1795392000000
+    assert config_from_mapping({"worker": {"start_at": 1234}}).worker.start_at_ms == 1234
+    assert config_from_mapping({"master": {"tick_interval": 0.05}}).master.tick_interval == 0.05
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"worker": {"ordered": "yes"}}, "worker.ordered: expected true or false"),
+        ({"worker": {"start_at": "yesterday"}}, "worker.start_at: 'yesterday': expected Unix ms"),
+        ({"worker": {"start_at": -5}}, "worker.start_at: -5: Unix milliseconds cannot be negative"),
+        ({"master": {"tick_interval": 0}}, "master.tick_interval: expected a positive number"),
+    ],
+)
+def test_bad_worker_time_keys(raw, message) -> None:
+    with pytest.raises(ConfigError) as e:
+        config_from_mapping(raw)
+    assert message in str(e.value)

@@ -125,7 +125,7 @@ def h(url) -> Harness:
 
 
 def test_handshake_waits_for_server_then_resumes_every_stream(h) -> None:
-    assert h.sent() == ["NAME w1", "OPTIONS live ts"]
+    assert h.sent() == ["NAME w1", "OPTIONS live tick ts"]
     h.send("SERVER tickline")
     assert h.sent() == ["REPLICATE caches 0", "REPLICATE events 0"]
 
@@ -355,7 +355,7 @@ def seed_ev(n: int) -> str:
 def test_seed_master_rows_are_applied_with_their_arrival_time(url, answer) -> None:
     h = Harness(url, acknowledge=None, replicate_retry=1.0)
     h.clock.advance(1_700_000_000)
-    assert h.sent() == ["NAME w1", "OPTIONS live ts"]
+    assert h.sent() == ["NAME w1", "OPTIONS live tick ts"]
     h.send("SERVER seed")
     if answer is not None:
         h.send(answer)

@@ -1,0 +1,198 @@
+"""Time on the master's side: timeticks in time (``TICK``) and starting at a time.
+
+:class:`TimeTicker` makes every pass of the master over the store's safe
+positions take an oracle timestamp first (``storage.time_index.safe_point``),
+so that after the pass each stream's live token ``L`` and that timestamp
+``t`` form a safe time: no row with a timestamp at or below ``t`` has a token
+above ``L``. It then sends ``TICK <stream> <L> <t>`` to every connection that
+asked for ``OPTIONS tick``, for every stream live on it, after the rows the
+pass fanned out; and it makes the master pass at least every
+``tick_interval`` seconds so that the safe time advances while streams are
+idle.
+
+:func:`replicate_at` answers ``REPLICATE <stream> @<unix_ms>``: it finds the
+first token at or after the instant in the stream's ``ts`` index, answers
+``POSITION <stream> <instance> <t> <t>`` with the token just before it, and
+starts a replay that drops rows older than the instant (:func:`read_since`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from twisted.internet import defer, task
+from twisted.python.failure import Failure
+
+from replication.commands import PositionCommand, ReplicateCommand, TickCommand
+from replication.rows import encode_json_rows
+from storage import time_index
+from storage.store import TOKEN, TS
+from storage.tso import physical_ms
+
+if TYPE_CHECKING:
+    from replication.master import Master
+    from replication.server import ServerProtocol
+    from replication.subscriptions import FanOutTarget
+
+logger = logging.getLogger(__name__)
+
+TICK_OPTION = "tick"
+
+
+class TimeTicker:
+    """The master's safe time per stream, and its ``TICK`` lines."""
+
+    def __init__(self, master: Master, interval: float) -> None:
+        self.master = master
+        self.interval = interval
+        self.safe_ts: dict[str, int] = {}  # per stream: the latest safe time (metrics)
+        self._allocated_at = float("-inf")  # reactor time of the last timestamp allocated
+        # Per connection (its subscriptions) and stream: (safe time, token) of the last TICK sent.
+        self._sent: dict[tuple[FanOutTarget, str], tuple[int, int]] = {}
+        self._loop: task.LoopingCall | None = None
+
+    def start(self) -> None:
+        self._loop = task.LoopingCall(self._pass)
+        self._loop.clock = self.master.reactor  # type: ignore[assignment]
+        self._loop.start(self.interval, now=False).addErrback(
+            lambda f: logger.error("timeticks stopped: %s", f.getTraceback())
+        )
+
+    def stop(self) -> None:
+        if self._loop is not None and self._loop.running:
+            self._loop.stop()
+
+    def _pass(self) -> None:
+        # While streams are idle nothing else makes the master look: do it.
+        self.master.followed()
+
+    def wanted(self) -> str | None:
+        """How the next pass takes its time (on the reactor thread).
+
+        ``"allocate"``: a fresh oracle timestamp, so the safe time advances
+        while streams are idle; about every ``tick_interval``.
+        ``"read"``: the oracle's high-water mark (no commit), which covers every
+        row written meanwhile. ``None``: no time at all.
+        """
+        now = self.master.reactor.seconds()
+        if now - self._allocated_at >= self.interval * 0.9:
+            self._allocated_at = now
+            return "allocate"
+        if any(conn.subscriptions.ticks for conn in self.master.connections):
+            return "read"
+        return None
+
+    def safe_point(self, expire_writers: bool, take_time: str | None) -> tuple[dict[str, int] | None, dict[str, int]]:
+        """On a database thread: (safe time per stream, or None; safe positions)."""
+        if take_time is not None:
+            return self.master.store.safe_point(expire_writers, allocate=take_time == "allocate")
+        return None, self.master.store.safe_positions(expire_writers)
+
+    def passed(self, times: dict[str, int] | None, positions: dict[str, int]) -> None:
+        """A pass succeeded: every live subscription has every row up to its stream's position."""
+        if times is None:
+            return
+        master = self.master
+        for stream, safe_ts in times.items():
+            if master.has_stream(stream):
+                # A safe time stays true once it was: never go back.
+                self.safe_ts[stream] = max(safe_ts, self.safe_ts.get(stream, 0))
+        live = {stream: master.live_subscriptions(stream) for stream in positions if master.has_stream(stream)}
+        current = {(target, stream) for stream, subs in live.items() for target, _ in subs}
+        for key in [key for key in self._sent if key not in current]:
+            del self._sent[key]
+        for stream, subs in live.items():
+            safe = positions[stream]
+            tick_ts = self.safe_ts.get(stream)
+            if tick_ts is None:
+                continue
+            for target, sub in subs:
+                if not target.ticks or sub.sent_token < safe:
+                    continue
+                # When the safe time or the token moved: after rows of any
+                # stream (they move the oracle), and about every tick_interval
+                # while all is idle (allocate); not on every pass.
+                last_ts, last_token = self._sent.get((target, stream), (-1, -1))
+                if tick_ts <= last_ts and sub.sent_token == last_token:
+                    continue
+                self._sent[(target, stream)] = (max(tick_ts, last_ts), sub.sent_token)
+                line = TickCommand(stream, sub.sent_token, tick_ts).encode()
+                target.send_live(sub, line, sub.sent_token, "TICK")
+
+    def safe_time_ms(self, stream: str) -> int | None:
+        """The stream's latest safe time as Unix milliseconds (None: none yet)."""
+        ts = self.safe_ts.get(stream)
+        return None if ts is None else physical_ms(ts)
+
+
+def replicate_at(conn: ServerProtocol, command: ReplicateCommand) -> defer.Deferred[None]:
+    """Answer ``REPLICATE <stream> @<unix_ms>`` on ``conn`` (see the module doc)."""
+    master = conn.master
+    stream = command.stream
+    assert stream is not None and command.since_ms is not None
+    since_ts = time_index.ts_at_ms(command.since_ms)
+
+    async def answer() -> None:
+        await master.followed()  # a stream just created is known, the live token is fresh
+        if conn.closing:
+            return
+        if not master.has_stream(stream):
+            conn.send_error(f"unknown stream {stream!r} (streams: {', '.join(master.stream_names())})")
+            return
+        at = await master.token_at(stream, since_ts)
+        if conn.closing:
+            return
+        live = master.live_token(stream)
+        # Never past the live token: rows above it may still be in flight.
+        start = live if at.before is None else min(at.before, live)
+        logger.info(
+            "[%s] %s from %s: token %s (%d index lookups)", conn.conn_name, stream, command.since_ms, start, at.queries
+        )
+        conn.send(PositionCommand(stream, master.config.instance_name, start, start))
+        conn.subscriptions.start(stream, start, announce_live=conn.announce_live, since_ts=since_ts)
+
+    def failed(failure: Failure) -> None:
+        logger.error(
+            "[%s] finding %s at %s failed: %s", conn.conn_name, stream, command.since_ms, failure.getErrorMessage()
+        )
+        conn.send_error(
+            f"cannot find the start of stream {stream!r} at {command.since_ms}: {failure.getErrorMessage()}"
+        )
+
+    def done(_: object) -> None:
+        conn._pending_replicates -= 1
+        if conn.read_closed and not conn.closing:
+            conn.finish_after_half_close()  # a netcat session that half-closed meanwhile
+
+    # Counted as a pending REPLICATE: a half-closed connection waits for it.
+    conn._pending_replicates += 1
+    return defer.ensureDeferred(answer()).addErrback(failed).addBoth(done)
+
+
+def read_since(
+    master: Master, stream: str, after: int, upto: int, limit: int, with_ts: bool, since_ts: int
+) -> defer.Deferred[tuple[bytes, int, int]]:
+    """Like ``Master.read_encoded``, dropping rows older than ``since_ts``.
+
+    Returns ``(bytes, last token read, rows sent)``. When rows at the end of
+    the chunk were dropped, the bytes end with ``POSITION <stream> <instance>
+    <last sent> <last read>`` so the client moves past them (a client that
+    received nothing of them would otherwise take the next POSITION as rows
+    missed).
+    """
+
+    def run() -> tuple[bytes, int, int]:
+        rows = master.store.read_rows_json(stream, after, upto, limit)
+        if not rows:
+            return b"", after, 0
+        last_read = rows[-1][TOKEN]
+        kept = [row for row in rows if row[TS] >= since_ts]
+        data, _ = encode_json_rows(stream, kept, with_ts)
+        last_sent = kept[-1][TOKEN] if kept else after
+        if last_sent != last_read:
+            data += PositionCommand(stream, master.config.instance_name, last_sent, last_read).encode()
+        return data, last_read, len(kept)
+
+    result: defer.Deferred[tuple[bytes, int, int]] = master.db.run(run)
+    return result

@@ -1,0 +1,203 @@
+"""Time over streams: where a stream is at an instant, and up to when it is complete.
+
+Two questions the master asks of storage, on either database:
+
+* :func:`first_token_at`: the first token of a stream whose row has a
+  timestamp at or after an instant (``REPLICATE <stream> @<unix_ms>``). It
+  is one lookup in the stream's ``ts`` index (``stream_<name>_ts``, a B-tree:
+  a binary search of the index, O(log n) pages, never a scan of the rows) and
+  one lookup in the ``token`` index to check the boundary. It relies on ``ts``
+  being increasing in token within a stream, which both stores guarantee (see
+  ``docs/time.md``: SQLite allocates both under the write lock, PostgreSQL in
+  one statement under the oracle's row lock).
+
+* :func:`safe_point`: a *safe time* for every stream at once: no row of the
+  stream with a timestamp at or below it can ever have a token above the
+  stream's safe position (proof in ``docs/time.md``). An oracle time ``t`` is
+  taken first, then the safe positions and the allocated heads are read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import attr
+
+from storage import tso
+from storage.schema import StreamSchema
+
+
+class TimedDatabase(Protocol):
+    """The database a store holds (``SqliteDatabase`` or ``PgDatabase``)."""
+
+    @property
+    def dialect(self) -> str: ...
+
+    @property
+    def placeholder(self) -> str: ...
+
+    def read(self, fn: Callable[[Any], Any]) -> Any: ...
+
+
+class TimedStore(Protocol):
+    """What this module needs of a stream store (both stores have it; storage-internal)."""
+
+    @property
+    def database(self) -> TimedDatabase: ...
+
+    def schema(self, stream: str) -> StreamSchema: ...
+
+    def allocate_timestamps(self, count: int = 1) -> list[int]: ...
+
+    def safe_positions(self, expire_writers: bool = True) -> dict[str, int]: ...
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class TokenAt:
+    """Where a stream stands at an instant.
+
+    ``token`` is the first token with a row at or after the instant (None:
+    no stored row is that recent); ``ts`` that row's timestamp; ``queries``
+    how many index lookups the answer took (for tests and logs).
+    """
+
+    token: int | None
+    ts: int | None
+    queries: int
+
+    @property
+    def before(self) -> int | None:
+        """The token just before the first row at or after the instant."""
+        return None if self.token is None else self.token - 1
+
+
+def ts_at_ms(unix_ms: int) -> int:
+    """The lowest timestamp whose physical time is ``unix_ms``."""
+    return tso.compose(max(unix_ms, 0))
+
+
+def first_token_at(store: TimedStore, stream: str, since_ts: int) -> TokenAt:
+    """The first token of ``stream`` whose row has ``ts >= since_ts`` (see the module doc)."""
+    schema = store.schema(stream)
+    p = store.database.placeholder
+    table = schema.table
+    by_ts = f"SELECT token, ts FROM {table} WHERE ts >= {p} ORDER BY ts LIMIT 1"
+    before = f"SELECT token, ts FROM {table} WHERE token < {p} ORDER BY token DESC LIMIT 1"
+
+    def run(cur: Any) -> TokenAt:
+        found = cur.execute(by_ts, (since_ts,)).fetchone()
+        if found is None:
+            return TokenAt(None, None, 1)
+        token, ts = int(found[0]), int(found[1])
+        queries = 1
+        # Check the boundary in the token index: the row just before must be
+        # older. If ts were not increasing in token (rows written by hand),
+        # walk back a row at a time, a bounded number of steps.
+        for _ in range(64):
+            previous = cur.execute(before, (token,)).fetchone()
+            queries += 1
+            if previous is None or int(previous[1]) < since_ts:
+                break
+            token, ts = int(previous[0]), int(previous[1])
+        return TokenAt(token, ts, queries)
+
+    result: TokenAt = store.database.read(run)
+    return result
+
+
+def oracle_time(store: TimedStore) -> int:
+    """A fresh timestamp from the oracle: every later allocation is above it."""
+    return store.allocate_timestamps(1)[0]
+
+
+def oracle_last(store: TimedStore) -> int:
+    """The oracle's high-water mark: every timestamp handed out so far is at or below it.
+
+    Cheaper than :func:`oracle_time` (a read, no commit) and just as safe, but
+    it moves only when someone allocates.
+    """
+    sql = "SELECT last_ts FROM tickline_tso WHERE id = 1"
+    if store.database.dialect == "postgresql":
+        # The oracle's sequence holds what appends took (storage.pg_store); the table, what the master took.
+        sql = "SELECT GREATEST(t.last_ts, s.last_value) FROM tickline_tso t, tickline_tso_seq s WHERE t.id = 1"
+    return int(store.database.read(lambda cur: cur.execute(sql).fetchone()[0]))
+
+
+def allocated_heads(store: TimedStore, streams: list[str]) -> dict[str, int]:
+    """Per stream, the highest token allocated so far (committed or not).
+
+    On SQLite that is the committed head (tokens are allocated in the writing
+    transaction); on PostgreSQL the token sequence's last value.
+    """
+    if not streams:
+        return {}
+    db = store.database
+    if db.dialect != "postgresql":
+        rows = db.read(lambda cur: cur.execute("SELECT stream, token FROM tickline_stream_heads").fetchall())
+        return {name: int(token) for name, token in rows}
+    p = db.placeholder
+    parts = [
+        f"SELECT {p}, CASE WHEN is_called THEN last_value ELSE 0 END FROM {store.schema(name).table}_token_seq"
+        for name in streams
+    ]
+    rows = db.read(lambda cur: cur.execute(" UNION ALL ".join(parts), tuple(streams)).fetchall())
+    return {name: int(token) for name, token in rows}
+
+
+def streams_with_live_writers(store: TimedStore) -> set[str] | None:
+    """PostgreSQL: the streams that have a live writer (None on SQLite, where writers hold no tokens)."""
+    if store.database.dialect != "postgresql":
+        return None
+    rows = store.database.read(
+        lambda cur: cur.execute("SELECT DISTINCT stream FROM tickline_writers WHERE alive").fetchall()
+    )
+    return {row[0] for row in rows}
+
+
+def last_ts_upto(store: TimedStore, stream: str, token: int) -> int | None:
+    """The timestamp of the last row with a token at or below ``token`` (None: no such row)."""
+    p = store.database.placeholder
+    table = store.schema(stream).table
+    sql = f"SELECT ts FROM {table} WHERE token <= {p} ORDER BY token DESC LIMIT 1"
+    found = store.database.read(lambda cur: cur.execute(sql, (token,)).fetchone())
+    return None if found is None else int(found[0])
+
+
+def safe_point(
+    store: TimedStore, expire_writers: bool = True, allocate: bool = True
+) -> tuple[dict[str, int], dict[str, int]]:
+    """``(safe_ts, positions)``: per stream, a safe time and the safe position.
+
+    No row of stream ``s`` with ``ts <= safe_ts[s]`` has a token above
+    ``positions[s]`` (proof in ``docs/time.md``). A time ``t`` is taken from
+    the oracle first (with ``allocate`` a fresh timestamp, so the safe time
+    advances while nobody writes; without, the oracle's high-water mark), then
+    the safe positions and the allocated heads are read. Where nothing is
+    allocated above the safe position, every later token is allocated after
+    ``t`` and has a larger timestamp: the safe time is ``t``; so it is on
+    PostgreSQL for a stream that had no live writer when the writers were read
+    (before the positions). Where tokens above
+    it are allocated (in flight, or committed above a writer still in flight,
+    on PostgreSQL), they have larger timestamps than every token below them:
+    the safe time is the timestamp of the last row at or below the position.
+    """
+    t = oracle_time(store) if allocate else oracle_last(store)
+    # The live writers are read before the positions: a writer that commits
+    # and leaves in between must still count as live here (its row may lie
+    # above a position read while it was in flight).
+    live = streams_with_live_writers(store)
+    positions = store.safe_positions(expire_writers)
+    heads = allocated_heads(store, sorted(positions))
+    times: dict[str, int] = {}
+    for stream, position in positions.items():
+        # Without a live writer, tokens above the position can never commit
+        # (dead writers are fenced off and write again with new tokens and
+        # timestamps; a writer that registers later allocates after t).
+        if heads.get(stream, 0) <= position or (live is not None and stream not in live):
+            times[stream] = t
+        else:
+            last = last_ts_upto(store, stream, position)
+            if last is not None:
+                times[stream] = last
+    return times, positions
