@@ -22,6 +22,10 @@ latency     single-row commits paced at a requested rate (default 1,000/s)
             ``LISTEN`` of a trigger's ``NOTIFY`` on the target table, for
             both); the line compares p99 (ratio = baseline p99 / tickline
             p99), followed by p50/p99 of both and the rate each reached.
+writer      the writer alone on the durable source: single-row appends
+            against a plain INSERT + COMMIT of the same row (commits/s),
+            and 1000-row appends against the same rows by COPY without
+            tickline (rows/s).
 catch-up    rows written (1000-row transactions, ``COPY``) while the
             consumer is away (tickline worker stopped; subscription disabled),
             then rows/s from its start to the last row applied.
@@ -327,6 +331,51 @@ def catch_up_once(clusters: Clusters, workdir: str, rows: int, which: str) -> fl
         b.close()
 
 
+def writer_once(clusters: Clusters, rows: int, single: int, which: str) -> dict[str, float]:
+    """The writer alone on the (durable) source: single-row commits and 1000-row transactions.
+
+    ``which`` is ``tickline`` (``append``) or ``plain`` (INSERT + COMMIT per row;
+    COPY per 1000 rows, the method a tickline append of 1000 rows uses).
+    """
+    url = clusters.source.new_database()
+    if which == "tickline":
+        from replication.streams import EVENTS
+        from storage.store import open_store
+
+        store = open_store(url)
+        store.register_stream(EVENTS)
+        store.append("events", make_rows(0, 1), "bench-writer")  # registers the writer
+        started = time.perf_counter()
+        for n in range(single):
+            store.append("events", make_rows(n, 1), "bench-writer")
+        one = single / (time.perf_counter() - started)
+        started = time.perf_counter()
+        for start in range(0, rows, TXN_ROWS):
+            store.append("events", make_rows(start, min(TXN_ROWS, rows - start)), "bench-writer")
+        bulk = rows / (time.perf_counter() - started)
+        store.close()
+        return {"single": one, "bulk": bulk}
+    conn = _connect(url, autocommit=False)
+    with conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE events ({BASE_COLUMNS})")
+        cur.execute("CREATE INDEX events_token ON events (token)")
+        conn.commit()
+        now = int(time.time() * 1000) << 18
+        started = time.perf_counter()
+        for n in range(single):
+            row = make_rows(n, 1)[0]
+            cur.execute(
+                f"INSERT INTO events ({NAMES}) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)", (n + 1, "base", now + n, *row)
+            )
+            conn.commit()
+        one = single / (time.perf_counter() - started)
+    conn.close()
+    started = time.perf_counter()
+    _baseline_write(url, rows, "copy", single + 1)
+    bulk = rows / (time.perf_counter() - started)
+    return {"single": one, "bulk": bulk}
+
+
 @contextmanager
 def _applied_listener(url: str) -> Iterator[dict[int, float]]:
     """token -> when the target said it was applied (a trigger's NOTIFY, read by a thread)."""
@@ -452,6 +501,28 @@ def run(
             print(f"  {text}", flush=True)
 
     with Clusters() as clusters:
+        if "writer" in chosen:
+            single = max(200, min(2000, rows // 10))
+            wr: dict[str, list[dict[str, float]]] = {"tickline": [], "plain": []}
+            for i in range(repeat):
+                for which in wr:
+                    value = writer_once(clusters, rows, single, which)
+                    wr[which].append(value)
+                    log(f"writer run {i + 1} {which}: {value}")
+            w = {k: {m: _median([v[m] for v in runs_]) for m in ("single", "bulk")} for k, runs_ in wr.items()}
+            results["writer"] = w
+            t, p = w["tickline"], w["plain"]
+            print(
+                f"writer: tickline {_fmt(t['single'])} commits/s, baseline {_fmt(p['single'])} commits/s, "
+                f"ratio {t['single'] / p['single']:.2f}",
+                flush=True,
+            )
+            print(
+                f"  single-row appends against INSERT + COMMIT of the same row ({single:,} each, durable); "
+                f"bulk ({rows:,} rows, {TXN_ROWS}-row transactions): tickline {_fmt(t['bulk'])} rows/s, "
+                f"the same rows by COPY without tickline {_fmt(p['bulk'])} rows/s, ratio {t['bulk'] / p['bulk']:.2f}",
+                flush=True,
+            )
         if "end-to-end" in chosen:
             runs: dict[str, list[float]] = {"tickline": [], "copy": [], "execute_values": []}
             for i in range(repeat):

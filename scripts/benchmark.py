@@ -62,7 +62,7 @@ import orjson
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIRE_SCENARIOS = ("wire", "wire-live")
-PG_SCENARIOS = ("end-to-end", "latency", "catch-up")  # against logical replication: scripts/bench_pg.py
+PG_SCENARIOS = ("end-to-end", "latency", "catch-up", "writer")  # against logical replication: scripts/bench_pg.py
 SCENARIOS = (*WIRE_SCENARIOS, *PG_SCENARIOS)
 SCENARIOS += ("snapshot",)  # Spark JDBC snapshots: scripts/bench_snapshot.py
 SCENARIOS += ("ordered",)  # timestamp order across streams: scripts/bench_ordered.py

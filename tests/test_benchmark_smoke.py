@@ -53,6 +53,7 @@ def test_postgresql_scenarios_print_their_lines_against_logical_replication() ->
             "end-to-end",
             "latency",
             "catch-up",
+            "writer",
             "--rows",
             "3000",
             "--repeat",
@@ -71,6 +72,9 @@ def test_postgresql_scenarios_print_their_lines_against_logical_replication() ->
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for name in ("end-to-end", "catch-up"):
         assert re.search(RATIO_LINE.format(name=name), proc.stdout, re.M), proc.stdout
+    assert re.search(
+        r"^writer: tickline [\d,]+ commits/s, baseline [\d,]+ commits/s, ratio \d+\.\d\d$", proc.stdout, re.M
+    )
     assert re.search(r"^latency: tickline [\d.]+ ms, baseline [\d.]+ ms, ratio \d+\.\d\d$", proc.stdout, re.M)
     assert re.search(r"^  tickline: commit -> applied p50 .* reached \((held|NOT held)\)$", proc.stdout, re.M)
     assert re.search(r"written by execute_values it reached [\d,]+ rows/s", proc.stdout), proc.stdout
