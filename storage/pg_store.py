@@ -40,7 +40,7 @@ import psycopg2.extensions
 
 from storage import time_index
 from storage.contracts import JsonRow, Row, StoredRow
-from storage.pg_copy import _COPY_FORMATS, NULL_COPY, _copy_text
+from storage.pg_copy import _COPY_FORMATS, NULL_COPY, _copy_text, formatter
 from storage.pg_db import Cursor, PgDatabase
 from storage.schema import COLUMN_TYPES, StreamSchema, check_instance_name
 from storage.store import FIRST_VALUE, DatabaseUnavailable, StreamCatalog
@@ -592,14 +592,14 @@ class WriteTransaction:
         self._statements = _statements(schema)
 
     def append(self, rows: Iterable[Row], batch: bool = False) -> list[int]:
-        values = [self._schema.check_row(row) for row in rows]
-        if not values:
+        rows = rows if isinstance(rows, list) else list(rows)
+        count = len(rows)
+        if not count:
             return []
-        count = len(values)
         if count >= COPY_ROWS:
-            first_token, _ = self._append_copy(values, batch)
+            first_token, _ = self._append_copy(self._statements.columns_text(rows), count, batch)
         else:
-            first_token, _ = self._append_small(values, batch)
+            first_token, _ = self._append_small([self._schema.check_row(row) for row in rows], batch)
         tokens = [first_token] * count if batch else list(range(first_token, first_token + count))
         self._last_token = tokens[-1]
         return tokens
@@ -653,9 +653,8 @@ class WriteTransaction:
         self._position_sent = first if batch else first + count - 1
         return first, first_ts
 
-    def _append_copy(self, values: list[tuple[Any, ...]], batch: bool) -> tuple[int, int]:
+    def _append_copy(self, columns: list[str], count: int, batch: bool) -> tuple[int, int]:
         store, schema = self._store, self._schema
-        count = len(values)
         token_count = self._token_count(count, batch)
         with store._lock:
             first_token, first_ts = self._cur.execute(
@@ -665,7 +664,9 @@ class WriteTransaction:
             first = self._allocated(first_token, batch)
         self._cur.cursor.copy_expert(
             self._statements.copy,
-            io.BytesIO(self._statements.copy_text(values, self._instance, first, 0 if batch else 1, first_ts).encode()),
+            io.BytesIO(
+                self._statements.copy_text(columns, self._instance, first, 0 if batch else 1, first_ts).encode()
+            ),
             size=1 << 20,
         )
         return first, first_ts
@@ -747,19 +748,26 @@ class _Statements:
             f"WHERE (SELECT count(*) FROM u) = 1 OR {FENCED_FUNCTION}()"
         )
 
-    def copy_text(
-        self, values: list[tuple[Any, ...]], instance: str, first_token: int, step: int, first_ts: int
-    ) -> str:
-        """The rows as COPY text: token, instance, ts, then the columns."""
+    def columns_text(self, rows: list[Row]) -> list[str]:
+        """Check every row and give its columns as COPY text (RowError names a bad row; nothing is sent)."""
+        fast = formatter(self.schema)
         formats = self._formats
+        out = []
+        for row in rows:
+            text = fast(row)
+            if text is None:
+                values = self.schema.check_row(row)  # names what is wrong, or converts (e.g. an int for a double)
+                text = "\t".join([NULL_COPY if v is None else f(v) for f, v in zip(formats, values, strict=False)])
+            out.append(text)
+        return out
+
+    def copy_text(self, columns: list[str], instance: str, first_token: int, step: int, first_ts: int) -> str:
+        """The rows as COPY text: token, instance, ts, then the columns."""
         name = _copy_text(instance)
-        lines = [
-            "\t".join(
-                [str(first_token + i * step), name, str(first_ts + i)]
-                + [NULL_COPY if v is None else f(v) for f, v in zip(formats, row, strict=False)]
-            )
-            for i, row in enumerate(values)
-        ]
+        if step:
+            lines = [f"{first_token + i}\t{name}\t{first_ts + i}\t{text}" for i, text in enumerate(columns)]
+        else:
+            lines = [f"{first_token}\t{name}\t{first_ts + i}\t{text}" for i, text in enumerate(columns)]
         lines.append("")
         return "\n".join(lines)
 

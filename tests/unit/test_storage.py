@@ -421,3 +421,19 @@ def test_worker_synchronous_commit_is_a_choice(pg_url) -> None:
         store = open_worker_store(pg_url, synchronous_commit=choice)
         assert store.database.read(lambda c: c.execute("SHOW synchronous_commit").fetchone()[0]) == expected
         store.close()
+
+
+def test_a_bad_row_in_a_large_append_is_named_and_nothing_is_written(db_url) -> None:
+    s = open_store(db_url)
+    schema = StreamSchema("m", (Column("n", "bigint"), Column("x", "double"), Column("j", "json", True)))
+    s.register_stream(schema)
+    good = [[i, i, {"i": i}] for i in range(150)]  # ints for a double are converted
+    with pytest.raises(RowError, match="'n' expects bigint"):
+        s.append("m", [*good[:70], ["7", 1.0, None], *good[70:]], "w")
+    with pytest.raises(RowError, match="expects 3 values"):
+        s.append("m", [*good, [1, 2.0]], "w")
+    assert s.read_rows("m", 0, 10**9, 10**6) == []
+    s.append("m", good, "w")
+    back = s.read_rows("m", 0, 10**9, 10**6)
+    assert [(r[4], r[5], orjson.loads(r[6])) for r in back] == [(i, float(i), {"i": i}) for i in range(150)]
+    s.close()
