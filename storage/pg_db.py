@@ -118,6 +118,28 @@ class PgDatabase:
             pass
         self._local.conn = None
 
+    def query(self, sql: str, params: Any = ()) -> list[Any]:
+        """One statement's rows on this thread's autocommit connection: its own transaction, one round trip.
+
+        The same snapshot semantics as :meth:`read` of a single statement,
+        without ``BEGIN`` and ``COMMIT`` round trips.
+        """
+        conn = getattr(self._local, "auto", None)
+        if conn is None or conn.closed:
+            conn = self._local.auto = self.connect(autocommit=True)
+        try:
+            with conn.cursor() as cur:
+                cur.execute(sql, params)
+                rows: list[Any] = cur.fetchall()
+                return rows
+        except psycopg2.OperationalError as e:
+            try:
+                conn.close()
+            except psycopg2.Error:
+                pass
+            self._local.auto = None
+            raise DatabaseUnavailable(redact_url(f"PostgreSQL at {self.dsn}: {str(e).strip()}")) from None
+
     def write(self, fn: Callable[[Cursor], Any]) -> Any:
         return self._run(fn, psycopg2.extensions.ISOLATION_LEVEL_READ_COMMITTED)
 

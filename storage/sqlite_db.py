@@ -66,6 +66,11 @@ class SqliteDatabase:
         conn.execute("COMMIT")
         return result
 
+    def query(self, sql: str, params: Any = ()) -> list[Any]:
+        """One statement's rows, in a read transaction of its own."""
+        rows: list[Any] = self.read(lambda conn: conn.execute(sql, params).fetchall())
+        return rows
+
     def read(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
         conn = self.connection()
         conn.execute("BEGIN")
