@@ -218,7 +218,37 @@ class PgStreamStore:
         return time_index.first_token_at(self, stream, since_ts)
 
     def safe_point(self, expire_writers: bool = True, allocate: bool = True) -> tuple[dict[str, int], dict[str, int]]:
-        return time_index.safe_point(self, expire_writers, allocate)
+        """As :func:`storage.time_index.safe_point`, in two round trips on a wake-up.
+
+        Without the dead-writer sweep, after the oracle's time ``t``, one
+        statement reads per stream the safe position, the allocated head and
+        whether a live writer exists: the positions and the live writers from
+        one snapshot (so the writers are read no later than the positions),
+        the heads (sequences) after it, as the proof in docs/time.md needs.
+        """
+        known = self._catalog.known()
+        if expire_writers or not known:
+            return time_index.safe_point(self, expire_writers, allocate)
+        t = time_index.oracle_time(self) if allocate else time_index.oracle_last(self)
+        parts = [
+            "SELECT %s, COALESCE((SELECT MIN(position) FROM tickline_writers WHERE alive AND stream = %s), "
+            f"(SELECT MAX(token) FROM {schema.table}), 0), "
+            f"(SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {_seq(schema)}), "
+            "EXISTS (SELECT 1 FROM tickline_writers WHERE alive AND stream = %s)"
+            for schema in known
+        ]
+        params = [value for schema in known for value in (schema.name, schema.name, schema.name)]
+        times: dict[str, int] = {}
+        positions: dict[str, int] = {}
+        for name, position, head, live in self.database.query(" UNION ALL ".join(parts), params):
+            positions[name] = int(position)
+            if int(head) <= position or not live:
+                times[name] = t
+            else:
+                last = time_index.last_ts_upto(self, name, int(position))
+                if last is not None:
+                    times[name] = last
+        return times, positions
 
     def schema(self, stream: str) -> StreamSchema:
         return self._catalog.schema(stream)
