@@ -28,6 +28,7 @@ from replication.commands import (
     SERVER_COMMANDS,
     AuthCommand,
     ErrorCommand,
+    MalformedCommand,
     NameCommand,
     OptionsCommand,
     PositionCommand,
@@ -36,6 +37,7 @@ from replication.commands import (
     ReplicateCommand,
     ServerCommand,
     TickCommand,
+    parse_line,
     parse_rdata_fast,
 )
 from replication.protocol import LineCommandProtocol, ProtocolConfig
@@ -43,6 +45,18 @@ from replication.reactor_types import Clock
 from replication.stats import STATS
 
 logger = logging.getLogger(__name__)
+_MUST_PARSE = (b"RDATA ", b"POSITION ")  # lines a client may not skip
+
+
+def unusable_line(raw: bytes) -> str | None:
+    """Why an ``RDATA`` or ``POSITION`` line cannot be used, or None if it parses."""
+    try:
+        parse_line(raw.decode("utf-8").strip())
+    except UnicodeDecodeError as e:
+        return f"invalid UTF-8 at byte {e.start} of the line"
+    except MalformedCommand as e:
+        return str(e)
+    return None
 
 
 class ReplicationHandler:
@@ -77,7 +91,12 @@ class ReplicationHandler:
         pass
 
     def disconnected(self, client: ClientProtocol, reason: Failure) -> None:
-        pass
+        """The connection is gone; ``client.close_reason`` says why when this side closed it.
+
+        That is the case when the server sent what the client cannot handle
+        (a line over ``max_line_bytes``, a malformed ``RDATA`` or ``POSITION``,
+        invalid UTF-8): the client never skips such a line, it closes.
+        """
 
 
 class ClientProtocol(LineCommandProtocol):
@@ -176,10 +195,27 @@ class ClientProtocol(LineCommandProtocol):
         # Most lines are RDATA: take them without building a command object.
         fast = parse_rdata_fast(raw)
         if fast is None:
+            if raw.startswith(_MUST_PARSE):
+                problem = unusable_line(raw)
+                if problem is not None:
+                    # Skipping it would lose a row: stop, say so, reconnect (with backoff) later.
+                    self.close_with_error(f"cannot handle what the server sent: {problem}")
+                    return
             super()._handle_line(raw)
             return
         STATS.received["RDATA"] += 1
         self._rows(*fast)
+
+    def _line_too_long(self, length: int) -> None:
+        self._buffer = b""
+        self.close_with_error(
+            f"cannot handle what the server sent: a line of {length} bytes without a newline, "
+            f"over the limit of {self.config.max_line_bytes} (protocol.max_line_bytes)"
+        )
+
+    def log_closing(self, message: str) -> None:
+        """Not logged here: the handler reports it once, from ``close_reason``, when disconnected."""
+        logger.debug("[%s] closing: %s", self.conn_name, message)
 
     def on_RDATA(self, command: RdataCommand) -> None:
         self._rows(command.stream, command.instance, command.token, command.row)

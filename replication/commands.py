@@ -65,6 +65,7 @@ class UnknownCommand(ValueError):
 # Words already checked (stream, instance and server names repeat on every line).
 _GOOD_WORDS: set[str] = set()
 _GOOD_WORDS_MAX = 4096
+_GOOD_WORD_CHARS = 64  # longer words are checked every time, never kept (bounded memory)
 
 
 def _word(value: str, what: str) -> str:
@@ -72,7 +73,7 @@ def _word(value: str, what: str) -> str:
         return value
     if not _WORD.fullmatch(value):
         raise MalformedCommand(f"{what} must be one word of printable ASCII, got {value!r}")
-    if len(_GOOD_WORDS) < _GOOD_WORDS_MAX:
+    if len(_GOOD_WORDS) < _GOOD_WORDS_MAX and len(value) <= _GOOD_WORD_CHARS:
         _GOOD_WORDS.add(value)
     return value
 
@@ -455,9 +456,12 @@ class AuthCommand(Command):
 
     @classmethod
     def parse(cls, args: str) -> AuthCommand:
-        if not args:
+        # The secret is the rest of the line with surrounding whitespace
+        # stripped, so "AUTH  s3cret" (two spaces) means the same secret.
+        secret = args.strip()
+        if not secret:
             raise MalformedCommand("expected AUTH <secret>")
-        return cls(args)
+        return cls(secret)
 
     def to_args(self) -> str:
         return self.secret

@@ -33,17 +33,25 @@ from typing import Any
 from twisted.internet import defer, task
 from twisted.internet.error import ConnectionLost
 from twisted.internet.interfaces import IReadDescriptor
-from twisted.internet.protocol import Factory
 from zope.interface import implementer
 
 from replication.client_commands import ClientCommandHandlers
 from replication.commands import PositionCommand
 from replication.dbthreads import DatabaseRunner, DatabaseThreads
+from replication.limits import (
+    LIMIT_STATS,
+    ConnectionLimiter,
+    ConnectionSlot,
+    LimitedFactory,
+    SharedLogBudget,
+    ensure_file_limit,
+    watch_accept_errors,
+)
 from replication.protocol import ProtocolConfig
 from replication.reactor_types import Reactor
 from replication.rows import encode_json_rows
 from replication.server import ServerProtocol
-from replication.settings import MasterConfig
+from replication.settings import LimitsConfig, MasterConfig, TLSConfig
 from replication.stats import STATS, MasterStats, StreamStats
 from replication.streams import cache_invalidation_row
 from replication.subscriptions import FanOutTarget, Subscription
@@ -65,8 +73,14 @@ class Master:
         streams: dict[str, StreamSchema],
         reactor: Reactor,
         db: DatabaseRunner | None = None,
+        limits: LimitsConfig | None = None,
+        tls: TLSConfig | None = None,
     ) -> None:
         self.config = config
+        self.limits = limits or LimitsConfig()
+        self.tls = tls or TLSConfig()
+        self.limiter = ConnectionLimiter(self.limits, reactor)
+        self.log_budget = SharedLogBudget(reactor, self.limits.max_log_lines_per_second)
         self.protocol_config = protocol_config
         self.store = store
         self.reactor = reactor
@@ -118,17 +132,34 @@ class Master:
             lambda f: logger.error("following stream heads stopped: %s", f.getTraceback())
         )
         self.timeticks.start()
-        factory = Factory.forProtocol(lambda: ServerProtocol(self, self.protocol_config, self.reactor))
-        self.port = self.reactor.listenTCP(self.config.listen_port, factory, interface=self.config.listen_host)
+        self.port = self._listen()
         address = self.port.getHost()
         logger.info(
-            "master %s listening on %s:%s with streams %s",
+            "master %s listening on %s:%s%s with streams %s",
             self.config.server_name,
             address.host,
             address.port,
+            " (TLS)" if self.tls.server_enabled else "",
             ", ".join(f"{s}@{t}" for s, t in sorted(self._live.items())),
         )
         return self.port
+
+    def _listen(self) -> Any:
+        """Listen with the connection limits (replication.limits), over TLS when configured."""
+        ensure_file_limit(self.limits.max_connections)
+        factory: Any = LimitedFactory(self.limiter, self._build_protocol)
+        if self.tls.server_enabled:
+            from replication.tls import server_factory
+
+            factory = server_factory(self.tls, factory)
+        port = self.reactor.listenTCP(self.config.listen_port, factory, interface=self.config.listen_host)
+        watch_accept_errors(port, self.reactor)
+        return port
+
+    def _build_protocol(self, addr: Any, slot: ConnectionSlot) -> ServerProtocol:
+        protocol = ServerProtocol(self, self.protocol_config, self.reactor)
+        protocol.slot = slot
+        return protocol
 
     def stop_following(self) -> None:
         """Stop the periodic pass over the stream heads (``stop`` does this too)."""
@@ -206,6 +237,7 @@ class Master:
             catchup_rows=self._catchup_rows,
             live_rows=self._live_rows,
             protocol=STATS.snapshot(),
+            limits=LIMIT_STATS.snapshot(),
         )
 
     def read_encoded(
@@ -314,13 +346,7 @@ class Master:
         # The safe position: every row up to it has committed (see storage).
         expire, self._expire_writers = self._expire_writers, False
         # A time taken before the safe positions gives each stream a safe time (TICK).
-        # The first chunk of each live stream is read in the same hop to the
-        # database thread: few rows take one hop from wake-up to RDATA.
-        live = {stream: self._live[stream] for stream, subs in self._live_subs.items() if subs and stream in self._live}
-        variants_of = {stream: tuple(sorted({target.with_ts for target in self._live_subs[stream]})) for stream in live}
-        safe_times, heads, chunks = await self.db.run(
-            self._learn_and_read, expire, self.timeticks.wanted(), live, variants_of
-        )
+        safe_times, heads = await self.db.run(self.timeticks.safe_point, expire, self.timeticks.wanted())
         self._safe.update(heads)
         if any(stream not in self._schemas for stream in heads):
             self._learn(await self.db.run(self.store.catalog))
@@ -336,38 +362,14 @@ class Master:
                     self._live[stream] = head
                     break
                 variants = tuple(sorted({target.with_ts for target in subs}))
-                ahead = chunks.pop(stream, None)
-                if ahead is not None and ahead[0] == self._live[stream] and ahead[1] == head:
-                    encoded, last_token, count = ahead[2]
-                else:
-                    encoded, last_token, count = await self.db.run(
-                        self._read_encoded, stream, self._live[stream], head, self.config.fanout_rows, variants
-                    )
+                encoded, last_token, count = await self.db.run(
+                    self._read_encoded, stream, self._live[stream], head, self.config.fanout_rows, variants
+                )
                 if count == 0:
                     self._timetick(stream, head)
                     break
                 self._fan_out(stream, encoded, last_token, count)
         self.timeticks.passed(safe_times, heads)
-
-    def _learn_and_read(
-        self,
-        expire: bool,
-        wanted: str | None,
-        live: dict[str, int],
-        variants_of: dict[str, tuple[bool, ...]],
-    ) -> tuple[dict[str, int] | None, dict[str, int], dict[str, tuple[int, int, tuple[dict[bool, bytes], int, int]]]]:
-        """In the database thread: the safe point, then the first chunk after ``live`` of each stream that moved."""
-        safe_times, heads = self.timeticks.safe_point(expire, wanted)
-        chunks = {}
-        for stream, after in live.items():
-            head = heads.get(stream)
-            if head is not None and after < head and stream in self._schemas:
-                chunks[stream] = (
-                    after,
-                    head,
-                    self._read_encoded(stream, after, head, self.config.fanout_rows, variants_of[stream]),
-                )
-        return safe_times, heads, chunks
 
     def _timetick(self, stream: str, safe: int) -> None:
         """No rows in (live, safe]: tell live subscriptions they may move to ``safe``."""

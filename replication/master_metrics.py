@@ -11,7 +11,7 @@ from twisted.internet import defer, task
 
 from replication.protocol_metrics import peer_metrics, protocol_metrics
 from replication.reactor_types import Clock
-from replication.stats import MasterStats
+from replication.stats import LimitCounters, MasterStats
 
 
 class MeasuredMaster(Protocol):
@@ -69,6 +69,57 @@ class MasterCollector(Collector):
         yield CounterMetricFamily("tickline_live_rows", "Rows fanned out live", value=stats.live_rows)
         yield from protocol_metrics(stats.protocol)
         yield from peer_metrics(stats.connections)
+        yield from limit_metrics(stats.limits)
+
+
+def limit_metrics(limits: LimitCounters) -> Iterator[Metric]:
+    """What the master's limits did (replication.limits); every reason is always present."""
+
+    def labelled(name: str, doc: str, label: str, values: tuple[tuple[str, int], ...], keys: tuple[str, ...]):
+        family = CounterMetricFamily(name, doc, labels=[label])
+        counts = dict(values)
+        for key in sorted(set(keys) | set(counts)):
+            family.add_metric([key], counts.get(key, 0))
+        return family
+
+    yield labelled(
+        "tickline_limit_refused_connections",
+        "Connections refused by a limit",
+        "reason",
+        limits.refused,
+        ("total", "per_address"),
+    )
+    yield labelled(
+        "tickline_limit_closed_connections",
+        "Connections closed by a limit or timeout",
+        "reason",
+        limits.closed,
+        ("auth_timeout", "idle_timeout", "line_timeout", "queued_bytes"),
+    )
+    yield labelled(
+        "tickline_limit_rejected_commands",
+        "Commands refused by a limit (answered with ERROR)",
+        "reason",
+        limits.rejected,
+        ("name_bytes", "instances", "users"),
+    )
+    yield CounterMetricFamily(
+        "tickline_limit_dropped_relays",
+        "REMOTE_SERVER_UP relays not sent to a peer that does not read",
+        value=limits.relays_dropped,
+    )
+    yield CounterMetricFamily(
+        "tickline_limit_suppressed_log_lines",
+        "Log lines about peers suppressed by the per-second limits",
+        value=limits.log_lines_suppressed,
+    )
+    yield labelled(
+        "tickline_limit_accept_errors",
+        "accept() failures (EMFILE: out of file descriptors)",
+        "error",
+        limits.accept_errors,
+        (),
+    )
 
 
 def follow_heads(clock: Clock, master: MeasuredMaster, interval: float = 5.0) -> task.LoopingCall:

@@ -38,11 +38,14 @@ from replication.commands import (
     UnknownCommand,
     parse_line,
 )
+from replication.limits import LogBudget
 from replication.reactor_types import Clock, DelayedCall, Transport
-from replication.settings import ProtocolConfig
+from replication.settings import LimitsConfig, ProtocolConfig
 from replication.stats import STATS, ConnectionStats
 
 logger = logging.getLogger(__name__)
+# Longest ERROR message we send: peer text echoed in it is cut (replies are bounded).
+MAX_ERROR_CHARS = 512
 _TCP_INFO_RTT = struct.Struct("I")  # tcpi_rtt: microseconds, at offset 68 of struct tcp_info
 
 
@@ -61,6 +64,9 @@ class LineCommandProtocol(Protocol):
         self.config = config
         self.clock = clock
         self.conn_name = "?"
+        self.peer_address = "?"  # host:port of the peer
+        # Log lines about this peer are rate-limited (the server shares a budget over all peers).
+        self.log_budget = LogBudget(clock, LimitsConfig().log_lines_per_second, None)
         self._buffer = b""
         self._closing = False
         self._peer_pinged = False
@@ -68,8 +74,10 @@ class LineCommandProtocol(Protocol):
         self._last_sent = 0.0
         self._keepalive: task.LoopingCall | None = None
         self._tick = 1.0
+        self._last_tick = 0.0  # when the keepalive last ran (a late run means we stood still)
         self._abort_call: DelayedCall | None = None
         self.read_closed = False
+        self.close_reason: str | None = None  # why this side closed with ERROR, if it did
         self.rtt_ms: float | None = None  # kernel's smoothed TCP round trip
         self.clock_offset_ms: float | None = None  # peer's clock minus ours, from its PINGs
         self.bytes_sent = 0  # on this connection
@@ -98,6 +106,7 @@ class LineCommandProtocol(Protocol):
             paused=self.paused,
             rtt_ms=self.rtt_ms,
             clock_offset_ms=self.clock_offset_ms,
+            address=self.peer_address,
         )
 
     # -- connection lifecycle --------------------------------------------------
@@ -109,13 +118,15 @@ class LineCommandProtocol(Protocol):
             # peer's delayed ACK it held RDATA and PING back by tens of ms).
             cast(Any, self.transport).setTcpNoDelay(True)
         peer = self.transport.getPeer()
-        self.conn_name = f"{getattr(peer, 'host', '?')}:{getattr(peer, 'port', '?')}"
+        self.peer_address = f"{getattr(peer, 'host', '?')}:{getattr(peer, 'port', '?')}"
+        self.conn_name = self.peer_address
         now = self.clock.seconds()
         self._last_received = now
         self._keepalive = task.LoopingCall(self._keepalive_tick)
         self._keepalive.clock = self.clock  # type: ignore[assignment]
         tick = min(self.config.ping_interval, self.config.ping_timeout) / 5
         self._tick = max(tick, 0.01)
+        self._last_tick = now
         self._keepalive.start(self._tick, now=False)
 
     def connectionLost(self, reason: Failure | None = None) -> None:
@@ -124,6 +135,13 @@ class LineCommandProtocol(Protocol):
             self._keepalive.stop()
         if self._abort_call is not None and self._abort_call.active():
             self._abort_call.cancel()
+        self.log_budget.flush(logger, self.conn_name)
+
+    def peer_log(
+        self, level: int, message: str, *args: object, log: logging.Logger = logger, force: bool = False
+    ) -> None:
+        """Log a line about this peer: rate-limited, every argument escaped (peer text is safe)."""
+        self.log_budget.log(log, level, self.conn_name, message, *args, force=force)
 
     def readConnectionLost(self) -> None:
         """The peer will send no more; finish what we owe, then close."""
@@ -170,9 +188,13 @@ class LineCommandProtocol(Protocol):
     def close_with_error(self, message: str) -> None:
         """Tell the peer what was wrong, then close."""
         if not self._closing:
-            logger.warning("[%s] closing: %s", self.conn_name, message)
-            self.send(ErrorCommand(message))
+            self.close_reason = message
+            self.log_closing(message)
+            self.send(ErrorCommand(_cut(message)))
         self.close()
+
+    def log_closing(self, message: str) -> None:
+        self.peer_log(logging.WARNING, "closing: %s", message, force=True)
 
     def _abort(self) -> None:
         # A peer that does not read never lets loseConnection finish.
@@ -190,6 +212,7 @@ class LineCommandProtocol(Protocol):
         buffer = self._buffer + data if self._buffer else data
         lines = buffer.split(b"\n")
         self._buffer = lines.pop()
+        self.input_progress(len(lines) > 0, len(self._buffer))
         limit = self.config.max_line_bytes
         for line in lines:
             if self._closing:
@@ -200,6 +223,19 @@ class LineCommandProtocol(Protocol):
             self._handle_line(line)
         if len(self._buffer) > limit + 1:
             self._line_too_long(len(self._buffer))
+
+    def input_progress(self, had_newline: bool, pending: int) -> None:
+        """Hook: bytes arrived (``had_newline`` if a line ended; ``pending`` bytes of a line wait)."""
+
+    def command_received(self) -> None:
+        """Hook: a line parsed as a command the peer may send."""
+
+    def check_limits(self, now: float) -> bool:
+        """Hook run every keepalive tick; True if it closed the connection."""
+        return False
+
+    def stalled(self, seconds: float) -> None:
+        """Hook: this process could not run for ``seconds`` (timeouts should not count them)."""
 
     def _line_too_long(self, length: int) -> None:
         self._buffer = b""
@@ -225,6 +261,7 @@ class LineCommandProtocol(Protocol):
             self.send_error(f"{command.NAME} may not be sent by the {self.peer_side}")
             return
         STATS.received[command.NAME] += 1
+        self.command_received()
         handler: Callable[[Command], None] = getattr(self, f"on_{command.NAME}")
         handler(command)
 
@@ -234,8 +271,8 @@ class LineCommandProtocol(Protocol):
 
     def send_error(self, message: str) -> None:
         """Answer bad input; the connection stays open."""
-        logger.info("[%s] bad input: %s", self.conn_name, message)
-        self.send(ErrorCommand(message))
+        self.peer_log(logging.INFO, "bad input: %s", message)
+        self.send(ErrorCommand(_cut(message)))
 
     # -- keepalive -------------------------------------------------------------
 
@@ -243,6 +280,17 @@ class LineCommandProtocol(Protocol):
         if self._closing:
             return
         now = self.clock.seconds()
+        stalled = now - self._last_tick
+        self._last_tick = now
+        if stalled > 2 * self._tick:
+            # This process stood still (a blocked reactor, a stopped process):
+            # what the peer sent meanwhile waits unread in the socket, so the
+            # time we could not read is not the peer's silence.
+            self._last_received += stalled
+            self.stalled(stalled)
+        self.log_budget.tick(logger, self.conn_name)
+        if self.check_limits(now):
+            return
         if self._peer_pinged and now - self._last_received >= self.config.ping_timeout:
             self.close_with_error(f"ping timeout: nothing received for {self.config.ping_timeout:g} s")
             return
@@ -259,7 +307,14 @@ class LineCommandProtocol(Protocol):
         self.clock_offset_ms = command.unix_ms + (self.rtt_ms or 0.0) / 2 - now_ms
 
     def on_ERROR(self, command: ErrorCommand) -> None:
-        logger.warning("[%s] %s sent ERROR %s", self.conn_name, self.peer_side, command.message)
+        self.peer_log(logging.WARNING, "%s sent ERROR %s", self.peer_side, command.message)
+
+
+def _cut(message: str) -> str:
+    """An ERROR message of bounded length (it may echo what the peer sent)."""
+    if len(message) <= MAX_ERROR_CHARS:
+        return message
+    return message[:MAX_ERROR_CHARS] + f"...({len(message) - MAX_ERROR_CHARS} more chars)"
 
 
 def kernel_unsent_bytes(transport: object) -> int:

@@ -29,14 +29,16 @@ def protocol_metrics(counters: ProtocolCounters) -> Iterator[Metric]:
 
 
 def peer_metrics(connections: Iterable[ConnectionStats]) -> Iterator[Metric]:
-    rtt = GaugeMetricFamily("tickline_ping_rtt_seconds", "TCP round-trip time to the peer", labels=["peer"])
+    # "address" (the peer's host:port) keeps two peers with the same NAME apart.
+    labels = ["peer", "address"]
+    rtt = GaugeMetricFamily("tickline_ping_rtt_seconds", "TCP round-trip time to the peer", labels=labels)
     offset = GaugeMetricFamily(
-        "tickline_clock_offset_seconds", "Peer's clock minus ours, estimated from its PING timestamps", labels=["peer"]
+        "tickline_clock_offset_seconds", "Peer's clock minus ours, estimated from its PING timestamps", labels=labels
     )
     for conn in connections:
         if conn.rtt_ms is not None:
-            rtt.add_metric([conn.name], conn.rtt_ms / 1000)
+            rtt.add_metric([conn.name, conn.address], conn.rtt_ms / 1000)
         if conn.clock_offset_ms is not None:
-            offset.add_metric([conn.name], conn.clock_offset_ms / 1000)
+            offset.add_metric([conn.name, conn.address], conn.clock_offset_ms / 1000)
     yield rtt
     yield offset

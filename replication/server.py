@@ -28,6 +28,7 @@ from replication.commands import (
     CLIENT_COMMANDS,
     AuthCommand,
     ClearUserSyncCommand,
+    Command,
     FederationAckCommand,
     NameCommand,
     OptionsCommand,
@@ -39,9 +40,10 @@ from replication.commands import (
     ServerCommand,
     UserSyncCommand,
 )
+from replication.limits import LIMIT_STATS, ConnectionSlot, InputWatch, LogBudget, SharedLogBudget, too_long
 from replication.protocol import LineCommandProtocol, ProtocolConfig
 from replication.reactor_types import Clock, DelayedCall
-from replication.settings import MasterConfig
+from replication.settings import LimitsConfig, MasterConfig
 from replication.subscriptions import StreamSource, Subscriptions
 from replication.timeticks import TICK_OPTION, replicate_at
 from storage.time_index import TokenAt
@@ -77,6 +79,16 @@ class MasterServices(StreamSource, Protocol):
         """The first token of ``stream`` at or after ``since_ts`` (``REPLICATE <stream> @<ms>``)."""
         ...
 
+    @property
+    def limits(self) -> LimitsConfig:
+        """What a connection may hold (replication.limits)."""
+        ...
+
+    @property
+    def log_budget(self) -> SharedLogBudget:
+        """Log lines about peers, over every connection together."""
+        ...
+
 
 @implementer(IPushProducer)
 class ServerProtocol(LineCommandProtocol):
@@ -93,6 +105,14 @@ class ServerProtocol(LineCommandProtocol):
         self._pause_timer: DelayedCall | None = None
         self._pending_replicates = 0  # REPLICATEs waiting for the master to follow the store
         self._half_close_synced = False
+        # Limits (replication.limits): timeouts, the connection's slot, replies queued while paused.
+        self.limits = master.limits
+        self.log_budget = LogBudget(clock, self.limits.log_lines_per_second, master.log_budget)
+        self.slot: ConnectionSlot | None = None  # set by the master's LimitedFactory
+        self._watch = InputWatch(self.limits, clock.seconds(), master.config.secret is not None)
+        self._queued_while_paused = 0
+        self._replies_overflowed = False
+        self._seen_data = False
 
     @property
     def with_ts(self) -> bool:
@@ -114,7 +134,11 @@ class ServerProtocol(LineCommandProtocol):
         self.send_ping()
 
     def connectionLost(self, reason: Failure | None = None) -> None:
+        if reason is not None and _is_tls_error(reason):
+            self.peer_log(logging.INFO, "TLS failed: %s", reason.getErrorMessage())
         super().connectionLost(reason)
+        if self.slot is not None:
+            self.slot.release()
         if self._pause_timer is not None and self._pause_timer.active():
             self._pause_timer.cancel()
         self.subscriptions.close()
@@ -139,7 +163,69 @@ class ServerProtocol(LineCommandProtocol):
 
     @property
     def display_name(self) -> str:
+        # Metrics label peers with this and with peer_address (host:port), so
+        # two peers with one NAME are two series.
         return self.client_name or self.conn_name
+
+    # -- limits (replication.limits) ---------------------------------------------
+
+    def dataReceived(self, data: bytes) -> None:
+        if not self._seen_data:
+            self._seen_data = True
+            if data.startswith(_TLS_HANDSHAKE):
+                # A TLS client on a plaintext port: say so in the log (the
+                # client cannot read our ERROR, but an operator can).
+                self.close_with_error("TLS handshake on a plaintext port: this master does not use TLS")
+                return
+        super().dataReceived(data)
+
+    def input_progress(self, had_newline: bool, pending: int) -> None:
+        self._watch.data(self.clock.seconds(), had_newline, pending)
+
+    def command_received(self) -> None:
+        self._watch.command(self.clock.seconds())
+
+    def stalled(self, seconds: float) -> None:
+        self._watch.shift(seconds)
+
+    def listening(self) -> bool:
+        """Whether the client asked for something that keeps coming (streams it
+        replicates): it may then stay silent, exempt from the idle timeout."""
+        return len(self.subscriptions) > 0
+
+    def check_limits(self, now: float) -> bool:
+        if self.paused:
+            return False  # a client that does not read is max_pause's business
+        timeout = self._watch.check(now, self.authenticated, len(self._buffer), self.listening())
+        if timeout is None:
+            return False
+        reason, message = timeout
+        LIMIT_STATS.closed[reason] += 1
+        self.close_with_error(message)
+        return True
+
+    def send(self, command: Command) -> None:
+        if self.paused and not self._closing and not self._replies_overflowed:
+            # The client does not read: replies wait in memory. Bounded.
+            self._queued_while_paused += len(command.encode())
+            if self._queued_while_paused > self.limits.max_queued_bytes:
+                LIMIT_STATS.closed["queued_bytes"] += 1
+                self._replies_overflowed = True  # the ERROR below is the last reply
+                self.close_with_error(
+                    f"client does not read: more than {self.limits.max_queued_bytes} bytes of replies queued"
+                )
+                return
+        super().send(command)
+
+    def relay(self, data: bytes) -> bool:
+        """Write a relayed line (REMOTE_SERVER_UP); dropped for a client that does not read."""
+        if self._closing or self.transport is None:
+            return False
+        if self.paused:
+            LIMIT_STATS.relays_dropped += 1
+            return False
+        self.write(data)
+        return True
 
     # -- commands from the client -------------------------------------------
 
@@ -163,9 +249,15 @@ class ServerProtocol(LineCommandProtocol):
 
     def on_NAME(self, command: NameCommand) -> None:
         if self._allowed("NAME"):
+            problem = too_long(self.limits, client_name=command.client_name)
+            if problem is not None:
+                LIMIT_STATS.rejected["name_bytes"] += 1
+                self.send_error(f"NAME refused: {problem}")
+                return
+            # A new NAME replaces the old one (it is never prepended).
             self.client_name = command.client_name
-            self.conn_name = f"{command.client_name}@{self.conn_name}"
-            logger.info("[%s] named itself", self.conn_name)
+            self.conn_name = f"{command.client_name}@{self.peer_address}"
+            self.peer_log(logging.INFO, "named itself", log=logger)
 
     def on_OPTIONS(self, command: OptionsCommand) -> None:
         if self._allowed("OPTIONS"):
@@ -261,6 +353,7 @@ class ServerProtocol(LineCommandProtocol):
         if self.subscriptions.paused:
             return
         self.subscriptions.pause()
+        self._queued_while_paused = 0
         self._pause_timer = self.clock.callLater(self.config.max_pause, self._paused_too_long)
 
     def resumeProducing(self) -> None:
@@ -275,3 +368,16 @@ class ServerProtocol(LineCommandProtocol):
 
     def _paused_too_long(self) -> None:
         self.close_with_error(f"client stopped reading: paused for more than {self.config.max_pause:g} s")
+
+
+# A TLS record of type handshake (22), version 3.x: how every TLS connection starts.
+_TLS_HANDSHAKE = b"\x16\x03"
+
+
+def _is_tls_error(reason: Failure) -> bool:
+    """Whether a connection was lost to TLS (a handshake refused, a plaintext peer)."""
+    try:
+        from OpenSSL import SSL
+    except ImportError:
+        return False
+    return reason.check(SSL.Error) is not None

@@ -55,6 +55,7 @@ class ConnectionStats:
     paused: bool  # the peer is not reading (flow control)
     rtt_ms: float | None  # the kernel's smoothed round trip, read when the peer's PING arrives
     clock_offset_ms: float | None  # the peer's clock minus ours, from its PING
+    address: str = "?"  # the peer's host:port: two peers with one NAME stay apart
 
 
 @attr.s(slots=True, frozen=True, auto_attribs=True)
@@ -69,9 +70,22 @@ class StreamStats:
 
 
 @attr.s(slots=True, frozen=True, auto_attribs=True)
+class LimitCounters:
+    """What the master's limits did since it started (``replication.limits.LIMIT_STATS``)."""
+
+    refused: tuple[tuple[str, int], ...] = ()  # connections refused, by reason
+    closed: tuple[tuple[str, int], ...] = ()  # connections closed by a limit or timeout, by reason
+    rejected: tuple[tuple[str, int], ...] = ()  # commands refused by a limit, by reason
+    relays_dropped: int = 0
+    log_lines_suppressed: int = 0
+    accept_errors: tuple[tuple[str, int], ...] = ()  # accept() failures, by errno name
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
 class MasterStats:
     streams: tuple[StreamStats, ...]  # sorted by stream name
     connections: tuple[ConnectionStats, ...]
     catchup_rows: int  # rows sent from replays
     live_rows: int  # rows fanned out live, once per row whatever the number of connections
     protocol: ProtocolCounters
+    limits: LimitCounters = LimitCounters()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any, NoReturn
 
 from scripts.config import Config, ConfigError, load_config, setup_logging
 from storage.schema import RowError, SchemaError
@@ -16,12 +18,30 @@ class UsageError(Exception):
     """A command-line mistake: printed as ``tickline: error: ...``, exit code 2."""
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit code 2): ``tickline <command>: error: ...``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def count_arg(text: str) -> int:
+    """A whole number >= 0 (a count or a token)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def _add_config(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-c", "--config", metavar="FILE", help="configuration file (YAML)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tickline", description="Line-based TCP replication.")
+    parser = Parser(prog="tickline", description="Line-based TCP replication.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
 
@@ -48,8 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     tail = commands.add_parser("tail", help="follow streams like a worker, print rows as JSON")
     _add_config(tail)
     tail.add_argument("--master", metavar="HOST:PORT", help="master address (default: the config's listen)")
-    tail.add_argument("--from", dest="from_token", metavar="TOKEN", type=int, help="replay rows after TOKEN first")
-    tail.add_argument("--count", metavar="N", type=int, help="exit after N rows")
+    tail.add_argument(
+        "--from", dest="from_token", metavar="TOKEN", type=count_arg, help="replay rows after TOKEN first"
+    )
+    tail.add_argument("--count", metavar="N", type=count_arg, help="exit after N rows")
     tail.add_argument(
         "--since",
         metavar="WHEN",
@@ -83,7 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     snapshot.add_argument("--stream", metavar="NAME", required=True, help="the stream (table replicated_NAME)")
     snapshot.add_argument(
-        "--partitions", metavar="N", type=int, help="token ranges read in parallel (default: spark.num_partitions)"
+        "--partitions",
+        metavar="N",
+        type=int,
+        help="token ranges read in parallel (default: spark.num_partitions)",
     )
     snapshot_range = snapshot.add_mutually_exclusive_group()
     snapshot_range.add_argument(
@@ -159,9 +184,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_tail(args, config)
     except (ConfigError, UsageError, BadDatabaseUrl, SchemaError, RowError, StorageError) as e:
-        print(f"tickline {args.command}: error: {e}", file=sys.stderr)
+        print(f"tickline {args.command}: error: {one_line(e)}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        if not _is_database_error(e):
+            raise
+        print(f"tickline {args.command}: error: database error: {one_line(e)}", file=sys.stderr)
         return 2
     raise AssertionError(args.command)
+
+
+def one_line(error: Exception, limit: int = 500) -> str:
+    """An error's message as one bounded line (database drivers add DETAIL and HINT lines)."""
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _is_database_error(error: Exception) -> bool:
+    from storage.bulk import is_database_error
+
+    return is_database_error(error)
 
 
 def database_url(args: argparse.Namespace, config: Config) -> str:
@@ -170,47 +212,65 @@ def database_url(args: argparse.Namespace, config: Config) -> str:
     return url
 
 
-def _read_rows(texts: Sequence[str]) -> list:
+def _json_rows(texts: Sequence[str]) -> Iterator[tuple[str, Any]]:
+    """``(where, row)`` for each ROW_JSON argument and each line of stdin for ``-``, read lazily.
+
+    A line that is not JSON (or not UTF-8) raises UsageError naming its line
+    and column; blank lines are skipped.
+    """
     import orjson
 
-    rows = []
-    sources: list[tuple[str, str]] = []
     for i, text in enumerate(texts, 1):
-        if text == "-":
-            sources.extend((f"stdin line {n}", line) for n, line in enumerate(sys.stdin, 1) if line.strip())
-        else:
-            sources.append((f"row {i}", text))
-    for where, text in sources:
-        try:
-            rows.append(orjson.loads(text))
-        except orjson.JSONDecodeError as e:
-            raise UsageError(f"{where} is not valid JSON ({e}): {text.strip()[:80]!r}") from None
-    return rows
+        if text != "-":
+            yield f"row {i}", _parse_json(orjson, f"row {i}", text.encode("utf-8", "surrogateescape"))
+            continue
+        stream = getattr(sys.stdin, "buffer", sys.stdin)
+        for n, line in enumerate(stream, 1):
+            raw = line if isinstance(line, bytes) else line.encode("utf-8", "surrogateescape")
+            raw = raw.rstrip(b"\r\n")
+            if raw.strip():
+                yield f"stdin line {n}", _parse_json(orjson, f"stdin line {n}", raw)
+
+
+def _parse_json(orjson: Any, where: str, raw: bytes) -> Any:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{where} is not valid UTF-8 at byte {e.start + 1}") from None
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        shown = raw.strip()[:80].decode("utf-8", "replace")
+        raise UsageError(f"{where} is not valid JSON at column {e.colno} ({e.msg}): {shown!r}") from None
 
 
 def run_write(args: argparse.Namespace, config: Config) -> int:
+    from storage.bulk import write_rows
+    from storage.schema import check_instance_name
     from storage.store import open_store
 
-    rows = _read_rows(args.rows)
-    if not rows:
-        raise UsageError("no rows to write (stdin was empty)")
-    store = open_store(database_url(args, config))
-    for schema in config.streams.values():
-        store.register_stream(schema)
-    streams = store.catalog()
-    if args.stream not in streams:
-        raise UsageError(f"unknown stream {args.stream!r} (streams: {', '.join(sorted(streams))})")
-    # One transaction per chunk keeps huge stdin loads from holding the lock for long.
-    chunk = len(rows) if args.batch else 10_000
-    out = []
+    check_instance_name(args.instance)
+    if args.rows.count("-") > 1:
+        raise UsageError("'-' (rows from stdin) may be given once")
+    store = open_store(database_url(args, config), max_line_bytes=config.protocol.max_line_bytes)
     try:
-        for start in range(0, len(rows), chunk):
-            tokens = store.append(args.stream, rows[start : start + chunk], args.instance, batch=args.batch)
-            out.append("\n".join(map(str, tokens)))
+        for schema in config.streams.values():
+            store.register_stream(schema)
+        streams = store.catalog()
+        if args.stream not in streams:
+            raise UsageError(f"unknown stream {args.stream!r} (streams: {', '.join(sorted(streams))})")
+        # One transaction for every row, streamed in chunks: all rows or none.
+        tokens = write_rows(store, args.stream, _json_rows(args.rows), args.instance, batch=args.batch)
     finally:
         store.close()  # a PostgreSQL writer stops holding the stream back
-    if out:
-        sys.stdout.write("\n".join(out) + "\n")
+    if not tokens:
+        raise UsageError("no rows to write (stdin was empty)")
+    try:
+        tokens.write_lines(sys.stdout)  # only now: every row has committed
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The rows are committed; a reader that stopped early (| head) wanted no more.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

@@ -9,7 +9,9 @@ message naming the key.
 from __future__ import annotations
 
 import logging
+import math
 import os
+import reprlib
 import typing
 from collections.abc import Mapping
 from typing import Any, Optional
@@ -17,7 +19,8 @@ from typing import Any, Optional
 import attr
 import yaml
 
-from replication.settings import MasterConfig, ProtocolConfig
+from replication.logsafe import SafeFormatter
+from replication.settings import LimitsConfig, MasterConfig, ProtocolConfig, TLSConfig
 from replication.streams import all_streams, schema_from_config
 from scripts.when import BadInstant, parse_when
 from storage.schema import NAME_WORD, SchemaError, StreamSchema
@@ -27,6 +30,7 @@ from workers.snapshot import SparkSettings
 
 DEFAULT_DATABASE = "sqlite:///tickline.db"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+MAX_CONFIG_BYTES = 1024 * 1024
 
 
 class ConfigError(ValueError):
@@ -54,16 +58,18 @@ class Config:
     metrics_listen: tuple[str, int] | None = None  # the master's /metrics; None: off
     worker_metrics_listen: tuple[str, int] | None = None  # a worker's /metrics; None: off
     spark: SparkSettings = SparkSettings()  # tickline snapshot and workers.snapshot
+    limits: LimitsConfig = LimitsConfig()  # the master's limits (keys under master:)
+    tls: TLSConfig = TLSConfig()  # the tls: section
 
 
 def parse_address(value: Any, key: str) -> tuple[str, int]:
     """``HOST:PORT`` (``[v6]:PORT`` for IPv6) into (host, port)."""
     if not isinstance(value, str) or ":" not in value:
-        raise ConfigError(f"{key}: expected HOST:PORT, got {value!r}")
+        raise ConfigError(f"{key}: expected HOST:PORT, got {_shown(value)}")
     host, _, port_text = value.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     if not host:
-        raise ConfigError(f"{key}: missing host in {value!r}")
+        raise ConfigError(f"{key}: missing host in {_shown(value)}")
     try:
         port = int(port_text)
     except ValueError:
@@ -73,25 +79,84 @@ def parse_address(value: Any, key: str) -> tuple[str, int]:
     return host, port
 
 
+# The range of every number in the configuration, inclusive. Durations are in
+# seconds. A value outside it (or not finite: .inf, .nan) stops start-up with
+# a message naming the key and the range. Numbers not listed here take
+# SECONDS or COUNT. docs/operations.md has the same table.
+NUMBER_RANGES: dict[str, tuple[float, float]] = {
+    "master.poll_interval": (0.001, 60.0),
+    "master.writer_timeout": (0.1, 3600.0),
+    "master.fanout_rows": (1, 1_000_000),
+    "master.db_threads": (1, 64),
+    "protocol.ping_interval": (0.01, 3600.0),
+    "protocol.ping_timeout": (0.05, 86400.0),
+    "protocol.max_line_bytes": (512, 16 * 1024 * 1024),
+    "protocol.max_pause": (0.1, 86400.0),
+    "protocol.close_grace": (0.01, 3600.0),
+    "protocol.catchup_rows": (1, 1_000_000),
+    "worker.reconnect_initial": (0.01, 3600.0),
+    "worker.reconnect_max": (0.01, 86400.0),
+    "worker.replicate_retry": (0.01, 86400.0),
+    "worker.max_pending_rows": (1, 10_000_000),
+    "worker.apply_rows": (1, 1_000_000),
+    "worker.retry_initial": (0.01, 3600.0),
+    "worker.retry_max": (0.01, 86400.0),
+    "caches.max_size": (1, 1_000_000_000),
+    "spark.num_partitions": (1, 1024),
+    "spark.fetchsize": (1, 10_000_000),
+}
+SECONDS = (0.001, 31_536_000.0)  # any other duration: 1 ms to a year
+COUNT = (1, 2**31 - 1)  # any other whole number
+SECRET_KEYS = frozenset({"secret"})  # never echoed in a message
+
+
+def _range(key: str, kind: type) -> tuple[float, float]:
+    return NUMBER_RANGES.get(key, SECONDS if kind is float else COUNT)
+
+
+def _check_number(value: Any, kind: type, key: str) -> Any:
+    what = "a positive number" if kind is float else "a positive whole number"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and isinstance(value, float)):
+        raise ConfigError(f"{key}: expected {what}, got {_shown(value)}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+    if value <= 0:
+        raise ConfigError(f"{key}: expected {what}, got {_shown(value)}")
+    low, high = _range(key, kind)
+    if not low <= value <= high:
+        unit = " seconds" if kind is float else ""
+        raise ConfigError(f"{key}: {_shown(value)} is out of range ({_number(low)} to {_number(high)}{unit})")
+    return float(value) if kind is float else value
+
+
+def _number(value: float) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _shown(value: Any) -> str:
+    """A value for a message, bounded (a hostile file may hold a huge one)."""
+    return reprlib.repr(value)
+
+
 def _check_type(value: Any, kind: Any, key: str) -> Any:
     if kind in ("float", float):
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-            return float(value)
-        raise ConfigError(f"{key}: expected a positive number, got {value!r}")
+        return _check_number(value, float, key)
     if kind in ("int", int):
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-        raise ConfigError(f"{key}: expected a positive whole number, got {value!r}")
+        return _check_number(value, int, key)
     if kind in ("str", str):
         if isinstance(value, str) and NAME_WORD.fullmatch(value):
             return value
-        raise ConfigError(f"{key}: expected one word of printable ASCII, got {value!r}")
+        if key in SECRET_KEYS:  # a secret is never echoed, not even a wrong one
+            raise ConfigError(f"{key}: expected one word of printable ASCII, 1 to 200 characters (value not shown)")
+        raise ConfigError(f"{key}: expected one word of printable ASCII, got {_shown(value)}")
     if kind in ("bool", bool):
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        raise ConfigError(f"{key}: expected true or false, got {_shown(value)}")
     if kind in ("Optional[int]", "int | None", Optional[int]):  # noqa: UP045 (a runtime type to compare)
         return None if value is None else _check_type(value, int, key)
+    if kind in ("Optional[float]", "float | None", Optional[float]):  # noqa: UP045 (a runtime type to compare)
+        return None if value is None else _check_type(value, float, key)
     if kind in ("Optional[str]", "str | None", Optional[str]):  # noqa: UP045 (a runtime type to compare)
         return None if value is None else _check_type(value, str, key)
     raise AssertionError(f"no type check for {kind!r}")
@@ -122,6 +187,7 @@ TOP_KEYS = (
     "worker",
     "caches",
     "spark",
+    "tls",
 )
 
 
@@ -130,19 +196,33 @@ def load_config(path: str | None = None) -> Config:
     if path is None:
         return Config()
     try:
-        with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f)
+        with open(path, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {path} is larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"config file {path} is not valid UTF-8 (line {line}, byte {e.start + 1})") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as e:
+        where = f" at line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1}" if e.problem_mark else ""
+        raise ConfigError(f"config file {path} is not valid YAML: {e.problem or e.context}{where}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(e).split())}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {path} is nested too deeply") from None
     return config_from_mapping(raw or {}, source=path)
 
 
 def _section(raw: Mapping[str, Any], key: str) -> Mapping[str, Any]:
     value = raw.get(key) or {}
     if not isinstance(value, Mapping):
-        raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        raise ConfigError(f"{key}: expected a mapping, got {_shown(value)}")
     return value
 
 
@@ -158,7 +238,8 @@ def config_from_mapping(raw: Any, source: str | None = None) -> Config:
     section_keys = tuple(
         f.name for f in attr.fields(MasterConfig) if f.name not in (*top_keys, "listen_host", "listen_port")
     )
-    master_values = _checked(MasterConfig, _section(raw, "master"), "master.", section_keys)
+    master_section, limits = _limits_config(_section(raw, "master"))
+    master_values = _checked(MasterConfig, master_section, "master.", section_keys)
     master_values.update(_checked(MasterConfig, {k: raw[k] for k in top_keys if k in raw}, "", top_keys))
     if "listen" in raw:
         master_values["listen_host"], master_values["listen_port"] = parse_address(raw["listen"], "listen")
@@ -166,6 +247,11 @@ def config_from_mapping(raw: Any, source: str | None = None) -> Config:
 
     protocol_keys = tuple(f.name for f in attr.fields(ProtocolConfig))
     protocol = ProtocolConfig(**_checked(ProtocolConfig, _section(raw, "protocol"), "protocol.", protocol_keys))
+    if protocol.ping_interval >= protocol.ping_timeout:
+        raise ConfigError(
+            f"protocol.ping_interval ({protocol.ping_interval:g} s) must be below "
+            f"protocol.ping_timeout ({protocol.ping_timeout:g} s), or every peer times out"
+        )
 
     database = raw.get("database", DEFAULT_DATABASE)
     try:
@@ -195,9 +281,73 @@ def config_from_mapping(raw: Any, source: str | None = None) -> Config:
     metrics = parse_metrics_address(raw.get("metrics_listen"), "metrics_listen")
     spark_keys = tuple(f.name for f in attr.fields(SparkSettings))
     spark = SparkSettings(**_checked(SparkSettings, _section(raw, "spark"), "spark.", spark_keys))
+    tls = _tls_config(_section(raw, "tls"))
     return Config(
-        master, protocol, database, level, streams, source, worker, caches, metrics, worker_metrics, spark=spark
+        master,
+        protocol,
+        database,
+        level,
+        streams,
+        source,
+        worker,
+        caches,
+        metrics,
+        worker_metrics,
+        spark=spark,
+        limits=limits,
+        tls=tls,
     )
+
+
+# -- limits and TLS (issue 10: bounded resources, TLS) ------------------------------------
+
+
+def _limits_config(master_section: Mapping[str, Any]) -> tuple[dict[str, Any], LimitsConfig]:
+    """Split the ``master:`` section: the limit keys (``LimitsConfig``) and the rest."""
+    limit_keys = tuple(f.name for f in attr.fields(LimitsConfig))
+    rest = {k: v for k, v in master_section.items() if k not in limit_keys}
+    values = _checked(LimitsConfig, {k: v for k, v in master_section.items() if k in limit_keys}, "master.", limit_keys)
+    for key, value in values.items():
+        if isinstance(value, float) and not (math.isfinite(value) and value >= 0.1):
+            raise ConfigError(f"master.{key}: expected a finite number of seconds, at least 0.1, got {value!r}")
+    return rest, LimitsConfig(**values)
+
+
+TLS_KEYS = tuple(f.name for f in attr.fields(TLSConfig))
+_TLS_FILES = ("cert", "key", "client_ca", "ca", "client_cert", "client_key")
+
+
+def _tls_config(section: Mapping[str, Any]) -> TLSConfig:
+    """The ``tls:`` section: file paths (checked to be readable) and a host name."""
+    values: dict[str, str | None] = {}
+    for key, value in section.items():
+        if key not in TLS_KEYS:
+            raise ConfigError(f"tls.{key}: unknown key (known: {', '.join(TLS_KEYS)})")
+        if value is None:
+            continue
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"tls.{key}: expected a file path, got {value!r}")
+        if key in _TLS_FILES:
+            try:
+                with open(value, "rb"):
+                    pass
+            except OSError as e:
+                raise ConfigError(f"tls.{key}: cannot read {value}: {e.strerror}") from None
+        values[key] = value
+    for a, b in (("cert", "key"), ("client_cert", "client_key")):
+        if (a in values) != (b in values):
+            raise ConfigError(f"tls.{a} and tls.{b} must be given together")
+    if "client_ca" in values and "cert" not in values:
+        raise ConfigError("tls.client_ca needs tls.cert and tls.key (client certificates are asked for over TLS)")
+    tls = TLSConfig(**values)
+    if values:
+        from replication.tls import TLSFileError, check_files  # pyOpenSSL only when TLS is configured
+
+        try:
+            check_files(tls)
+        except TLSFileError as e:
+            raise ConfigError(str(e)) from None
+    return tls
 
 
 def parse_metrics_address(value: Any, key: str) -> tuple[str, int] | None:
@@ -213,7 +363,7 @@ def parse_metrics_address(value: Any, key: str) -> tuple[str, int] | None:
 
 def _string_list(value: Any, key: str) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-        raise ConfigError(f"{key}: expected a list of names, got {value!r}")
+        raise ConfigError(f"{key}: expected a list of names, got {_shown(value)}")
     return tuple(value)
 
 
@@ -265,7 +415,14 @@ def _worker_config(
             values["start_at_ms"] = parse_when(section["start_at"])
         except BadInstant as e:
             raise ConfigError(f"worker.start_at: {e}") from None
-    return WorkerConfig(**values)
+    worker = WorkerConfig(**values)
+    for low, high in (("reconnect_initial", "reconnect_max"), ("retry_initial", "retry_max")):
+        settings = worker.apply if low.startswith("retry") else worker
+        if getattr(settings, low) > getattr(settings, high):
+            raise ConfigError(
+                f"worker.{low} ({getattr(settings, low):g} s) must not be above worker.{high} ({getattr(settings, high):g} s)"
+            )
+    return worker
 
 
 def _cache_settings(section: Mapping[str, Any]) -> CacheSettings:
@@ -286,7 +443,7 @@ def setup_logging(level: str) -> None:
     fmt = "%(levelname)s %(name)s: %(message)s"
     if not os.environ.get("JOURNAL_STREAM"):
         fmt = "%(asctime)s " + fmt
-    handler.setFormatter(logging.Formatter(fmt))
+    handler.setFormatter(SafeFormatter(fmt))  # peer text escaped even where a call forgot it
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(getattr(logging, level))

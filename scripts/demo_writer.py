@@ -18,7 +18,7 @@ def main() -> int:
     parser.add_argument("--interval", type=float, default=0.5)
     args = parser.parse_args()
     config = load_config(args.config)
-    store = open_store(config.database)
+    store = open_store(config.database, max_line_bytes=config.protocol.max_line_bytes)
     for schema in config.streams.values():
         store.register_stream(schema)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

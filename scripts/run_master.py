@@ -31,9 +31,15 @@ def run_master(args: argparse.Namespace, config: Config) -> int:
     metrics = (
         parse_metrics_address(args.metrics_listen, "--metrics-listen") if args.metrics_listen else config.metrics_listen
     )
-    store = open_store(database_url(args, config), writer_timeout=master_config.writer_timeout)
+    store = open_store(
+        database_url(args, config),
+        writer_timeout=master_config.writer_timeout,
+        max_line_bytes=config.protocol.max_line_bytes,
+    )
     # The database threads (DatabaseThreads of master.db_threads) are built by default.
-    master = Master(master_config, config.protocol, store, config.streams, reactor)
+    master = Master(
+        master_config, config.protocol, store, config.streams, reactor, limits=config.limits, tls=config.tls
+    )
 
     async def start() -> None:
         await master.start()

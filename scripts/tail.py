@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -12,7 +13,9 @@ from twisted.python.failure import Failure
 
 from replication.client import ClientProtocol, ReplicationHandler
 from replication.commands import PositionCommand
+from replication.logsafe import safe
 from replication.rows import split_ts
+from replication.tls import TLSFileError, connect
 from scripts.config import Config, parse_address
 from scripts.stopping import stop_reactor
 from scripts.when import BadInstant, iso_ms, parse_when
@@ -77,7 +80,13 @@ class TailHandler(ReplicationHandler):
             if self.with_ts:
                 record["ts"] = ts
                 record["ts_iso"] = iso_ms(physical_ms(ts)) if isinstance(ts, int) else None
-            self._out.write(orjson.dumps(record) + b"\n")
+            try:
+                line = orjson.dumps(record)
+            except orjson.JSONEncodeError as e:
+                self.fail(f"cannot print the row of {stream} at token {token}: {e}")
+                return
+            if not self._write(line + b"\n"):
+                return
             if self.remaining is not None:
                 self.remaining -= 1
                 if self.remaining <= 0:
@@ -88,13 +97,31 @@ class TailHandler(ReplicationHandler):
 
     def _flush(self) -> None:
         self._flush_call = None
-        self._out.flush()
+        self._write(b"")
+
+    def _write(self, data: bytes) -> bool:
+        """Write and flush-if-empty; a reader that went away (``| head``) ends the tail quietly."""
+        try:
+            if data:
+                self._out.write(data)
+            else:
+                self._out.flush()
+        except BrokenPipeError:
+            # Like other Unix tools: no error when the reader has all it wanted.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            self.finish(0)
+            return False
+        return True
 
     def on_error(self, client: ClientProtocol, message: str) -> None:
-        self.fail(f"master said: {message}")
+        self.fail(f"master said: {safe(message)}")
 
     def disconnected(self, client: ClientProtocol, reason: Failure) -> None:
-        if not self.done:
+        if self.done:
+            return
+        if client.close_reason is not None:  # we closed it: the master sent what we cannot handle
+            self.fail(client.close_reason)
+        else:
             self.fail(f"connection to the master closed: {reason.getErrorMessage()}")
 
     def fail(self, message: str) -> None:
@@ -105,14 +132,14 @@ class TailHandler(ReplicationHandler):
     def stopping(self) -> None:
         if not self.done:
             self.done = True
-            self._out.flush()
+            self._write(b"")
 
     def finish(self, code: int) -> None:
         if self.done:
             return
         self.done = True
         self.exit_code = code
-        self._out.flush()
+        self._write(b"")
         stop_reactor(self.reactor)
 
 
@@ -149,9 +176,6 @@ def run_tail(args: argparse.Namespace, config: Config) -> int:
         host, port = config.master.listen_host, config.master.listen_port
         if host in ("0.0.0.0", "::"):
             host = "127.0.0.1"
-    if args.from_token is not None and args.from_token < 0:
-        print("tickline tail: error: --from must be a non-negative token", file=sys.stderr)
-        return 2
     since_ms = None
     if args.since is not None:
         if args.from_token is not None:
@@ -163,7 +187,11 @@ def run_tail(args: argparse.Namespace, config: Config) -> int:
             print(f"tickline tail: error: --since {e}", file=sys.stderr)
             return 2
     handler = TailHandler(reactor, list(args.streams), args.from_token, args.count, args.ts, since_ms)
-    reactor.connectTCP(host, port, TailFactory(handler, args.name, config, reactor, args.ts))
+    try:
+        connect(reactor, host, port, TailFactory(handler, args.name, config, reactor, args.ts), config.tls)
+    except TLSFileError as e:
+        print(f"tickline tail: error: {e}", file=sys.stderr)
+        return 2
     # Stopped by a signal (Ctrl-C, SIGTERM): a normal end, not a lost master.
     reactor.addSystemEventTrigger("before", "shutdown", handler.stopping)
     reactor.run()

@@ -22,6 +22,7 @@ part of any contract. SQL stays inside ``storage/``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Protocol, TypeVar
 
 from storage.schema import StreamSchema
@@ -56,8 +57,19 @@ class Notifier(Protocol):
     def close(self) -> None: ...
 
 
+class WriteTransaction(Protocol):
+    """One open write transaction of a writer (``StreamStore.writing``)."""
+
+    def append(self, rows: Iterable[Row], batch: bool = False) -> list[int]:
+        """Check and insert rows: each gets its own token, or with ``batch`` all share one."""
+        ...
+
+
 class StreamStore(Protocol):
     """The master's storage: streams with tokens, the oracle, reads for the fan-out."""
+
+    # Rows whose RDATA line could be longer are refused (storage.limits); None: unchecked.
+    max_line_bytes: int | None
 
     def register_stream(self, schema: StreamSchema) -> None:
         """Create the stream's table if missing; :class:`~storage.store.SchemaMismatch` if declared otherwise."""
@@ -73,6 +85,10 @@ class StreamStore(Protocol):
 
     def append(self, stream: str, rows: Iterable[Row], instance_name: str, batch: bool = False) -> list[int]:
         """Append rows in one transaction (all or none); the token of each row."""
+        ...
+
+    def writing(self, stream: str, instance_name: str) -> AbstractContextManager[WriteTransaction]:
+        """One write transaction for any number of appends: commits on exit, all or nothing."""
         ...
 
     def allocate_timestamps(self, count: int = 1) -> list[int]:

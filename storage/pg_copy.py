@@ -78,12 +78,14 @@ def column_formatter(schema: StreamSchema, checked: bool = False) -> Callable[[A
         lines.append(f"    if {v} is None:")
         lines.append(f"        {s} = NULL" if column.nullable else "        return None")
         kind = column.type
-        if kind == "text":
+        if kind == "text" and checked:
             lines += [f"    elif type({v}) is str:", f"        {s} = esc({v})"]
+        elif kind == "text":  # ASCII without NUL here; the rest is checked by check_row
+            lines += [f"    elif type({v}) is str and {v}.isascii() and NUL not in {v}:", f"        {s} = esc({v})"]
         elif kind == "bigint":
             lines += [f"    elif type({v}) is int and MIN <= {v} <= MAX:", f"        {s} = str({v})"]
         elif kind == "double":
-            lines += [f"    elif type({v}) is float:", f"        {s} = dbl({v})"]
+            lines += [f"    elif type({v}) is float and {v} - {v} == 0.0:", f"        {s} = dbl({v})"]  # finite
         elif kind == "boolean":
             lines += [f"    elif {v} is True:", f"        {s} = 't'", f"    elif {v} is False:", f"        {s} = 'f'"]
         elif kind == "json" and checked:
@@ -96,6 +98,7 @@ def column_formatter(schema: StreamSchema, checked: bool = False) -> Callable[[A
     lines.append("    return " + ' + "\\t" + '.join(f"s{i}" for i in range(len(schema.columns))))
     namespace: dict[str, Any] = {
         "NULL": NULL_COPY,
+        "NUL": "\x00",
         "esc": _copy_text,
         "dbl": _copy_double,
         "MIN": _MIN_INT,

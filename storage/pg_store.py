@@ -40,9 +40,10 @@ import psycopg2.extensions
 
 from storage import time_index
 from storage.contracts import JsonRow, Row, StoredRow
+from storage.limits import DEFAULT_MAX_LINE_BYTES, check_rows, max_row_json_bytes
 from storage.pg_copy import _COPY_FORMATS, NULL_COPY, _copy_text, formatter
 from storage.pg_db import Cursor, PgDatabase
-from storage.schema import COLUMN_TYPES, StreamSchema, check_instance_name
+from storage.schema import COLUMN_TYPES, RowError, StreamSchema, check_instance_name
 from storage.store import FIRST_VALUE, DatabaseUnavailable, StreamCatalog
 from storage.urls import redact_url
 
@@ -177,6 +178,8 @@ def _seq(schema: StreamSchema) -> str:
 
 class PgStreamStore:
     """Implements :class:`storage.contracts.StreamStore`; holds its :class:`PgDatabase`."""
+
+    max_line_bytes: int | None = DEFAULT_MAX_LINE_BYTES  # refuse rows whose RDATA line could be longer
 
     def __init__(
         self,
@@ -626,10 +629,11 @@ class WriteTransaction:
         count = len(rows)
         if not count:
             return []
+        limit = self._store.max_line_bytes
         if count >= COPY_ROWS:
-            first_token, _ = self._append_copy(self._statements.columns_text(rows), count, batch)
+            first_token, _ = self._append_copy(self._statements.columns_text(rows, limit), count, batch)
         else:
-            first_token, _ = self._append_small([self._schema.check_row(row) for row in rows], batch)
+            first_token, _ = self._append_small(check_rows(self._schema, rows, limit), batch)
         tokens = [first_token] * count if batch else list(range(first_token, first_token + count))
         self._last_token = tokens[-1]
         return tokens
@@ -728,6 +732,11 @@ class _Statements:
         self.copy = f"COPY {schema.table} ({names}) FROM STDIN"
         self._small: dict[tuple[int, bool, bool], str] = {}
         self._formats = [_COPY_FORMATS[c.type] for c in schema.columns]
+        # JSON bytes a row can have beyond 6x its COPY text: brackets, per value quotes and a
+        # separator, "null" for "\\N", "false" for "f", a double printed at its longest.
+        self._fixed_json_bytes = 2 + sum(
+            3 + 4 + (5 if c.type == "boolean" else 0) + (24 if c.type == "double" else 0) for c in schema.columns
+        )
 
     def small(self, count: int, batch: bool, shared: bool, cursor: Any) -> str:
         """The statement for ``count`` rows; for few rows a prepared one (``EXECUTE``, no parse or plan)."""
@@ -778,15 +787,28 @@ class _Statements:
             f"WHERE (SELECT count(*) FROM u) = 1 OR {FENCED_FUNCTION}()"
         )
 
-    def columns_text(self, rows: list[Row]) -> list[str]:
-        """Check every row and give its columns as COPY text (RowError names a bad row; nothing is sent)."""
-        fast = formatter(self.schema)
+    def columns_text(self, rows: list[Row], max_line_bytes: int | None) -> list[str]:
+        """Check every row and give its columns as COPY text (RowError names a bad row; nothing is sent).
+
+        The generated formatter checks the values; the line limit
+        (``storage.limits``) is checked exactly only where a cheap bound does
+        not already show the row fits: every character of the COPY text as
+        six bytes of JSON (``\\uXXXX``) plus the most any column's JSON can
+        add. Streams with JSON columns (jsonb may print a number much longer)
+        and rows the formatter does not take are checked exactly.
+        """
+        fast = None if self.schema.json_columns else formatter(self.schema)
         formats = self._formats
+        room = None if max_line_bytes is None else max_row_json_bytes(self.schema.name, max_line_bytes)
+        fixed = self._fixed_json_bytes
         out = []
-        for row in rows:
-            text = fast(row)
-            if text is None:
-                values = self.schema.check_row(row)  # names what is wrong, or converts (e.g. an int for a double)
+        for index, row in enumerate(rows):
+            text = None if fast is None else fast(row)
+            if text is None or (room is not None and 6 * len(text) + fixed > room):
+                try:
+                    (values,) = check_rows(self.schema, [row], max_line_bytes)
+                except RowError as e:
+                    raise RowError(e.reason, index=index) from None
                 text = "\t".join([NULL_COPY if v is None else f(v) for f, v in zip(formats, values, strict=False)])
             out.append(text)
         return out

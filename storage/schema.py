@@ -7,18 +7,41 @@ order, which orders the rows of one token), ``token``, ``instance_name``,
 
 from __future__ import annotations
 
+import math
 import re
+import reprlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attr
 import orjson
 
-STREAM_NAME = re.compile(r"[a-z][a-z0-9_]{0,62}")
+# A stream's tables and their indexes (replicated_<name>_token, stream_<name>_token_seq)
+# must fit PostgreSQL's 63-byte identifiers: 46 characters at most.
+STREAM_NAME = re.compile(r"[a-z][a-z0-9_]{0,45}")
 COLUMN_NAME = re.compile(r"[a-z][a-z0-9_]{0,62}")
 RESERVED_COLUMNS = frozenset({"seq", "token", "instance_name", "ts"})
+# Column names go into SQL unquoted, so a name that is an SQL keyword is refused:
+# every word that fails as a column name in the statements tickline runs, on
+# PostgreSQL (its reserved keywords: categories R and T of pg_get_keywords())
+# or on SQLite (the keywords it does not take as identifiers). Found by trying
+# every keyword of both; tests/unit/test_config_validation.py checks it again.
+_SQL_KEYWORDS = """
+    add all alter analyse analyze and any array as asc asymmetric authorization autoincrement
+    between binary both case cast check collate collation column commit concurrently constraint
+    create cross current_catalog current_date current_role current_schema current_time
+    current_timestamp current_user default deferrable delete desc distinct do drop else end
+    escape except exists false fetch for foreign freeze from full grant group having ilike in
+    index initially inner insert intersect into is isnull join lateral leading left like limit
+    localtime localtimestamp natural not nothing notnull null offset on only or order outer
+    overlaps placing primary raise references returning right select session_user set similar
+    some symmetric table tablesample then to trailing transaction true union unique update user
+    using values variadic verbose when where window with
+    """
+SQL_KEYWORDS = frozenset(_SQL_KEYWORDS.split())
 # Instance and server names travel as one word of the wire protocol.
-NAME_WORD = re.compile(r"[!-~]{1,200}")
+MAX_NAME_BYTES = 200
+NAME_WORD = re.compile(rf"[!-~]{{1,{MAX_NAME_BYTES}}}")
 
 # Declared type -> (SQLite type, PostgreSQL type)
 COLUMN_TYPES: dict[str, tuple[str, str]] = {
@@ -36,7 +59,17 @@ class SchemaError(ValueError):
 
 
 class RowError(ValueError):
-    """A row that does not fit its stream's columns."""
+    """A row that does not fit its stream's columns (or cannot be delivered).
+
+    ``reason`` says what was wrong; ``index``, when known, is the row's
+    position among the rows of the write (0-based), and the message then
+    starts with ``row <index + 1>: ``.
+    """
+
+    def __init__(self, reason: str, index: int | None = None) -> None:
+        super().__init__(reason if index is None else f"row {index + 1}: {reason}")
+        self.reason = reason
+        self.index = index
 
 
 def check_instance_name(name: object) -> str:
@@ -44,6 +77,38 @@ def check_instance_name(name: object) -> str:
     if not isinstance(name, str) or not NAME_WORD.fullmatch(name):
         raise RowError(f"bad instance name {name!r}: one word of printable ASCII, no spaces")
     return name
+
+
+def _short(value: Any) -> str:
+    """A bounded repr for messages (a hostile value may be huge or deeply nested)."""
+    return reprlib.repr(value)
+
+
+def _check_text(value: str, stream: str, column: str) -> str:
+    if "\x00" in value:
+        raise RowError(f"stream {stream!r}: column {column!r}: text may not contain NUL (\\u0000)")
+    if value.isascii():
+        return value
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RowError(f"stream {stream!r}: column {column!r}: text is not valid Unicode (a lone surrogate)") from None
+    return value
+
+
+def _contains_nul(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if "\x00" in item:
+                return True
+        elif isinstance(item, Mapping):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return False
 
 
 @attr.s(slots=True, frozen=True, auto_attribs=True)
@@ -59,6 +124,11 @@ class Column:
             )
         if self.name in RESERVED_COLUMNS:
             raise SchemaError(f"column name {self.name!r} is reserved")
+        if self.name in SQL_KEYWORDS:
+            raise SchemaError(
+                f"column name {self.name!r} is an SQL keyword, which tickline does not quote: "
+                f"choose another name (such as {self.name + '_'!r})"
+            )
         if self.type not in COLUMN_TYPES:
             raise SchemaError(f"column {self.name!r} has unknown type {self.type!r} (known: {', '.join(COLUMN_TYPES)})")
         if not isinstance(self.nullable, bool):
@@ -76,21 +146,36 @@ class Column:
         kind = self.type
         if kind == "text":
             if isinstance(value, str):
-                return value
+                return _check_text(value, stream, self.name)
         elif kind == "bigint":
             if isinstance(value, int) and not isinstance(value, bool):
                 if _INT64[0] <= value <= _INT64[1]:
                     return value
-                raise RowError(f"stream {stream!r}: column {self.name!r}: {value} does not fit in 64 bits")
+                raise RowError(f"stream {stream!r}: column {self.name!r}: {_short(value)} does not fit in 64 bits")
         elif kind == "double":
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                return float(value)
+                try:
+                    number = float(value)
+                except OverflowError:
+                    number = math.inf
+                if math.isfinite(number):
+                    return number
+                raise RowError(f"stream {stream!r}: column {self.name!r}: {_short(value)} is not a finite number")
         elif kind == "boolean":
             if isinstance(value, bool):
                 return value
         elif kind == "json":
-            return orjson.dumps(value).decode("utf-8")
-        raise RowError(f"stream {stream!r}: column {self.name!r} expects {kind}, got {type(value).__name__} {value!r}")
+            try:
+                text = orjson.dumps(value).decode("utf-8")
+            except TypeError as e:  # orjson.JSONEncodeError: an object JSON cannot hold, or nested too deep
+                why = "nested too deeply" if "ecursion" in str(e) else str(e)
+                raise RowError(f"stream {stream!r}: column {self.name!r}: not storable as JSON ({why})") from None
+            if "\\u0000" in text and _contains_nul(value):
+                raise RowError(f"stream {stream!r}: column {self.name!r}: JSON strings may not contain NUL (\\u0000)")
+            return text
+        raise RowError(
+            f"stream {stream!r}: column {self.name!r} expects {kind}, got {type(value).__name__} {_short(value)}"
+        )
 
 
 @attr.s(slots=True, frozen=True, auto_attribs=True)
@@ -101,7 +186,8 @@ class StreamSchema:
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.name, str) or not STREAM_NAME.fullmatch(self.name):
             raise SchemaError(
-                f"bad stream name {self.name!r}: lower-case letters, digits and _ , starting with a letter"
+                f"bad stream name {self.name!r}: lower-case letters, digits and _ , starting with a letter, "
+                "at most 46 characters"
             )
         if not self.columns:
             raise SchemaError(f"stream {self.name!r} has no columns")
@@ -122,6 +208,10 @@ class StreamSchema:
     def json_columns(self) -> tuple[int, ...]:
         """Positions of the JSON columns (stored as text, sent as JSON)."""
         return tuple(i for i, c in enumerate(self.columns) if c.type == "json")
+
+    @property
+    def double_columns(self) -> tuple[int, ...]:
+        return tuple(i for i, c in enumerate(self.columns) if c.type == "double")
 
     @property
     def boolean_columns(self) -> tuple[int, ...]:

@@ -7,14 +7,15 @@ both).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from storage.migrate import apply_migrations
-from storage.store import DatabaseUnavailable
+from storage.store import DatabaseUnavailable, StorageError
 
 
 class SqliteDatabase:
@@ -53,18 +54,29 @@ class SqliteDatabase:
             self._local.conn = None
 
     def write(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+        with self.transaction() as conn:
+            return fn(conn)
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """A write transaction (the write lock taken first): commits on exit, rolls back on error."""
         conn = self.connection()
         try:
             conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as e:
             raise DatabaseUnavailable(f"cannot write SQLite database {self.path}: {e}") from None
         try:
-            result = fn(conn)
+            yield conn
         except BaseException:
-            conn.execute("ROLLBACK")
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
             raise
-        conn.execute("COMMIT")
-        return result
+        try:
+            conn.execute("COMMIT")
+        except sqlite3.Error as e:  # a full disk, say: nothing was committed
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise StorageError(f"cannot commit to SQLite database {self.path}: {e}; nothing was written") from None
 
     def query(self, sql: str, params: Any = ()) -> list[Any]:
         """One statement's rows, in a read transaction of its own."""

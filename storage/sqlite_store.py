@@ -7,13 +7,15 @@ commit in order.
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from storage import time_index, tso
 from storage.contracts import JsonRow, Row, StoredRow
+from storage.limits import DEFAULT_MAX_LINE_BYTES, check_rows
 from storage.schema import StreamSchema, check_instance_name
 from storage.sqlite_db import SqliteDatabase
 from storage.store import StreamCatalog
@@ -21,6 +23,8 @@ from storage.store import StreamCatalog
 
 class SqliteStreamStore:
     """Implements :class:`storage.contracts.StreamStore`; holds its :class:`SqliteDatabase`."""
+
+    max_line_bytes: int | None = DEFAULT_MAX_LINE_BYTES  # refuse rows whose RDATA line could be longer
 
     def __init__(
         self,
@@ -82,41 +86,19 @@ class SqliteStreamStore:
         """Append rows in one transaction; returns the token of each row.
 
         Each row gets its own token, or with ``batch`` all rows share one.
+        Every row is checked first (columns, and ``max_line_bytes``): a bad
+        row is a RowError naming it, and nothing is written.
         """
+        with self.writing(stream, instance_name) as txn:
+            return txn.append(rows, batch)
+
+    @contextlib.contextmanager
+    def writing(self, stream: str, instance_name: str) -> Iterator[SqliteWriteTransaction]:
+        """One write transaction: ``append`` any number of times, commit on exit (all or nothing)."""
         schema = self.schema(stream)
-        values = [schema.check_row(row) for row in rows]
-        if not values:
-            return []
         check_instance_name(instance_name)
-        count = len(values)
-        token_count = 1 if batch else count
-        placeholders = ", ".join("?" * (3 + len(schema.columns)))
-        insert = (
-            f"INSERT INTO {schema.table} (token, instance_name, ts, {', '.join(schema.column_names)}) "
-            f"VALUES ({placeholders})"
-        )
-
-        def run(conn: sqlite3.Connection) -> list[int]:
-            (head,) = conn.execute(
-                "UPDATE tickline_stream_heads SET token = token + ? WHERE stream = ? RETURNING token",
-                (token_count, stream),
-            ).fetchone()
-            first_token = head - token_count + 1
-            first_ts = self._allocate_timestamps(conn, count)
-            if batch:
-                tokens = [first_token] * count
-            else:
-                tokens = list(range(first_token, first_token + count))
-            conn.executemany(
-                insert,
-                [
-                    (token, instance_name, first_ts + i, *row)
-                    for i, (token, row) in enumerate(zip(tokens, values, strict=False))
-                ],
-            )
-            return tokens
-
-        return self.database.write(run)
+        with self.database.transaction() as conn:
+            yield SqliteWriteTransaction(self, conn, schema, instance_name)
 
     def _allocate_timestamps(self, conn: sqlite3.Connection, count: int) -> int:
         (last,) = conn.execute("SELECT last_ts FROM tickline_tso WHERE id = 1").fetchone()
@@ -206,3 +188,39 @@ class SqliteStreamStore:
             return rows
 
         return self.database.read(run)
+
+
+class SqliteWriteTransaction:
+    """Rows appended in one open write transaction (see ``SqliteStreamStore.writing``)."""
+
+    def __init__(self, store: SqliteStreamStore, conn: sqlite3.Connection, schema: StreamSchema, instance: str) -> None:
+        self._store = store
+        self._conn = conn
+        self._schema = schema
+        self._instance = instance
+        placeholders = ", ".join("?" * (3 + len(schema.columns)))
+        self._insert = (
+            f"INSERT INTO {schema.table} (token, instance_name, ts, {', '.join(schema.column_names)}) "
+            f"VALUES ({placeholders})"
+        )
+
+    def append(self, rows: Iterable[Row], batch: bool = False) -> list[int]:
+        values = check_rows(self._schema, rows, self._store.max_line_bytes)
+        if not values:
+            return []
+        conn = self._conn
+        count = len(values)
+        token_count = 1 if batch else count
+        (head,) = conn.execute(
+            "UPDATE tickline_stream_heads SET token = token + ? WHERE stream = ? RETURNING token",
+            (token_count, self._schema.name),
+        ).fetchone()
+        first_token = head - token_count + 1
+        tokens = [first_token] * count if batch else list(range(first_token, first_token + count))
+        first_ts = self._store._allocate_timestamps(conn, count)
+        instance = self._instance
+        conn.executemany(
+            self._insert,
+            [(token, instance, first_ts + i, *row) for i, (token, row) in enumerate(zip(tokens, values, strict=True))],
+        )
+        return tokens

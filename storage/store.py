@@ -116,12 +116,15 @@ def open_store(
     url: str | DatabaseUrl,
     clock: Callable[[], float] = time.time,
     base_dir: str | None = None,
+    max_line_bytes: int | None = None,
     **pg_options: Any,
 ) -> StreamStore:
     """Open (and migrate) the stream store behind a database URL.
 
     ``pg_options`` (``report_interval``, ``writer_timeout``) apply to PostgreSQL only.
-    psycopg2 is imported only for a PostgreSQL URL.
+    psycopg2 is imported only for a PostgreSQL URL. ``max_line_bytes`` (the
+    protocol's line limit; the default's when None) bounds the RDATA line of
+    every row written through the store.
     """
     parsed = url if isinstance(url, DatabaseUrl) else parse_database_url(url, base_dir)
     if parsed.is_sqlite:
@@ -129,6 +132,8 @@ def open_store(
 
         assert parsed.path is not None
         sqlite_store = SqliteStreamStore(parsed.path, clock=clock)
+        if max_line_bytes is not None:
+            sqlite_store.max_line_bytes = max_line_bytes
         sqlite_store.migrate()
         return sqlite_store
     require_postgres()
@@ -136,5 +141,7 @@ def open_store(
 
     assert parsed.dsn is not None
     pg_store = PgStreamStore(parsed.dsn, clock=clock, **pg_options)
+    if max_line_bytes is not None:
+        pg_store.max_line_bytes = max_line_bytes
     pg_store.migrate()
     return pg_store

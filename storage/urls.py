@@ -51,6 +51,8 @@ def parse_database_url(url: str, base_dir: str | None = None) -> DatabaseUrl:
     """Parse ``url``; relative SQLite paths are taken from ``base_dir`` (default: cwd)."""
     if not isinstance(url, str) or not url:
         raise BadDatabaseUrl(f"database URL must be a non-empty string, got {redact_url(repr(url))}")
+    if "\x00" in url or not url.isprintable():
+        raise BadDatabaseUrl(f"database URL {redact_url(repr(url))} contains control characters")
     if url.startswith("sqlite:"):
         if not url.startswith("sqlite:///") or url in ("sqlite:///", "sqlite:////"):
             raise BadDatabaseUrl(

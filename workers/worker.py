@@ -38,7 +38,9 @@ from replication.commands import (
 )
 from replication.dbthreads import DatabaseRunner, DatabaseThreads
 from replication.protocol import ProtocolConfig
+from replication.settings import TLSConfig
 from replication.stats import STATS, ConnectionStats, ProtocolCounters
+from replication.tls import connect as tls_connect
 from storage.contracts import Effects, WorkerStore
 from storage.schema import StreamSchema
 from workers.caches import CacheRegistry
@@ -71,9 +73,11 @@ class Worker(ReplicationHandler):
         caches: CacheRegistry | None = None,
         secret: str | None = None,
         db: DatabaseRunner | None = None,
+        tls: TLSConfig | None = None,
     ) -> None:
         self.config = config
         self.secret = secret  # sent in AUTH when the master requires it
+        self.tls = tls  # connect over TLS when it turns TLS on for clients
         self.protocol_config = protocol_config
         self.store = store
         self.reactor = reactor
@@ -96,6 +100,8 @@ class Worker(ReplicationHandler):
         # replay reached the live rows (the POSITION that OPTIONS live adds).
         self._answered: set[str] = set()
         self._live_streams: set[str] = set()
+        self._connected_at = 0.0
+        self._rows_on_connection = False
         # Streams started at a time (worker.start_at) whose POSITION is awaited.
         self._starting: set[str] = set()
         self.ordering: OrderedDelivery | None = None  # worker.ordered (workers.ordering)
@@ -171,7 +177,7 @@ class Worker(ReplicationHandler):
     def start(self) -> None:
         self.db.start()
         self.factory = WorkerFactory(self)
-        self.reactor.connectTCP(self.config.master_host, self.config.master_port, self.factory)
+        tls_connect(self.reactor, self.config.master_host, self.config.master_port, self.factory, self.tls)
 
     async def stop(self) -> None:
         """Clean stop: tell the master our users stopped syncing, finish the current apply."""
@@ -215,6 +221,8 @@ class Worker(ReplicationHandler):
 
     def connected(self, client: ClientProtocol) -> None:
         self.client = client
+        self._connected_at = self.reactor.seconds()
+        self._rows_on_connection = False
         # REPLICATE waits for SERVER, so a wrong master is refused before any row.
 
     def on_server(self, client: ClientProtocol, server_name: str) -> None:
@@ -229,8 +237,6 @@ class Worker(ReplicationHandler):
             )
             client.close_with_error(f"wrong server: expected {expected!r}, got {server_name!r}")
             return
-        if self.factory is not None:
-            self.factory.resetDelay()
         logger.info("connected to master %s", server_name)
         for stream, consumer in sorted(self.consumers.items()):
             self._replicate(client, stream, consumer.resume_token())
@@ -266,6 +272,7 @@ class Worker(ReplicationHandler):
         consumer = self.consumers.get(stream)
         if consumer is None:
             return
+        self._rows_on_connection = True
         consumer.rows_received(instance, token, rows, client.rows_have_ts)
         if not self._reading_paused and self._pending_rows() > self.config.max_pending_rows:
             self._reading_paused = True
@@ -289,7 +296,8 @@ class Worker(ReplicationHandler):
             consumer.tick(command.safe_token, command.safe_ts)
 
     def on_error(self, client: ClientProtocol, message: str) -> None:
-        logger.error("master refused: %s", message)
+        # Peer text: escaped and rate-limited with the connection's other log lines.
+        client.peer_log(logging.ERROR, "master refused: %s", message, log=logger)
         # A REPLICATE the master refused (e.g. a token above its head) is
         # retried later, never rewound.
         for stream in self.consumers:
@@ -316,7 +324,8 @@ class Worker(ReplicationHandler):
         client.replicate(stream, token)
 
     def on_remote_server_up(self, client: ClientProtocol, server: str) -> None:
-        logger.info("remote server up: %s", server)
+        # Relayed from any other peer of the master: escaped and rate-limited.
+        client.peer_log(logging.INFO, "remote server up: %s", server, log=logger)
 
     def disconnected(self, client: ClientProtocol, reason: Failure) -> None:
         if client is self.client:
@@ -333,9 +342,22 @@ class Worker(ReplicationHandler):
                 call.cancel()
         self._retry_calls.clear()
         self._reading_paused = False
-        if not self.stopping:
-            self.reconnects += 1
-            logger.warning("connection to the master lost: %s", reason.getErrorMessage())
+        if self.stopping:
+            return
+        self.reconnects += 1
+        # The backoff starts again only after a healthy connection: one that
+        # brought rows or lasted, and that we did not have to close. A master
+        # that sends what this worker cannot handle is retried ever more slowly.
+        lived = self.reactor.seconds() - self._connected_at
+        healthy = client.close_reason is None and (self._rows_on_connection or lived >= self.config.reconnect_max)
+        factory = self.factory
+        if factory is not None and healthy:
+            factory.resetDelay()
+        next_try = "" if factory is None else f" (reconnecting in about {_next_delay(factory):.1f} s)"
+        if client.close_reason is not None:
+            logger.error("closed the connection to the master: %s%s", client.close_reason, next_try)
+        else:
+            logger.warning("connection to the master lost: %s%s", reason.getErrorMessage(), next_try)
 
     # -- progress --------------------------------------------------------------------
 
@@ -448,6 +470,11 @@ class WorkerFactory(ReconnectingClientFactory):
                 self.delay,
             )
         super().clientConnectionFailed(connector, reason)
+
+
+def _next_delay(factory: ReconnectingClientFactory) -> float:
+    """The delay the factory's next retry takes (before its jitter)."""
+    return min(factory.delay * factory.factor, factory.maxDelay)
 
 
 def _sleep(reactor: Any, seconds: float) -> defer.Deferred[None]:

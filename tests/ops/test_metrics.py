@@ -33,6 +33,13 @@ MASTER_METRICS = {
     "tickline_received_bytes": "counter",
     "tickline_ping_rtt_seconds": "gauge",
     "tickline_clock_offset_seconds": "gauge",
+    # replication.limits (issue 10)
+    "tickline_limit_refused_connections": "counter",
+    "tickline_limit_closed_connections": "counter",
+    "tickline_limit_rejected_commands": "counter",
+    "tickline_limit_dropped_relays": "counter",
+    "tickline_limit_suppressed_log_lines": "counter",
+    "tickline_limit_accept_errors": "counter",
 }
 WORKER_METRICS = {
     "tickline_worker_applied_token": "gauge",

@@ -42,11 +42,11 @@ def test_sample_config_loads_and_states_the_defaults() -> None:
 
 def test_values_are_taken() -> None:
     config = config_from_mapping(
-        {"listen": "0.0.0.0:1234", "server_name": "s1", "protocol": {"ping_interval": 1, "max_line_bytes": 100}}
+        {"listen": "0.0.0.0:1234", "server_name": "s1", "protocol": {"ping_interval": 1, "max_line_bytes": 1000}}
     )
     assert (config.master.listen_host, config.master.listen_port) == ("0.0.0.0", 1234)
     assert config.master.server_name == "s1"
-    assert config.protocol.ping_interval == 1.0 and config.protocol.max_line_bytes == 100
+    assert config.protocol.ping_interval == 1.0 and config.protocol.max_line_bytes == 1000
 
 
 @pytest.mark.parametrize(

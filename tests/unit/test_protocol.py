@@ -261,7 +261,9 @@ def test_pings_carry_the_clock_in_milliseconds(env: Env) -> None:
 
 def test_no_ping_timeout_before_the_peers_first_ping(env: Env) -> None:
     conn = env.connected()
-    env.advance_by(120.0, step=1.0)  # a person typing in netcat, slowly
+    # A person typing in netcat, slowly: no ping timeout before their first PING
+    # (only the idle timeout, master.idle_timeout = 60 s without any command).
+    env.advance_by(55.0, step=1.0)
     assert not conn.closing
     assert not any(line.startswith("ERROR") for line in conn.lines())
     conn.send("REPLICATE")
@@ -412,9 +414,10 @@ def test_over_long_partial_line_closes_without_waiting_for_a_newline(make_env: C
 
 def test_default_line_limit_is_64_kib(env: Env) -> None:
     conn = env.connected()
-    conn.proto.dataReceived(b"NAME " + b"n" * (65536 - 5) + b"\n")
+    # ERROR from a client is only logged, so the line itself gets no answer.
+    conn.proto.dataReceived(b"ERROR " + b"n" * (65536 - 6) + b"\n")
     assert not conn.closing
-    conn.proto.dataReceived(b"NAME " + b"n" * (65536 - 4) + b"\n")
+    conn.proto.dataReceived(b"ERROR " + b"n" * (65536 - 5) + b"\n")
     assert conn.closing
     assert conn.lines()[0].startswith("ERROR line too long")
 
@@ -880,3 +883,19 @@ def test_invalidate_cache_records_a_caches_row_and_fans_it_out_at_once(env: Env)
         ("caches", 2, ["state", None]),
     ]
     assert all(isinstance(r[2], int) for _, _, _, r in rows)  # invalidation_ts in ms
+
+
+def test_a_stall_of_our_own_is_not_the_peers_silence(env: Env) -> None:
+    """A reactor blocked for 30 s (here: the clock jumps) times nobody out on its next tick;
+    the peer gets the usual ping_timeout from then on."""
+    conn = env.connected()
+    conn.send("PING 1")
+    env.reactor.advance(30.0)  # one late keepalive tick
+    assert not conn.closing
+    env.advance_by(14.0)
+    assert not conn.closing
+    env.advance_by(3.0)
+    assert conn.closing
+    assert [line for line in conn.lines() if line.startswith("ERROR")] == [
+        "ERROR ping timeout: nothing received for 15 s"
+    ]
