@@ -55,11 +55,14 @@ from replication.settings import LimitsConfig, MasterConfig, TLSConfig
 from replication.stats import STATS, MasterStats, StreamStats
 from replication.streams import cache_invalidation_row
 from replication.subscriptions import FanOutTarget, Subscription
+from replication.timeline import TimelineService
+from replication.timeline_settings import TimelineSettings
 from replication.timeticks import TimeTicker, read_since
 from storage.contracts import Notifier, StreamStore
 from storage.schema import StreamSchema
 from storage.store import TOKEN, StorageError
 from storage.time_index import TokenAt
+from storage.timeline_contract import TimelineStore
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +78,8 @@ class Master:
         db: DatabaseRunner | None = None,
         limits: LimitsConfig | None = None,
         tls: TLSConfig | None = None,
+        timeline_store: TimelineStore | None = None,
+        timeline_settings: TimelineSettings | None = None,
     ) -> None:
         self.config = config
         self.limits = limits or LimitsConfig()
@@ -107,12 +112,14 @@ class Master:
         self._db_error: str | None = None
         self.port: Any = None  # the reactor's listening port
         self.timeticks = TimeTicker(self, config.tick_interval)  # safe times and TICK
+        self.timeline = TimelineService.for_master(self, timeline_store, timeline_settings or TimelineSettings())
 
     # -- start and stop ------------------------------------------------------------
 
     async def start(self) -> Any:
         """Register the streams, read their heads, start following and listening."""
         self.db.start()
+        self.timeline.start()
         await self.db.run(self._register_all)
         for stream, head in (await self.db.run(self.store.safe_positions)).items():
             if stream in self._schemas:
@@ -178,6 +185,7 @@ class Master:
             self._notifications = None
         for conn in list(self.connections):
             conn.close()
+        self.timeline.stop()
         await self.db.run(self.store.retire_writers)
         self.db.stop()
 

@@ -27,17 +27,24 @@ from zope.interface import implementer
 from replication.commands import (
     CLIENT_COMMANDS,
     AuthCommand,
+    CancelCommand,
     ClearUserSyncCommand,
     Command,
+    DeleteCommand,
+    ExtendCommand,
     FederationAckCommand,
+    MoveCommand,
     NameCommand,
     OptionsCommand,
     PingCommand,
     PositionCommand,
+    ReleaseCommand,
     RemoteServerUpCommand,
     RemovePusherCommand,
     ReplicateCommand,
+    ScheduleCommand,
     ServerCommand,
+    TimelineCommand,
     UserSyncCommand,
 )
 from replication.limits import LIMIT_STATS, ConnectionSlot, InputWatch, LogBudget, SharedLogBudget, too_long
@@ -50,6 +57,7 @@ from storage.time_index import TokenAt
 
 if TYPE_CHECKING:
     from replication.client_commands import ClientCommandHandlers
+    from replication.timeline import TimelineHooks
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +82,11 @@ class MasterServices(StreamSource, Protocol):
     def connection_made(self, conn: ServerProtocol) -> None: ...
 
     def connection_lost(self, conn: ServerProtocol) -> None: ...
+
+    @property
+    def timeline(self) -> TimelineHooks:
+        """The timeline's commands and connection hooks (``replication.timeline``)."""
+        ...
 
     def token_at(self, stream: str, since_ts: int) -> defer.Deferred[TokenAt]:
         """The first token of ``stream`` at or after ``since_ts`` (``REPLICATE <stream> @<ms>``)."""
@@ -143,9 +156,12 @@ class ServerProtocol(LineCommandProtocol):
             self._pause_timer.cancel()
         self.subscriptions.close()
         self.master.connection_lost(self)
+        self.master.timeline.connection_lost(self)
 
     def finish_after_half_close(self) -> None:
         # Finish replays owed to a half-closed peer (nc -q1), then close.
+        if self.master.timeline.busy(self):
+            return  # timeline answers still owed; the service calls again
         if self._pending_replicates or not self.subscriptions.all_live():
             return
         if len(self.subscriptions) and not self._half_close_synced:
@@ -341,6 +357,33 @@ class ServerProtocol(LineCommandProtocol):
         if self._allowed("REMOTE_SERVER_UP"):
             self.master.client_commands.remote_server_up(self, command)
 
+    # -- the timeline (replication.timeline does the work) ------------------------------
+
+    def _timeline(self, command: Command) -> None:
+        if self._allowed(command.NAME):
+            self.master.timeline.command(self, command)
+
+    def on_TIMELINE(self, command: TimelineCommand) -> None:
+        self._timeline(command)
+
+    def on_EXTEND(self, command: ExtendCommand) -> None:
+        self._timeline(command)
+
+    def on_RELEASE(self, command: ReleaseCommand) -> None:
+        self._timeline(command)
+
+    def on_DELETE(self, command: DeleteCommand) -> None:
+        self._timeline(command)
+
+    def on_SCHEDULE(self, command: ScheduleCommand) -> None:
+        self._timeline(command)
+
+    def on_MOVE(self, command: MoveCommand) -> None:
+        self._timeline(command)
+
+    def on_CANCEL(self, command: CancelCommand) -> None:
+        self._timeline(command)
+
     # -- what the subscriptions ask (Outlet) ------------------------------------------------
 
     def went_live(self, stream: str) -> None:
@@ -362,6 +405,7 @@ class ServerProtocol(LineCommandProtocol):
         if self._pause_timer is not None and self._pause_timer.active():
             self._pause_timer.cancel()
         self.subscriptions.resume()
+        self.master.timeline.resumed(self)
 
     def stopProducing(self) -> None:
         self._closing = True

@@ -66,6 +66,7 @@ PG_SCENARIOS = ("end-to-end", "latency", "catch-up", "writer")  # against logica
 SCENARIOS = (*WIRE_SCENARIOS, *PG_SCENARIOS)
 SCENARIOS += ("snapshot",)  # Spark JDBC snapshots: scripts/bench_snapshot.py
 SCENARIOS += ("ordered",)  # timestamp order across streams: scripts/bench_ordered.py
+SCENARIOS += ("timeline",)  # timeline leases/s on PostgreSQL: scripts/bench_timeline.py
 DEFAULT_ROWS = 200_000
 DEFAULT_REPEAT = 5
 STREAM = "events"
@@ -721,6 +722,10 @@ def main(
             from scripts import bench_ordered
 
             bench_ordered.print_results(bench_ordered.run_ordered(workdir))
+        if "timeline" in chosen:
+            from scripts import bench_timeline
+
+            bench_timeline.print_results(bench_timeline.run_timeline_bench(requested_rows, workdir))
     except BenchError as e:
         print(f"tickline bench: error: {e}", file=sys.stderr)
         return 1

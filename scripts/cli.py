@@ -1,4 +1,4 @@
-"""The ``tickline`` command line: master, write, tail, worker, snapshot, check-config, bench."""
+"""The ``tickline`` command line: master, write, tail, worker, snapshot, timeline, check-config, bench."""
 
 from __future__ import annotations
 
@@ -124,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     check = commands.add_parser("check-config", help="validate a configuration file")
     check.add_argument("-c", "--config", metavar="FILE", required=True)
 
+    from scripts.timeline_cli import add_parser as add_timeline_parser
+
+    add_timeline_parser(commands)
+
     bench = commands.add_parser("bench", help="run benchmarks, print ratios against baselines")
     bench.add_argument("scenarios", nargs="*", metavar="SCENARIO", help="default: all")
     bench.add_argument("--rows", type=int, default=None, help="rows per scenario")
@@ -179,6 +183,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from scripts.snapshot import run_snapshot
 
             return run_snapshot(args, config)
+        if args.command == "timeline":
+            from scripts.timeline_cli import run_timeline
+
+            return run_timeline(args, config)
         if args.command == "tail":
             from scripts.tail import run_tail
 

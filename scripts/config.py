@@ -22,10 +22,11 @@ import yaml
 from replication.logsafe import SafeFormatter
 from replication.settings import LimitsConfig, MasterConfig, ProtocolConfig, TLSConfig
 from replication.streams import all_streams, schema_from_config
+from replication.timeline_settings import TimelineSettings
 from scripts.when import BadInstant, parse_when
 from storage.schema import NAME_WORD, SchemaError, StreamSchema
 from storage.urls import BadDatabaseUrl, parse_database_url
-from workers.settings import ApplySettings, WorkerConfig
+from workers.settings import ApplySettings, TimelineWorkerSettings, WorkerConfig
 from workers.snapshot import SparkSettings
 
 DEFAULT_DATABASE = "sqlite:///tickline.db"
@@ -60,6 +61,7 @@ class Config:
     spark: SparkSettings = SparkSettings()  # tickline snapshot and workers.snapshot
     limits: LimitsConfig = LimitsConfig()  # the master's limits (keys under master:)
     tls: TLSConfig = TLSConfig()  # the tls: section
+    timeline: TimelineSettings = TimelineSettings()  # the master's timeline topics
 
 
 def parse_address(value: Any, key: str) -> tuple[str, int]:
@@ -104,6 +106,11 @@ NUMBER_RANGES: dict[str, tuple[float, float]] = {
     "caches.max_size": (1, 1_000_000_000),
     "spark.num_partitions": (1, 1024),
     "spark.fetchsize": (1, 10_000_000),
+    "master.auth_timeout": (0.1, 86400.0),
+    "master.idle_timeout": (0.1, 86400.0),
+    "master.line_timeout": (0.1, 86400.0),
+    "master.max_queued_bytes": (4096, 1024**3),
+    "master.max_name_bytes": (16, 65536),
 }
 SECONDS = (0.001, 31_536_000.0)  # any other duration: 1 ms to a year
 COUNT = (1, 2**31 - 1)  # any other whole number
@@ -188,6 +195,7 @@ TOP_KEYS = (
     "caches",
     "spark",
     "tls",
+    "timeline",
 )
 
 
@@ -282,6 +290,7 @@ def config_from_mapping(raw: Any, source: str | None = None) -> Config:
     spark_keys = tuple(f.name for f in attr.fields(SparkSettings))
     spark = SparkSettings(**_checked(SparkSettings, _section(raw, "spark"), "spark.", spark_keys))
     tls = _tls_config(_section(raw, "tls"))
+    timeline = timeline_settings(_section(raw, "timeline"))
     return Config(
         master,
         protocol,
@@ -296,7 +305,22 @@ def config_from_mapping(raw: Any, source: str | None = None) -> Config:
         spark=spark,
         limits=limits,
         tls=tls,
+        timeline=timeline,
     )
+
+
+def timeline_settings(section: Mapping[str, Any]) -> TimelineSettings:
+    """The ``timeline:`` section: ``topics`` (a list of names; ``jobs`` always exists) and tuning."""
+    keys = tuple(f.name for f in attr.fields(TimelineSettings))
+    plain = {k: v for k, v in section.items() if k != "topics"}
+    values = _checked(TimelineSettings, plain, "timeline.", keys)
+    if "topics" in section:
+        topics = _string_list(section["topics"], "timeline.topics")
+        for topic in topics:
+            if not NAME_WORD.fullmatch(topic):
+                raise ConfigError(f"timeline.topics: {topic!r} is not one word of printable ASCII")
+        values["topics"] = topics
+    return TimelineSettings(**values)
 
 
 # -- limits and TLS (issue 10: bounded resources, TLS) ------------------------------------
@@ -307,9 +331,6 @@ def _limits_config(master_section: Mapping[str, Any]) -> tuple[dict[str, Any], L
     limit_keys = tuple(f.name for f in attr.fields(LimitsConfig))
     rest = {k: v for k, v in master_section.items() if k not in limit_keys}
     values = _checked(LimitsConfig, {k: v for k, v in master_section.items() if k in limit_keys}, "master.", limit_keys)
-    for key, value in values.items():
-        if isinstance(value, float) and not (math.isfinite(value) and value >= 0.1):
-            raise ConfigError(f"master.{key}: expected a finite number of seconds, at least 0.1, got {value!r}")
     return rest, LimitsConfig(**values)
 
 
@@ -370,7 +391,7 @@ def _string_list(value: Any, key: str) -> tuple[str, ...]:
 def _worker_config(
     section: Mapping[str, Any], streams: Mapping[str, StreamSchema], master: MasterConfig
 ) -> WorkerConfig:
-    special = ("master", "replicate", "handlers", "database", "ordered", "start_at")
+    special = ("master", "replicate", "handlers", "database", "ordered", "start_at", "timeline")
     apply_keys = tuple(f.name for f in attr.fields(ApplySettings))
     plain_keys = tuple(
         f.name
@@ -415,6 +436,8 @@ def _worker_config(
             values["start_at_ms"] = parse_when(section["start_at"])
         except BadInstant as e:
             raise ConfigError(f"worker.start_at: {e}") from None
+    if "timeline" in section:
+        values["timeline"] = worker_timeline(section["timeline"])
     worker = WorkerConfig(**values)
     for low, high in (("reconnect_initial", "reconnect_max"), ("retry_initial", "retry_max")):
         settings = worker.apply if low.startswith("retry") else worker
@@ -423,6 +446,28 @@ def _worker_config(
                 f"worker.{low} ({getattr(settings, low):g} s) must not be above worker.{high} ({getattr(settings, high):g} s)"
             )
     return worker
+
+
+def worker_timeline(value: Any) -> tuple[TimelineWorkerSettings, ...]:
+    """``worker.timeline``: one mapping (or a list of them) of topic, handler, credit, lease, backoff."""
+    entries = value if isinstance(value, list) else [value]
+    keys = tuple(f.name for f in attr.fields(TimelineWorkerSettings))
+    found = []
+    for i, entry in enumerate(entries):
+        prefix = "worker.timeline." if not isinstance(value, list) else f"worker.timeline[{i}]."
+        if not isinstance(entry, Mapping):
+            raise ConfigError(f"{prefix[:-1]}: expected a mapping with topic and handler, got {entry!r}")
+        if "handler" not in entry:
+            raise ConfigError(f"{prefix}handler: missing (a dotted path, package.module:function)")
+        handler = entry["handler"]
+        if not isinstance(handler, str) or not handler.strip():
+            raise ConfigError(f"{prefix}handler: expected a dotted path, got {handler!r}")
+        values = _checked(TimelineWorkerSettings, {k: v for k, v in entry.items() if k != "handler"}, prefix, keys)
+        found.append(TimelineWorkerSettings(handler=handler, **values))
+    topics = [(s.topic, s.consumer) for s in found]
+    if len(set(topics)) != len(topics):
+        raise ConfigError("worker.timeline: a topic is consumed twice with the same consumer id")
+    return tuple(found)
 
 
 def _cache_settings(section: Mapping[str, Any]) -> CacheSettings:

@@ -31,20 +31,35 @@ def run_master(args: argparse.Namespace, config: Config) -> int:
     metrics = (
         parse_metrics_address(args.metrics_listen, "--metrics-listen") if args.metrics_listen else config.metrics_listen
     )
+    from storage.timeline_store import open_timeline_store
+
+    url = database_url(args, config)
     store = open_store(
-        database_url(args, config),
+        url,
         writer_timeout=master_config.writer_timeout,
         max_line_bytes=config.protocol.max_line_bytes,
     )
+    timeline_store = open_timeline_store(url, buckets=config.timeline.buckets)
     # The database threads (DatabaseThreads of master.db_threads) are built by default.
     master = Master(
-        master_config, config.protocol, store, config.streams, reactor, limits=config.limits, tls=config.tls
+        master_config,
+        config.protocol,
+        store,
+        config.streams,
+        reactor,
+        limits=config.limits,
+        tls=config.tls,
+        timeline_store=timeline_store,
+        timeline_settings=config.timeline,
     )
 
     async def start() -> None:
         await master.start()
         if metrics is not None:
-            serve_metrics(reactor, MasterCollector(master), *metrics)
+            from replication.timeline_metrics import Collectors, TimelineCollector
+
+            collector = Collectors(MasterCollector(master), TimelineCollector(master.timeline))
+            serve_metrics(reactor, collector, *metrics)
             follow_heads(reactor, master)
 
     def ready() -> defer.Deferred[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 import attr
 
@@ -69,11 +70,19 @@ def run_worker(args: argparse.Namespace, config: Config) -> int:
         worker.prepare()
     except UnknownStreamError as e:
         raise ConfigError(str(e)) from None
+    timeline = timeline_consumers(wc, config, reactor)
 
     async def start() -> None:
         if metrics is not None:
             serve_metrics(reactor, WorkerCollector(worker), *metrics)
         worker.start()
+        for consumer in timeline:
+            consumer.start()
+
+    async def stop() -> None:
+        for consumer in timeline:
+            consumer.stop()
+        await worker.stop()
 
     def ready() -> defer.Deferred[str]:
         # READY=1 once connected and caught up with every stream.
@@ -84,7 +93,38 @@ def run_worker(args: argparse.Namespace, config: Config) -> int:
         state = "connected" if worker.client is not None else f"connecting to {wc.master_host}:{wc.master_port}"
         return f"{state}; applied {streams}"
 
-    return run_daemon(reactor, "worker", start, ready, worker.stop, status, config.source)
+    return run_daemon(reactor, "worker", start, ready, stop, status, config.source)
+
+
+def timeline_consumers(wc: WorkerConfig, config: Config, reactor: Any) -> list[Any]:
+    """One consumer per ``worker.timeline`` entry (handlers loaded now: bad paths stop start-up)."""
+    from workers.timeline import TimelineConsumer
+
+    consumers = []
+    for i, settings in enumerate(wc.timeline):
+        if settings.topic not in config.timeline.topics:
+            raise ConfigError(
+                f"worker.timeline: unknown topic {settings.topic!r} (topics: {', '.join(config.timeline.topics)})"
+            )
+        try:
+            handler = load_handler(settings.handler)
+        except HandlerError as e:
+            raise ConfigError(f"worker.timeline: {e}") from None
+        name = wc.name if len(wc.timeline) == 1 else f"{wc.name}-{i}"
+        consumers.append(
+            TimelineConsumer(
+                settings,
+                handler,
+                name,
+                wc.master_host,
+                wc.master_port,
+                config.protocol,
+                reactor,
+                config.master.secret,
+                wc.reconnect_max,
+            )
+        )
+    return consumers
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -36,3 +36,17 @@ class WorkerConfig:
     ordered: bool | None = None  # timestamp order across streams; None: when 2+ streams have handlers
     start_at_ms: int | None = None  # a stream never applied here starts at this Unix ms (worker.start_at)
     apply: ApplySettings = ApplySettings()
+    timeline: tuple[TimelineWorkerSettings, ...] = ()  # timeline topics consumed with handlers
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class TimelineWorkerSettings:
+    """``worker.timeline``: consume a timeline topic with a handler; defaults are the config's."""
+
+    handler: str  # dotted path: package.module:function, called with a TimelineJob
+    topic: str = "jobs"
+    consumer: str | None = None  # consumer id; None: the worker's name (keep it across restarts)
+    credit: int = 10  # handlers running at once (active leases)
+    lease_ms: int = 30_000  # extended automatically at half while the handler runs
+    backoff_initial_ms: int = 1_000  # first RELEASE delay after a handler raised
+    backoff_max_ms: int = 300_000  # the delay doubles per failure up to this

@@ -40,6 +40,11 @@ MASTER_METRICS = {
     "tickline_limit_dropped_relays": "counter",
     "tickline_limit_suppressed_log_lines": "counter",
     "tickline_limit_accept_errors": "counter",
+    "tickline_timeline_messages": "gauge",
+    "tickline_timeline_leases_granted": "counter",
+    "tickline_timeline_leases_expired": "counter",
+    "tickline_timeline_refused": "counter",
+    "tickline_timeline_push_lateness_seconds": "histogram",
 }
 WORKER_METRICS = {
     "tickline_worker_applied_token": "gauge",
@@ -70,7 +75,10 @@ def check_conventions(port: int, expected: dict[str, str]) -> None:
         assert not name.endswith(("_total", "_count", "_sum", "_bucket", "_created")), name
         assert "_ms" not in name and "millisecond" not in name, f"{name}: use base units (seconds)"
         for s in family.samples:
-            assert s.name == (name + "_total" if family.type == "counter" else name), s.name
+            if family.type == "histogram":
+                assert s.name in (name + "_bucket", name + "_sum", name + "_count"), s.name
+            else:
+                assert s.name == (name + "_total" if family.type == "counter" else name), s.name
             assert all(LABEL_NAME.fullmatch(label) for label in s.labels), s.labels
     # The OpenMetrics parser is stricter (counters must end in _total, # EOF, ...).
     request = urllib.request.Request(

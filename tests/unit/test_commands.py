@@ -30,6 +30,19 @@ from replication.commands import (
     parse_line,
 )
 
+TIMELINE_NAMES = {
+    "TIMELINE",
+    "EXTEND",
+    "RELEASE",
+    "DELETE",
+    "SCHEDULE",
+    "MOVE",
+    "CANCEL",
+    "LEASE",
+    "ACK",
+    "NACK",
+}
+
 # (line on the wire, the command it parses to)
 ROUND_TRIPS = [
     ("SERVER master.example.com", ServerCommand("master.example.com")),
@@ -99,17 +112,29 @@ def test_every_command_has_a_class_and_a_direction() -> None:
         "AUTH",
         "OPTIONS",
         "TICK",
-    }
+    } | TIMELINE_NAMES
     assert set(COMMAND_CLASSES) == expected
     for name, cls in COMMAND_CLASSES.items():
         assert name == cls.NAME
     assert expected == SERVER_COMMANDS | CLIENT_COMMANDS
-    # every class is exercised by a round trip above
-    assert {type(c).NAME for _, c in ROUND_TRIPS} == expected
+    # every class is exercised by a round trip above (the timeline's in test_timeline_commands)
+    assert {type(c).NAME for _, c in ROUND_TRIPS} == expected - TIMELINE_NAMES
 
 
 def test_direction_sets_follow_the_protocol_table() -> None:
-    assert {"SERVER", "PING", "POSITION", "RDATA", "ERROR", "REMOTE_SERVER_UP", "OPTIONS", "TICK"} == SERVER_COMMANDS
+    assert {
+        "SERVER",
+        "PING",
+        "POSITION",
+        "RDATA",
+        "ERROR",
+        "REMOTE_SERVER_UP",
+        "OPTIONS",
+        "TICK",
+        "LEASE",
+        "ACK",
+        "NACK",
+    } == SERVER_COMMANDS
     assert {
         "PING",
         "NAME",
@@ -122,6 +147,13 @@ def test_direction_sets_follow_the_protocol_table() -> None:
         "REMOTE_SERVER_UP",
         "AUTH",
         "OPTIONS",
+        "TIMELINE",
+        "EXTEND",
+        "RELEASE",
+        "DELETE",
+        "SCHEDULE",
+        "MOVE",
+        "CANCEL",
     } == CLIENT_COMMANDS
     # Sent by both sides: exactly those marked S,C in the table.
     # OPTIONS: the client asks, the master answers with what it accepted.

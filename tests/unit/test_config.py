@@ -7,6 +7,7 @@ import pytest
 
 from replication.master import MasterConfig
 from replication.protocol import ProtocolConfig
+from replication.timeline_settings import TimelineSettings
 from scripts.cli import main
 from scripts.config import ConfigError, config_from_mapping, load_config
 from workers.consumer import ApplySettings
@@ -38,6 +39,9 @@ def test_sample_config_loads_and_states_the_defaults() -> None:
                 continue
             assert f"{field.name}:" in text, f"sample_config.yaml does not document {field.name}"
     assert config.worker == WorkerConfig()
+    assert config.timeline == TimelineSettings()
+    for field in attr.fields(TimelineSettings):
+        assert f"{field.name}:" in text, f"sample_config.yaml does not document timeline.{field.name}"
 
 
 def test_values_are_taken() -> None:

@@ -1,0 +1,284 @@
+"""The master's timeline service with an injected clock (task.Clock) and a real SQLite store.
+
+Storage calls go through a runner the test drives, so the interleavings
+(a connection lost while a lease pass is out) are exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from twisted.internet import defer, task
+
+from replication.commands import (
+    Command,
+    DeleteCommand,
+    ExtendCommand,
+    LeaseCommand,
+    ReleaseCommand,
+    ScheduleCommand,
+    TimelineCommand,
+)
+from replication.timeline import TimelineService
+from replication.timeline_settings import TimelineSettings
+from storage.timeline_store import open_timeline_store
+
+T0 = 1_700_000_000.0  # seconds
+
+
+class Runner:
+    """Storage calls queue here until the test runs them (one by one, in order)."""
+
+    def __init__(self) -> None:
+        self.queue: list[tuple[Callable[..., Any], tuple, defer.Deferred]] = []
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> defer.Deferred[Any]:
+        d: defer.Deferred[Any] = defer.Deferred()
+        self.queue.append((lambda: fn(*args, **kwargs), (), d))
+        return d
+
+    def step(self) -> bool:
+        if not self.queue:
+            return False
+        fn, _, d = self.queue.pop(0)
+        try:
+            result = fn()
+        except Exception as e:  # pragma: no cover
+            d.errback(e)
+        else:
+            d.callback(result)
+        return True
+
+
+class Conn:
+    def __init__(self, name: str) -> None:
+        self.conn_name = name
+        self.paused = False
+        self.read_closed = False
+        self.transport = None
+        self.sent: list[Command] = []
+
+    def send(self, command: Command) -> None:
+        self.sent.append(command)
+
+    def finish_after_half_close(self) -> None:
+        pass
+
+    def leases(self) -> list[LeaseCommand]:
+        return [c for c in self.sent if isinstance(c, LeaseCommand)]
+
+    def answers(self) -> list[str]:
+        return [c.to_line() for c in self.sent if not isinstance(c, LeaseCommand)]
+
+
+@pytest.fixture
+def env(tmp_path: Path):
+    clock = task.Clock()
+    clock.advance(T0)
+    runner = Runner()
+    store = open_timeline_store(f"sqlite:///{tmp_path}/t.db")
+    service = TimelineService(store, TimelineSettings(batch=4, remove_interval=3600), runner, clock)
+
+    def settle(advance: float = 0.0) -> None:
+        clock.advance(advance)
+        while runner.step() or any(c.getTime() <= clock.seconds() for c in clock.getDelayedCalls()):
+            clock.advance(0)
+
+    service.start()
+    settle()
+    yield service, clock, runner, settle
+    service.stop()
+    store.close()
+
+
+def ms(seconds: float) -> int:
+    return int(seconds * 1000)
+
+
+def timers(clock: task.Clock) -> list[float]:
+    return sorted(round(c.getTime() - clock.seconds(), 3) for c in clock.getDelayedCalls())
+
+
+def test_sleeps_until_the_next_due_message_without_polling(env) -> None:
+    service, clock, _, settle = env
+    producer, worker = Conn("p"), Conn("w")
+    service.command(worker, TimelineCommand("jobs", "w", 5, 10_000))
+    settle()
+    assert timers(clock) == [3600.0]  # only the batch remover: no polling
+    service.command(producer, ScheduleCommand("jobs", "g", "a", 5000, True, "{}"))
+    settle()
+    assert producer.answers()[0].startswith("ACK SCHEDULE jobs a 1 ")
+    assert timers(clock) == [5.0, 3600.0]  # one timer, at the due time
+    settle(4.999)
+    assert worker.leases() == []
+    settle(0.001)
+    (lease,) = worker.leases()
+    assert (lease.id, lease.version, lease.until_ms) == ("a", 2, ms(T0 + 5) + 10_000)
+    assert service.stats.lateness_count == 1 and service.stats.lateness_sum == 0
+
+
+def test_moving_a_message_earlier_moves_the_timer(env) -> None:
+    service, clock, _, settle = env
+    p, w = Conn("p"), Conn("w")
+    service.command(w, TimelineCommand("jobs", "w", 5, 10_000))
+    service.command(p, ScheduleCommand("jobs", "g", "a", 60_000, True, "{}"))
+    settle()
+    assert timers(clock)[0] == 60.0
+    service.command(p, ScheduleCommand("jobs", "g", "b", 2_000, True, "{}"))
+    settle()
+    assert timers(clock)[0] == 2.0
+    settle(2.0)
+    assert [x.id for x in w.leases()] == ["b"]
+
+
+def test_an_expired_lease_wakes_the_master_and_goes_out_again(env) -> None:
+    service, _clock, _, settle = env
+    p, a = Conn("p"), Conn("a")
+    service.command(p, ScheduleCommand("jobs", "g", "a", 0, True, "{}"))
+    service.command(a, TimelineCommand("jobs", "A", 1, 1_000))
+    settle()
+    assert [x.version for x in a.leases()] == [2]
+    b = Conn("b")
+    service.command(b, TimelineCommand("jobs", "B", 1, 1_000))
+    settle(0.999)
+    assert b.leases() == [] and len(a.leases()) == 1
+    settle(0.001)
+    # Re-delivered to the other consumer (A had room too, but abandoned it).
+    assert [x.version for x in b.leases()] == [3] and len(a.leases()) == 1
+    assert service.stats.expired == 1
+    # The first holder is fenced.
+    service.command(a, DeleteCommand("jobs", "a", 2))
+    settle()
+    assert a.answers()[-1] == "NACK DELETE jobs a not the holder"
+
+
+def test_credit_bounds_active_leases_and_delete_frees_it(env) -> None:
+    service, _, _, settle = env
+    p, w = Conn("p"), Conn("w")
+    for i in range(5):
+        service.command(p, ScheduleCommand("jobs", "g", f"m{i}", 0, True, "{}"))
+    service.command(w, TimelineCommand("jobs", "w", 2, 10_000))
+    settle()
+    assert [x.id for x in w.leases()] == ["m0", "m1"]
+    service.command(w, DeleteCommand("jobs", "m0", 2))
+    settle()
+    assert w.answers()[-1].startswith("ACK DELETE jobs m0 3 ")
+    assert [x.id for x in w.leases()] == ["m0", "m1", "m2"]
+    service.command(w, ReleaseCommand("jobs", "m1", 2, 500))
+    settle()
+    assert [x.id for x in w.leases()] == ["m0", "m1", "m2", "m3"]
+    service.command(w, ExtendCommand("jobs", "m2", 2, 20_000))
+    settle()
+    assert w.answers()[-1] == f"ACK EXTEND jobs m2 3 {ms(T0) + 20_000}"
+
+
+def test_bursts_are_paced_and_spread_fairly(env) -> None:
+    service, _clock, _runner, settle = env
+    p = Conn("p")
+    for i in range(60):
+        service.command(p, ScheduleCommand("jobs", "g", f"m{i:02}", 0, True, "{}"))
+    settle()
+    passes: list[list[int]] = []
+    lease_pass = service._lease_pass
+
+    def recording(topic: str, requests: list, now_ms: int) -> Any:
+        passes.append([n for _, _, n in requests])
+        return lease_pass(topic, requests, now_ms)
+
+    service._lease_pass = recording  # type: ignore[method-assign]
+    workers = [Conn(f"w{i}") for i in range(3)]
+    for i, w in enumerate(workers):
+        service.command(w, TimelineCommand("jobs", f"w{i}", 100, 10_000))
+    settle()
+    # Each pass asks at most `batch` (4) leases per consumer; the reactor turns between passes.
+    assert passes and all(n <= 4 for asked in passes for n in asked)
+    assert len(passes) >= 60 // 12
+    counts = [len(w.leases()) for w in workers]
+    assert sum(counts) == 60 and min(counts) >= 12, counts  # w0 started a pass earlier
+    ids = [x.id for w in workers for x in w.leases()]
+    assert len(set(ids)) == 60
+
+
+def test_paused_connection_gets_nothing_until_it_resumes(env) -> None:
+    service, _, _, settle = env
+    p, w = Conn("p"), Conn("w")
+    w.paused = True
+    service.command(w, TimelineCommand("jobs", "w", 5, 10_000))
+    service.command(p, ScheduleCommand("jobs", "g", "a", 0, True, "{}"))
+    settle()
+    assert w.leases() == []
+    w.paused = False
+    service.resumed(w)
+    settle()
+    assert [x.id for x in w.leases()] == ["a"]
+
+
+def test_a_lease_taken_for_a_connection_that_went_away_is_released_at_once(env) -> None:
+    service, _, runner, settle = env
+    p, w, other = Conn("p"), Conn("w"), Conn("o")
+    service.command(p, ScheduleCommand("jobs", "g", "a", 0, True, "{}"))
+    settle()
+    service.command(w, TimelineCommand("jobs", "w", 5, 60_000))
+    runner.step()  # w's active leases (none); the lease pass is queued now
+    assert len(runner.queue) == 1
+    service.connection_lost(w)  # ... and w goes away before the pass runs
+    runner.step()  # the pass leases "a" for w in storage, finds w gone, queues the release
+    held = service.store.get("jobs", "a")
+    assert held is not None and held.consumer == "w"
+    settle()
+    released = service.store.get("jobs", "a")
+    assert released is not None and released.consumer is None and released.ts <= ms(T0)
+    service.command(other, TimelineCommand("jobs", "o", 5, 60_000))
+    settle()
+    assert [x.id for x in other.leases()] == ["a"]
+    assert w.leases() == []
+
+
+def test_answers_keep_command_order_and_commands_on_one_id_run_in_order(env) -> None:
+    service, _, _, settle = env
+    p = Conn("p")
+    service.command(p, ScheduleCommand("jobs", "g", "a", 1000, True, '{"v":1}'))
+    service.command(p, ScheduleCommand("jobs", "g", "a", 9000, True, '{"v":2}'))
+    service.command(p, ScheduleCommand("jobs", "g", "b", 1000, True, "{}"))
+    settle()
+    a1, a2, b = p.answers()
+    assert a1 == a2 and a1.startswith("ACK SCHEDULE jobs a 1 ") and b.startswith("ACK SCHEDULE jobs b 1 ")
+    stored = service.store.get("jobs", "a")
+    assert stored is not None and stored.body == '{"v":1}'
+
+
+def test_a_returning_consumer_gets_its_leases_first(env) -> None:
+    service, _, _, settle = env
+    p, w = Conn("p"), Conn("w")
+    for i in range(3):
+        service.command(p, ScheduleCommand("jobs", "g", f"m{i}", 0, True, "{}"))
+    service.command(w, TimelineCommand("jobs", "w", 2, 60_000))
+    settle()
+    first = [(x.id, x.version) for x in w.leases()]
+    service.connection_lost(w)
+    w2 = Conn("w2")
+    service.command(w2, TimelineCommand("jobs", "w", 2, 60_000))
+    settle()
+    assert [(x.id, x.version) for x in w2.leases()] == first
+
+
+def test_a_body_whose_lease_line_would_not_fit_is_refused(tmp_path: Path) -> None:
+    clock = task.Clock()
+    store = open_timeline_store(f"sqlite:///{tmp_path}/t.db")
+    runner = Runner()
+    service = TimelineService(store, TimelineSettings(), runner, clock, max_line_bytes=100)
+    p = Conn("p")
+    service.command(p, ScheduleCommand("jobs", "g", "b", 0, True, '"' + "x" * 60 + '"'))
+    assert p.answers() == [
+        "ERROR SCHEDULE jobs: body too long: its LEASE line could be 115 bytes, the line limit is 100"
+    ]
+    service.command(p, ScheduleCommand("jobs", "g", "a", 0, True, '"' + "x" * 40 + '"'))
+    clock.advance(0)
+    while runner.step():
+        pass
+    assert p.answers()[-1].startswith("ACK SCHEDULE jobs a 1 ")
+    assert store.get("jobs", "b") is None
+    store.close()
