@@ -22,10 +22,10 @@ import socket
 import struct
 import termios
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar, cast
 
 from twisted.internet import task
-from twisted.internet.interfaces import IHalfCloseableProtocol
+from twisted.internet.interfaces import IHalfCloseableProtocol, ITCPTransport
 from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
 from zope.interface import implementer
@@ -113,6 +113,10 @@ class LineCommandProtocol(Protocol):
 
     def connectionMade(self) -> None:
         assert self.transport is not None
+        if ITCPTransport.providedBy(self.transport):
+            # Lines are small and sent as they come: no Nagle delay (with the
+            # peer's delayed ACK it held RDATA and PING back by tens of ms).
+            cast(Any, self.transport).setTcpNoDelay(True)
         peer = self.transport.getPeer()
         self.peer_address = f"{getattr(peer, 'host', '?')}:{getattr(peer, 'port', '?')}"
         self.conn_name = self.peer_address

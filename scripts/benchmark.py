@@ -68,7 +68,8 @@ import orjson
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIRE_SCENARIOS = ("wire", "wire-live")
-SCENARIOS = (*WIRE_SCENARIOS, "catch-up", "end-to-end")  # the last two: scripts/bench_workers.py
+PG_SCENARIOS = ("end-to-end", "latency", "catch-up", "writer")  # against logical replication: scripts/bench_pg.py
+SCENARIOS = (*WIRE_SCENARIOS, *PG_SCENARIOS)
 SCENARIOS += ("snapshot",)  # Spark JDBC snapshots: scripts/bench_snapshot.py
 SCENARIOS += ("ordered",)  # timestamp order across streams: scripts/bench_ordered.py
 SCENARIOS += ("timeline",)  # timeline leases/s on PostgreSQL: scripts/bench_timeline.py
@@ -688,7 +689,9 @@ def main(
     repeat: int = DEFAULT_REPEAT,
     profile_dir: str | None = None,
     verbose: bool = False,
-    plot: str | None = None,
+    rate: int = 1000,
+    seconds: float = 10.0,
+    plot_path: str | None = None,
 ) -> int:
     """Run the scenarios (default: all); print one result line each. Returns an exit code."""
     chosen = list(scenarios or SCENARIOS)
@@ -700,8 +703,8 @@ def main(
         return 2
     requested_rows = rows  # the snapshot scenario's default is its own (1,000,000)
     rows = DEFAULT_ROWS if rows is None else rows
-    if rows < 1 or repeat < 1:
-        print("tickline bench: error: --rows and --repeat must be positive", file=sys.stderr)
+    if rows < 1 or repeat < 1 or rate < 1 or not seconds > 0:
+        print("tickline bench: error: --rows, --repeat, --rate and --seconds must be positive", file=sys.stderr)
         return 2
     print(f"tickline bench: {rows:,} rows, best of {repeat} runs, {os.cpu_count()} cores", flush=True)
     workdir = tempfile.mkdtemp(prefix="tickline-bench-")
@@ -714,15 +717,25 @@ def main(
 
             fanout = run_fanout(rows, repeat, workdir, verbose)
             print_fanout(fanout)
-            if plot:
+            if plot_path:
                 from scripts.bench_fanout import plot as plot_fanout
 
-                plot_fanout(fanout, plot)
-                print(f"  plot: {plot}", flush=True)
-        if any(s not in (*WIRE_SCENARIOS, "snapshot", "ordered", "timeline", "fanout") for s in chosen):
-            from scripts.bench_workers import run_worker_scenarios
+                # With PostgreSQL scenarios too, their plot takes the path given.
+                path = plot_path
+                if any(s in PG_SCENARIOS for s in chosen):
+                    path = os.path.splitext(plot_path)[0] + "-fanout.png"
+                plot_fanout(fanout, path)
+                print(f"  plot: {path}", flush=True)
+        if any(s in PG_SCENARIOS for s in chosen):
+            from scripts.bench_pg import run as run_pg
 
-            run_worker_scenarios(chosen, rows, workdir)
+            # Each PostgreSQL scenario starts and replicates whole databases: 3 interleaved runs at most.
+            pg_results = run_pg(chosen, rows, workdir, min(repeat, 3), rate, seconds, verbose=verbose)
+            if plot_path:
+                from scripts.bench_pg import plot
+
+                plot(pg_results, plot_path)
+                print(f"  plot: {plot_path}", flush=True)
         if "snapshot" in chosen:
             from scripts.bench_snapshot import print_results, run_snapshot_bench
 
@@ -793,9 +806,16 @@ def _cli(argv: Sequence[str] | None = None) -> int:
         help="after the timed runs, one more replay sampled by py-spy (master and client); print where time goes",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="print each run")
-    p.add_argument("--plot", metavar="PNG", help="fanout: plot master CPU per delivered row against clients")
+    p.add_argument("--rate", type=int, default=1000, help="latency: single-row commits per second (default 1000)")
+    p.add_argument("--seconds", type=float, default=10.0, help="latency: seconds of paced commits (default 10)")
+    p.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="end-to-end, latency, catch-up: plot ratios and percentiles; "
+        "fanout: master CPU per delivered row against clients (FILE-fanout.png when both)",
+    )
     a = p.parse_args(argv)
-    return main(a.scenarios, a.rows, a.repeat, a.profile, a.verbose, a.plot)
+    return main(a.scenarios, a.rows, a.repeat, a.profile, a.verbose, a.rate, a.seconds, a.plot)
 
 
 if __name__ == "__main__":

@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="run benchmarks, print ratios against baselines")
     bench.add_argument("scenarios", nargs="*", metavar="SCENARIO", help="default: all")
     bench.add_argument("--rows", type=int, default=None, help="rows per scenario")
+    bench.add_argument("--repeat", type=int, default=3, help="runs per measurement (interleaved)")
+    bench.add_argument("--rate", type=int, default=1000, help="latency: single-row commits per second")
+    bench.add_argument("--seconds", type=float, default=10.0, help="latency: seconds of paced commits")
     return parser
 
 
@@ -163,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "bench":
             from scripts import benchmark
 
-            return benchmark.main(args.scenarios, args.rows)
+            return benchmark.main(args.scenarios, args.rows, args.repeat, rate=args.rate, seconds=args.seconds)
         config = load_config(args.config)
         setup_logging(config.log_level)
         if args.command == "master":

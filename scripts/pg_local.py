@@ -37,7 +37,11 @@ def _free_port() -> int:
 
 
 class PostgresServer:
-    def __init__(self) -> None:
+    """``durable``: fsync and synchronous commit on (benchmarks); ``logical``: ``wal_level=logical``."""
+
+    def __init__(self, durable: bool = False, logical: bool = False) -> None:
+        self.durable = durable
+        self.logical = logical
         self.port = _free_port()
         self.user = "postgres"
         self.datadir = Path(tempfile.mkdtemp(prefix="tickline-pg-", dir="/tmp"))
@@ -63,10 +67,11 @@ class PostgresServer:
         result = self._run(initdb, "--no-sync", "-A", "trust", "-U", "postgres", "-E", "UTF8", "-D", data)
         if result.returncode != 0:
             raise RuntimeError(f"initdb failed: {result.stderr}")
-        options = (
-            f"-p {self.port} -k {self.datadir} -c listen_addresses=127.0.0.1 -c fsync=off "
-            "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200"
-        )
+        options = f"-p {self.port} -k {self.datadir} -c listen_addresses=127.0.0.1 -c max_connections=200"
+        if not self.durable:
+            options += " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
+        if self.logical:
+            options += " -c wal_level=logical -c max_wal_senders=10 -c max_replication_slots=10"
         self._options = options
         self._launch()
 

@@ -62,7 +62,7 @@ def run_worker(args: argparse.Namespace, config: Config) -> int:
         else config.worker_metrics_listen
     )
     caches = CacheRegistry(config.caches.special, config.caches.max_size)
-    store = open_worker_store(wc.database)
+    store = open_worker_store(wc.database, synchronous_commit=wc.synchronous_commit)
     worker = Worker(
         wc, config.protocol, store, config.streams, reactor, handlers, caches, config.master.secret, tls=config.tls
     )

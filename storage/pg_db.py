@@ -53,8 +53,9 @@ class PgDatabase:
     dialect = "postgresql"
     placeholder = "%s"
 
-    def __init__(self, dsn: str, connect_timeout: int = 5) -> None:
+    def __init__(self, dsn: str, connect_timeout: int = 5, settings: dict[str, str] | None = None) -> None:
         self.dsn = dsn
+        self._settings = dict(settings or {})  # SET for every connection (e.g. synchronous_commit)
         self._connect_timeout = connect_timeout
         self._local = threading.local()
         self._all: list[Any] = []
@@ -67,6 +68,11 @@ class PgDatabase:
         except psycopg2.Error as e:
             message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise DatabaseUnavailable(redact_url(f"cannot connect to PostgreSQL at {self.dsn}: {message}")) from None
+        if self._settings:
+            conn.autocommit = True
+            with conn.cursor() as cur:
+                for name, value in self._settings.items():
+                    cur.execute("SELECT set_config(%s, %s, false)", (name, value))
         conn.autocommit = autocommit
         with self._all_lock:
             self._all.append(conn)
@@ -111,6 +117,28 @@ class PgDatabase:
         except psycopg2.Error:
             pass
         self._local.conn = None
+
+    def query(self, sql: str, params: Any = ()) -> list[Any]:
+        """One statement's rows on this thread's autocommit connection: its own transaction, one round trip.
+
+        The same snapshot semantics as :meth:`read` of a single statement,
+        without ``BEGIN`` and ``COMMIT`` round trips.
+        """
+        conn = getattr(self._local, "auto", None)
+        if conn is None or conn.closed:
+            conn = self._local.auto = self.connect(autocommit=True)
+        try:
+            with conn.cursor() as cur:
+                cur.execute(sql, params)
+                rows: list[Any] = cur.fetchall()
+                return rows
+        except psycopg2.OperationalError as e:
+            try:
+                conn.close()
+            except psycopg2.Error:
+                pass
+            self._local.auto = None
+            raise DatabaseUnavailable(redact_url(f"PostgreSQL at {self.dsn}: {str(e).strip()}")) from None
 
     def write(self, fn: Callable[[Cursor], Any]) -> Any:
         return self._run(fn, psycopg2.extensions.ISOLATION_LEVEL_READ_COMMITTED)

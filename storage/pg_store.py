@@ -23,6 +23,7 @@ master listens to instead of polling.
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import socket
@@ -39,15 +40,122 @@ import psycopg2.extensions
 
 from storage import time_index
 from storage.contracts import JsonRow, Row, StoredRow
-from storage.limits import DEFAULT_MAX_LINE_BYTES, check_rows
+from storage.limits import DEFAULT_MAX_LINE_BYTES, check_rows, max_row_json_bytes
+from storage.pg_copy import _COPY_FORMATS, NULL_COPY, _copy_text, formatter
 from storage.pg_db import Cursor, PgDatabase
-from storage.schema import StreamSchema, check_instance_name
+from storage.schema import COLUMN_TYPES, RowError, StreamSchema, check_instance_name
 from storage.store import FIRST_VALUE, DatabaseUnavailable, StreamCatalog
 from storage.urls import redact_url
 
 logger = logging.getLogger(__name__)
 CHANNEL = "tickline"
 NOW_MS = "(extract(epoch from clock_timestamp()) * 1000)::bigint"
+COPY_ROWS = 100  # appends of at least this many rows go by COPY
+MAX_TOKEN = 2**63 - 1
+ORACLE_SEQUENCE = "tickline_tso_seq"
+ORACLE_FUNCTION = "tickline_allocate_v4"
+ORACLE_LOCK = 0x74736F  # "tso": held by the allocation function for microseconds, never across a commit
+
+# The timestamp oracle and token allocation on PostgreSQL, in one function
+# called inside the writer's own transaction (no commit of its own).
+#
+# * ``tickline_tso.last_ts`` stays a floor (the oracle hands out only above
+#   it): ``allocate_timestamps`` records its high-water mark there with a
+#   durable commit, and an operator (or a bulk load) can move it up.
+# * The oracle's state is a sequence: ``setval`` and ``nextval`` are atomic
+#   and immediately visible to every session, are never rolled back and need
+#   no commit. PostgreSQL persists a sequence by logging it ahead of the
+#   values handed out (a window of 32 values for ``nextval``, the new end for
+#   ``setval``) and that record is flushed by the writer's own commit: after a
+#   restart, even of the server, the oracle resumes above every timestamp a
+#   committed row carries. The physical part follows the caller's clock
+#   (``now_ms``) when it is ahead; when the clock stands still or steps back
+#   the logical part counts on.
+# * A session advisory lock, taken and released inside the call (never held
+#   across a commit), makes the timestamps and the tokens of one allocation
+#   one step: whichever writer allocates first gets both the lower timestamps
+#   and the lower tokens, so ``ts`` increases with the token in every stream.
+# * An error between lock and unlock (none is expected: a sequence at its
+#   maximum, a cancelled statement) would leave the session holding the lock:
+#   the store then releases it (``pg_advisory_unlock_all``) before it uses
+#   the connection again (see ``_release_oracle_lock``); a closed connection
+#   releases it by itself. No exception block: it would cost a subtransaction
+#   per call.
+# * Tokens first, then timestamps: a reader of the oracle's mark without the
+#   lock (``time_index.oracle_last``) that sees the new timestamps also finds
+#   the new tokens allocated (the safe-time proof in docs/time.md needs it).
+# * ``n_tokens`` consecutive tokens of the stream's sequence (``setval`` moves
+#   it once for the whole range); 0 takes timestamps only.
+_ORACLE_SQL = f"""
+CREATE FUNCTION {ORACLE_FUNCTION}(seq regclass, n_ts integer, n_tokens integer, now_ms bigint,
+    OUT first_token bigint, OUT first_ts bigint) LANGUAGE plpgsql AS $fn$
+DECLARE
+    last bigint;
+    called boolean;
+BEGIN
+    PERFORM pg_advisory_lock({ORACLE_LOCK});
+    IF n_tokens > 0 THEN
+        first_token := nextval(seq);
+        IF n_tokens > 1 THEN
+            PERFORM setval(seq, first_token + n_tokens - 1, true);
+        END IF;
+    END IF;
+    SELECT last_value, is_called INTO last, called FROM {ORACLE_SEQUENCE};
+    IF NOT called THEN
+        last := last - 1;
+    END IF;
+    first_ts := GREATEST(last + 1, now_ms << 18, (SELECT last_ts + 1 FROM tickline_tso WHERE id = 1));
+    IF n_ts = 1 AND first_ts = last + 1 AND called THEN
+        first_ts := nextval('{ORACLE_SEQUENCE}');
+    ELSE
+        PERFORM setval('{ORACLE_SEQUENCE}', first_ts + n_ts - 1, true);
+    END IF;
+    PERFORM pg_advisory_unlock({ORACLE_LOCK});
+END
+$fn$
+"""
+
+
+FENCED_CODE = "TK001"
+FENCED_FUNCTION = "tickline_fenced_v1"
+_FENCED_SQL = f"""
+CREATE FUNCTION {FENCED_FUNCTION}() RETURNS boolean LANGUAGE plpgsql AS $fn$
+BEGIN
+    RAISE EXCEPTION 'this writer was declared dead (fenced off)' USING ERRCODE = '{FENCED_CODE}';
+END
+$fn$
+"""
+
+
+def _release_oracle_lock(conn: Any) -> None:
+    """After an error: the session may hold the oracle's lock (an error inside the function); release it."""
+    try:
+        if conn.closed:
+            return
+        if conn.get_transaction_status() != psycopg2.extensions.TRANSACTION_STATUS_IDLE:
+            conn.rollback()
+        with conn.cursor() as cur:
+            cur.execute("SELECT pg_advisory_unlock_all()")
+        if not conn.autocommit:
+            conn.commit()
+    except psycopg2.Error:
+        try:
+            conn.close()  # closing the session releases its locks
+        except psycopg2.Error:
+            pass
+
+
+def _create_oracle(cur: Cursor) -> None:
+    """Create the oracle's sequence (from ``tickline_tso``'s mark) and function, once."""
+    cur.execute("SELECT pg_advisory_xact_lock(%s)", (ORACLE_LOCK,))
+    if cur.execute("SELECT to_regclass(%s)", (ORACLE_SEQUENCE,)).fetchone()[0] is None:
+        (mark,) = cur.execute("SELECT last_ts FROM tickline_tso WHERE id = 1").fetchone()
+        cur.execute(f"CREATE SEQUENCE {ORACLE_SEQUENCE} MINVALUE 0 START 0")
+        cur.execute("SELECT setval(%s, %s, true)", (ORACLE_SEQUENCE, int(mark)))
+    if cur.execute("SELECT 1 FROM pg_proc WHERE proname = %s", (ORACLE_FUNCTION,)).fetchone() is None:
+        cur.execute(_ORACLE_SQL)
+    if cur.execute("SELECT 1 FROM pg_proc WHERE proname = %s", (FENCED_FUNCTION,)).fetchone() is None:
+        cur.execute(_FENCED_SQL)
 
 
 class Fenced(Exception):
@@ -95,8 +203,14 @@ class PgStreamStore:
         self._process_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"  # autocommit connections for the oracle and reports
 
     def migrate(self) -> list[int]:
-        """Create or upgrade the tables; returns the migration versions applied."""
-        return self.database.migrate()
+        """Create or upgrade the tables; returns the migration versions applied.
+
+        Also creates the timestamp oracle's sequence and allocation function
+        (PostgreSQL only, so not in the shared migration files).
+        """
+        applied = self.database.migrate()
+        self.database.write(_create_oracle)
+        return applied
 
     def catalog(self) -> dict[str, StreamSchema]:
         return self._catalog.catalog()
@@ -107,7 +221,37 @@ class PgStreamStore:
         return time_index.first_token_at(self, stream, since_ts)
 
     def safe_point(self, expire_writers: bool = True, allocate: bool = True) -> tuple[dict[str, int], dict[str, int]]:
-        return time_index.safe_point(self, expire_writers, allocate)
+        """As :func:`storage.time_index.safe_point`, in two round trips on a wake-up.
+
+        Without the dead-writer sweep, after the oracle's time ``t``, one
+        statement reads per stream the safe position, the allocated head and
+        whether a live writer exists: the positions and the live writers from
+        one snapshot (so the writers are read no later than the positions),
+        the heads (sequences) after it, as the proof in docs/time.md needs.
+        """
+        known = self._catalog.known()
+        if expire_writers or not known:
+            return time_index.safe_point(self, expire_writers, allocate)
+        t = time_index.oracle_time(self) if allocate else time_index.oracle_last(self)
+        parts = [
+            "SELECT %s, COALESCE((SELECT MIN(position) FROM tickline_writers WHERE alive AND stream = %s), "
+            f"(SELECT MAX(token) FROM {schema.table}), 0), "
+            f"(SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {_seq(schema)}), "
+            "EXISTS (SELECT 1 FROM tickline_writers WHERE alive AND stream = %s)"
+            for schema in known
+        ]
+        params = [value for schema in known for value in (schema.name, schema.name, schema.name)]
+        times: dict[str, int] = {}
+        positions: dict[str, int] = {}
+        for name, position, head, live in self.database.query(" UNION ALL ".join(parts), params):
+            positions[name] = int(position)
+            if int(head) <= position or not live:
+                times[name] = t
+            else:
+                last = time_index.last_ts_upto(self, name, int(position))
+                if last is not None:
+                    times[name] = last
+        return times, positions
 
     def schema(self, stream: str) -> StreamSchema:
         return self._catalog.schema(stream)
@@ -142,12 +286,18 @@ class PgStreamStore:
             with conn.cursor() as cur:
                 yield cur
         except psycopg2.OperationalError as e:
-            try:
-                conn.close()
-            except psycopg2.Error:
-                pass
-            self._side.conn = None
+            self._drop_side(conn)
             raise DatabaseUnavailable(redact_url(f"PostgreSQL at {self.database.dsn}: {_first_line(e)}")) from None
+        except psycopg2.Error:
+            _release_oracle_lock(conn)
+            raise
+
+    def _drop_side(self, conn: Any) -> None:
+        try:
+            conn.close()
+        except psycopg2.Error:
+            pass
+        self._side.conn = None
 
     def _head_sql(self, schema: StreamSchema) -> str:
         return f"SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {_seq(schema)}"
@@ -157,45 +307,27 @@ class PgStreamStore:
     def allocate_timestamps(self, count: int = 1) -> list[int]:
         """``count`` timestamps, strictly increasing across every process.
 
-        One short autocommit statement on the oracle's row: the new high-water
-        mark is persisted before any of the timestamps is used.
+        The same allocation as an append's (``tickline_allocate``), and the
+        high-water mark is also recorded in ``tickline_tso`` in the same
+        statement: that write gives the statement a durable commit, so a
+        timestamp handed out here (the master's safe time) is never handed out
+        again, even after a crash of the database server. Appends do not pay
+        this commit: their own commit makes their timestamps durable.
         """
         if count < 1:
             raise ValueError("count must be at least 1")
-        from storage import tso
-
-        floor = tso.compose(max(int(self._clock() * 1000), 0)) + count - 1
         with self._side_cursor() as cur:
             cur.execute(
-                "UPDATE tickline_tso SET last_ts = GREATEST(last_ts + %s, %s) WHERE id = 1 RETURNING last_ts",
-                (count, floor),
+                f"WITH a AS (SELECT first_ts FROM {ORACLE_FUNCTION}(NULL, %s, 0, %s)) "
+                "UPDATE tickline_tso SET last_ts = GREATEST(last_ts, a.first_ts + %s - 1) FROM a WHERE id = 1 "
+                "RETURNING a.first_ts",
+                (count, self._now_ms(), count),
             )
-            (last,) = cur.fetchone()
-        return list(range(last - count + 1, last + 1))
+            (first,) = cur.fetchone()
+        return list(range(first, first + count))
 
-    def allocate_rows(self, schema: StreamSchema, ts_count: int, token_count: int) -> tuple[int, list[int]]:
-        """``ts_count`` timestamps and ``token_count`` tokens of the stream, in one statement.
-
-        The statement holds the oracle's row lock from its ``UPDATE`` until it
-        commits, and takes the tokens (``nextval``) for the rows the update
-        returned, so inside that lock: whichever of two writers allocates
-        first gets both the lower timestamps and the lower tokens. Hence a
-        stream's ``ts`` increases with its token, on PostgreSQL as on SQLite
-        (``storage.time_index`` relies on it), and a timestamp the master takes
-        from the oracle is above every timestamp of a token already allocated.
-        """
-        from storage import tso
-
-        floor = tso.compose(max(int(self._clock() * 1000), 0)) + ts_count - 1
-        with self._side_cursor() as cur:
-            cur.execute(
-                "WITH oracle AS (UPDATE tickline_tso SET last_ts = GREATEST(last_ts + %s, %s) WHERE id = 1 "
-                "RETURNING last_ts) SELECT oracle.last_ts, nextval(%s) FROM oracle, generate_series(1, %s)",
-                (ts_count, floor, _seq(schema), token_count),
-            )
-            rows = cur.fetchall()
-        last = rows[0][0]
-        return last - ts_count + 1, sorted(r[1] for r in rows)
+    def _now_ms(self) -> int:
+        return max(int(self._clock() * 1000), 0)
 
     # -- writers -------------------------------------------------------------------------
 
@@ -232,6 +364,8 @@ class PgStreamStore:
         rows = list(rows)
         for _attempt in range(5):
             try:
+                if len(rows) < COPY_ROWS:
+                    return self._append_one_statement(stream, rows, instance_name, batch)
                 with self.writing(stream, instance_name) as txn:
                     return txn.append(rows, batch)
             except Fenced:
@@ -241,6 +375,31 @@ class PgStreamStore:
                     stream,
                 )
         raise Fenced(f"writer {instance_name} of {stream} was fenced off 5 times in a row")
+
+    def _append_one_statement(self, stream: str, rows: list[Row], instance_name: str, batch: bool) -> list[int]:
+        """A small append as one statement in autocommit: a transaction of its own, one round trip.
+
+        The statement allocates, inserts, moves the writer's position and
+        notifies; it fails as a whole (nothing committed) if the writer was
+        fenced off.
+        """
+        schema = self.schema(stream)
+        check_instance_name(instance_name)
+        state = self._register(schema, instance_name)
+        with self._lock:
+            self._next_txn += 1
+            txn_id = self._next_txn
+        try:
+            with self._side_cursor() as raw:
+                return WriteTransaction(self, schema, instance_name, state, txn_id, Cursor(raw)).append(rows, batch)
+        except Fenced:
+            with self._lock:
+                if self._writers.get((stream, instance_name)) is state:
+                    del self._writers[(stream, instance_name)]
+            raise
+        finally:
+            with self._lock:
+                state.inflight.pop(txn_id, None)
 
     @contextlib.contextmanager
     def writing(self, stream: str, instance_name: str) -> Iterator[WriteTransaction]:
@@ -275,6 +434,7 @@ class PgStreamStore:
         except BaseException:
             if not conn.closed:
                 conn.rollback()
+                _release_oracle_lock(conn)
             raise
         finally:
             with self._lock:
@@ -447,7 +607,14 @@ class PgStreamStore:
 
 
 class WriteTransaction:
-    """Rows appended by one writer in one open transaction (see ``PgStreamStore.writing``)."""
+    """Rows appended by one writer in one open transaction (see ``PgStreamStore.writing``).
+
+    A small append is one statement: the oracle's allocation (tokens and
+    timestamps), the ``INSERT`` and the writer's position with its ``NOTIFY``
+    (committed by the transaction's single commit). A large one allocates,
+    then sends the rows by ``COPY``; its position moves in :meth:`finish`.
+    With ``batch``, every batch append of the transaction shares one token.
+    """
 
     def __init__(
         self, store: PgStreamStore, schema: StreamSchema, instance: str, state: _WriterState, txn_id: int, cur: Cursor
@@ -459,48 +626,221 @@ class WriteTransaction:
         self._id = txn_id
         self._cur = cur
         self._last_token = 0
-        names = ", ".join(("token", "instance_name", "ts", *schema.column_names))
-        self._insert = f"INSERT INTO {schema.table} ({names}) VALUES %s"
+        self._position_sent = 0  # the last token whose position update is already in the transaction
+        self._batch_token: int | None = None
+        self._statements = _statements(schema)
 
     def append(self, rows: Iterable[Row], batch: bool = False) -> list[int]:
-        values = check_rows(self._schema, rows, self._store.max_line_bytes)
-        if not values:
+        rows = rows if isinstance(rows, list) else list(rows)
+        count = len(rows)
+        if not count:
             return []
-        count = len(values)
-        store = self._store
-        # Allocation and registration as in flight happen under the lock, so
-        # a concurrent report never claims a token still in flight. Tokens and
-        # timestamps come from one statement (see allocate_rows).
-        with store._lock:
-            first_ts, allocated = store.allocate_rows(self._schema, count, 1 if batch else count)
-            self._state.inflight.setdefault(self._id, allocated[0])
-        tokens = [allocated[0]] * count if batch else allocated
-        self._cur.execute_values(
-            self._insert,
-            [
-                (token, self._instance, first_ts + i, *row)
-                for i, (token, row) in enumerate(zip(tokens, values, strict=False))
-            ],
-        )
+        limit = self._store.max_line_bytes
+        if count >= COPY_ROWS:
+            first_token, _ = self._append_copy(self._statements.columns_text(rows, limit), count, batch)
+        else:
+            first_token, _ = self._append_small(check_rows(self._schema, rows, limit), batch)
+        tokens = [first_token] * count if batch else list(range(first_token, first_token + count))
         self._last_token = tokens[-1]
         return tokens
 
+    def _token_count(self, count: int, batch: bool) -> int:
+        if batch:
+            return 0 if self._batch_token is not None else 1
+        return count
+
+    def _allocated(self, first_token: int | None, batch: bool) -> int:
+        """Remember what was allocated (under the store's lock); the first token of the rows."""
+        if batch and self._batch_token is not None:
+            return self._batch_token
+        assert first_token is not None
+        self._state.inflight.setdefault(self._id, first_token)
+        if batch:
+            self._batch_token = first_token
+        return first_token
+
+    def _cap(self) -> int:
+        """The highest position this writer may claim: below its other transactions in flight."""
+        others = [t for other, t in self._state.inflight.items() if other != self._id]
+        return min(others) - 1 if others else MAX_TOKEN
+
+    def _append_small(self, values: list[tuple[Any, ...]], batch: bool) -> tuple[int, int]:
+        store, state, schema = self._store, self._state, self._schema
+        count = len(values)
+        token_count = self._token_count(count, batch)
+        sql = self._statements.small(count, batch, token_count == 0, self._cur.cursor)
+        params: list[Any] = [_seq(schema), count, token_count, store._now_ms()]
+        if token_count == 0:
+            params.append(self._batch_token)
+        params.append(self._instance)
+        for i, row in enumerate(values, 1):
+            params.append(i)
+            params.extend(row)
+        # Allocation and registration as in flight happen under the lock, so
+        # a concurrent report never claims a token still in flight.
+        with store._lock:
+            cap = self._cap()
+            if token_count == 0:
+                params.append(self._batch_token)
+            params += [cap, schema.name, state.writer_id, state.epoch, CHANNEL, schema.name]
+            try:
+                first_token, first_ts, _ = self._cur.execute(sql, params).fetchone()
+            except psycopg2.Error as e:
+                if e.pgcode == FENCED_CODE:
+                    raise Fenced(self._instance) from None
+                raise
+            first = self._allocated(first_token, batch)
+        self._position_sent = first if batch else first + count - 1
+        return first, first_ts
+
+    def _append_copy(self, columns: list[str], count: int, batch: bool) -> tuple[int, int]:
+        store, schema = self._store, self._schema
+        token_count = self._token_count(count, batch)
+        with store._lock:
+            first_token, first_ts = self._cur.execute(
+                f"SELECT first_token, first_ts FROM {ORACLE_FUNCTION}(%s::regclass, %s, %s, %s)",
+                (_seq(schema), count, token_count, store._now_ms()),
+            ).fetchone()
+            first = self._allocated(first_token, batch)
+        self._cur.cursor.copy_expert(
+            self._statements.copy,
+            io.BytesIO(
+                self._statements.copy_text(columns, self._instance, first, 0 if batch else 1, first_ts).encode()
+            ),
+            size=1 << 20,
+        )
+        return first, first_ts
+
     def finish(self) -> None:
         """Move the writer's position with the commit, or refuse if it was fenced off."""
-        if not self._last_token:
+        if not self._last_token or self._last_token <= self._position_sent:
             return
         store = self._store
         with store._lock:
-            others = [t for other, t in self._state.inflight.items() if other != self._id]
-        position = min([self._last_token] + [t - 1 for t in others])
-        self._cur.execute(
-            f"UPDATE tickline_writers SET position = GREATEST(position, %s), heartbeat_ms = {NOW_MS} "
-            "WHERE stream = %s AND instance_name = %s AND epoch = %s AND alive",
-            (position, self._schema.name, self._state.writer_id, self._state.epoch),
-        )
-        if self._cur.rowcount != 1:
+            cap = self._cap()
+        position = min(self._last_token, cap)
+        found = self._cur.execute(
+            "WITH u AS (UPDATE tickline_writers SET position = GREATEST(position, %s), "
+            f"heartbeat_ms = {NOW_MS} WHERE stream = %s AND instance_name = %s AND epoch = %s AND alive RETURNING 1) "
+            "SELECT pg_notify(%s, %s) FROM u",
+            (position, self._schema.name, self._state.writer_id, self._state.epoch, CHANNEL, self._schema.name),
+        ).fetchall()
+        if len(found) != 1:
             raise Fenced(self._instance)
-        self._cur.execute("SELECT pg_notify(%s, %s)", (CHANNEL, self._schema.name))
+
+
+class _Statements:
+    """A stream's append statements, built once per stream and row count."""
+
+    def __init__(self, schema: StreamSchema) -> None:
+        self.schema = schema
+        names = ", ".join(("token", "instance_name", "ts", *schema.column_names))
+        self.copy = f"COPY {schema.table} ({names}) FROM STDIN"
+        self._small: dict[tuple[int, bool, bool], str] = {}
+        self._formats = [_COPY_FORMATS[c.type] for c in schema.columns]
+        # JSON bytes a row can have beyond 6x its COPY text: brackets, per value quotes and a
+        # separator, "null" for "\\N", "false" for "f", a double printed at its longest.
+        self._fixed_json_bytes = 2 + sum(
+            3 + 4 + (5 if c.type == "boolean" else 0) + (24 if c.type == "double" else 0) for c in schema.columns
+        )
+
+    def small(self, count: int, batch: bool, shared: bool, cursor: Any) -> str:
+        """The statement for ``count`` rows; for few rows a prepared one (``EXECUTE``, no parse or plan)."""
+        key = (count, batch, shared)
+        sql = self._small.get(key)
+        if sql is None:
+            sql = self._small[key] = self._build_small(count, batch, shared)
+        if count > PREPARED_ROWS:
+            return sql
+        conn = cursor.connection
+        prepared = _PREPARED.get(conn)
+        if prepared is None:
+            prepared = _PREPARED[conn] = {}
+        execute = prepared.get(sql)
+        if execute is None:
+            name = f"tickline_{len(prepared)}"
+            parts = sql.split("%s")
+            numbered = "".join(f"{part}${i}" for i, part in enumerate(parts[:-1], 1)) + parts[-1]
+            cursor.execute(f"PREPARE {name} AS {numbered}")
+            execute = prepared[sql] = f"EXECUTE {name} ({', '.join(['%s'] * (len(parts) - 1))})"
+        return execute
+
+    def _build_small(self, count: int, batch: bool, shared: bool) -> str:
+        schema = self.schema
+        casts = ", ".join(f"(%s)::{COLUMN_TYPES[c.type][1]}" for c in schema.columns)
+        rows = ", ".join([f"(%s::int, {casts})"] * count)
+        aliases = ", ".join(f"v.{name}" for name in schema.column_names)
+        if shared:
+            token = "%s::bigint"
+        elif batch:
+            token = "a.first_token"
+        else:
+            token = "a.first_token + v._i - 1"
+        last = (
+            "COALESCE(%s::bigint, a.first_token)"
+            if shared
+            else ("a.first_token" if batch else f"a.first_token + {count - 1}")
+        )
+        names = ", ".join(("token", "instance_name", "ts", *schema.column_names))
+        return (
+            f"WITH a AS (SELECT first_token, first_ts FROM {ORACLE_FUNCTION}(%s::regclass, %s, %s, %s)), "
+            f"ins AS (INSERT INTO {schema.table} ({names}) SELECT {token}, %s, a.first_ts + v._i - 1, {aliases} "
+            f"FROM a, (VALUES {rows}) AS v(_i, {', '.join(schema.column_names)})), "
+            f"u AS (UPDATE tickline_writers SET position = GREATEST(position, LEAST({last}, %s)), "
+            f"heartbeat_ms = {NOW_MS} FROM a "
+            "WHERE stream = %s AND instance_name = %s AND epoch = %s AND alive RETURNING 1) "
+            "SELECT a.first_token, a.first_ts, pg_notify(%s, %s) FROM a "
+            f"WHERE (SELECT count(*) FROM u) = 1 OR {FENCED_FUNCTION}()"
+        )
+
+    def columns_text(self, rows: list[Row], max_line_bytes: int | None) -> list[str]:
+        """Check every row and give its columns as COPY text (RowError names a bad row; nothing is sent).
+
+        The generated formatter checks the values; the line limit
+        (``storage.limits``) is checked exactly only where a cheap bound does
+        not already show the row fits: every character of the COPY text as
+        six bytes of JSON (``\\uXXXX``) plus the most any column's JSON can
+        add. Streams with JSON columns (jsonb may print a number much longer)
+        and rows the formatter does not take are checked exactly.
+        """
+        fast = None if self.schema.json_columns else formatter(self.schema)
+        formats = self._formats
+        room = None if max_line_bytes is None else max_row_json_bytes(self.schema.name, max_line_bytes)
+        fixed = self._fixed_json_bytes
+        out = []
+        for index, row in enumerate(rows):
+            text = None if fast is None else fast(row)
+            if text is None or (room is not None and 6 * len(text) + fixed > room):
+                try:
+                    (values,) = check_rows(self.schema, [row], max_line_bytes)
+                except RowError as e:
+                    raise RowError(e.reason, index=index) from None
+                text = "\t".join([NULL_COPY if v is None else f(v) for f, v in zip(formats, values, strict=False)])
+            out.append(text)
+        return out
+
+    def copy_text(self, columns: list[str], instance: str, first_token: int, step: int, first_ts: int) -> str:
+        """The rows as COPY text: token, instance, ts, then the columns."""
+        name = _copy_text(instance)
+        if step:
+            lines = [f"{first_token + i}\t{name}\t{first_ts + i}\t{text}" for i, text in enumerate(columns)]
+        else:
+            lines = [f"{first_token}\t{name}\t{first_ts + i}\t{text}" for i, text in enumerate(columns)]
+        lines.append("")
+        return "\n".join(lines)
+
+
+def _statements(schema: StreamSchema) -> _Statements:
+    found = _STATEMENTS.get(schema)
+    if found is None:
+        found = _STATEMENTS[schema] = _Statements(schema)
+    return found
+
+
+_STATEMENTS: dict[StreamSchema, _Statements] = {}
+# Per connection: statement text -> its EXECUTE (prepared statements live as long as their connection).
+_PREPARED: weakref.WeakKeyDictionary[Any, dict[str, str]] = weakref.WeakKeyDictionary()
+PREPARED_ROWS = 8  # appends of up to this many rows use prepared statements
 
 
 def _report_loop(store_ref: weakref.ref[PgStreamStore], stop: threading.Event, interval: float) -> None:

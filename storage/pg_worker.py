@@ -12,6 +12,7 @@ import psycopg2
 import psycopg2.extensions
 
 from storage.contracts import Effects, ReplicatedValues, SnapshotView
+from storage.pg_copy import copy_rows
 from storage.pg_db import Cursor, PgDatabase
 from storage.schema import StreamSchema
 from storage.store import DatabaseUnavailable
@@ -19,6 +20,7 @@ from storage.urls import redact_url
 from storage.worker_store import move_applied_token, token_bounds
 
 T = TypeVar("T")
+COPY_ROWS = 50  # applies of at least this many rows go by COPY
 
 
 class PgApplyTransaction:
@@ -31,15 +33,23 @@ class PgApplyTransaction:
         self.connection = connection
 
     def replicate(self, schema: StreamSchema, rows: Sequence[ReplicatedValues]) -> None:
-        # Many rows per statement (execute_values): PostgreSQL's round trips dominate otherwise.
-        self.connection.execute_values(schema.insert_replicated_values_sql(), rows)
+        # Many rows per statement: by COPY from COPY_ROWS rows, else one multi-row INSERT.
+        if len(rows) >= COPY_ROWS:
+            copy_rows(self.connection.cursor, schema.replicated_table, schema, rows)
+        else:
+            self.connection.execute_values(schema.insert_replicated_values_sql(), rows)
 
 
 class PgWorkerStore:
     """Implements :class:`storage.contracts.WorkerStore`; holds its :class:`PgDatabase`."""
 
-    def __init__(self, dsn: str) -> None:
-        self.database = PgDatabase(dsn)
+    def __init__(self, dsn: str, synchronous_commit: bool = False) -> None:
+        # synchronous_commit off (the default, as PostgreSQL's own apply workers):
+        # a commit returns before its WAL is flushed. Exactly once still holds,
+        # since the applied token commits in the same transaction as the
+        # effects; a crash of the server may lose the last applies, token and
+        # effects together, and the worker fetches those rows again.
+        self.database = PgDatabase(dsn, settings={"synchronous_commit": "on" if synchronous_commit else "off"})
 
     def migrate(self) -> list[int]:
         return self.database.migrate()

@@ -282,11 +282,22 @@ class StreamSchema:
         return f"(SELECT {names} FROM {self.replicated_table} WHERE {where}) AS {alias}"
 
     def create_table_sql(self, dialect: str) -> list[str]:
-        seq = "seq INTEGER PRIMARY KEY" if dialect == "sqlite" else "seq BIGSERIAL PRIMARY KEY"
+        """The stream's table and only the indexes reads need.
+
+        Rows are read by token range in ``(token, seq)`` order (the fan-out and
+        replays) and looked up by ``ts`` (start at a time). On SQLite ``seq`` is
+        the rowid (free); on PostgreSQL it has no index of its own: the
+        ``(token, seq)`` index serves every read, one index fewer per row
+        written.
+        """
         cols = self._column_ddl(dialect)
+        if dialect == "sqlite":
+            seq, token_index = "seq INTEGER PRIMARY KEY", "(token)"
+        else:
+            seq, token_index = "seq BIGSERIAL", "(token, seq)"
         return [
             f"CREATE TABLE {self.table} (\n    {seq},\n    token BIGINT NOT NULL,\n"
             f"    instance_name TEXT NOT NULL,\n    ts BIGINT NOT NULL,\n    {cols}\n)",
-            f"CREATE INDEX {self.table}_token ON {self.table} (token)",
+            f"CREATE INDEX {self.table}_token ON {self.table} {token_index}",
             f"CREATE INDEX {self.table}_ts ON {self.table} (ts)",
         ]

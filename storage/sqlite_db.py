@@ -78,6 +78,11 @@ class SqliteDatabase:
                 conn.execute("ROLLBACK")
             raise StorageError(f"cannot commit to SQLite database {self.path}: {e}; nothing was written") from None
 
+    def query(self, sql: str, params: Any = ()) -> list[Any]:
+        """One statement's rows, in a read transaction of its own."""
+        rows: list[Any] = self.read(lambda conn: conn.execute(sql, params).fetchall())
+        return rows
+
     def read(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
         conn = self.connection()
         conn.execute("BEGIN")

@@ -39,6 +39,10 @@ class TimedDatabase(Protocol):
 
     def read(self, fn: Callable[[Any], Any]) -> Any: ...
 
+    def query(self, sql: str, params: Any = ()) -> list[Any]:
+        """One statement's rows, in a transaction of its own (on PostgreSQL one round trip)."""
+        ...
+
 
 class TimedStore(Protocol):
     """What this module needs of a stream store (both stores have it; storage-internal)."""
@@ -117,9 +121,11 @@ def oracle_last(store: TimedStore) -> int:
     Cheaper than :func:`oracle_time` (a read, no commit) and just as safe, but
     it moves only when someone allocates.
     """
-    return int(
-        store.database.read(lambda cur: cur.execute("SELECT last_ts FROM tickline_tso WHERE id = 1").fetchone()[0])
-    )
+    sql = "SELECT last_ts FROM tickline_tso WHERE id = 1"
+    if store.database.dialect == "postgresql":
+        # The oracle's sequence holds what appends took (storage.pg_store); the table, what the master took.
+        sql = "SELECT GREATEST(t.last_ts, s.last_value) FROM tickline_tso t, tickline_tso_seq s WHERE t.id = 1"
+    return int(store.database.query(sql)[0][0])
 
 
 def allocated_heads(store: TimedStore, streams: list[str]) -> dict[str, int]:
@@ -139,7 +145,7 @@ def allocated_heads(store: TimedStore, streams: list[str]) -> dict[str, int]:
         f"SELECT {p}, CASE WHEN is_called THEN last_value ELSE 0 END FROM {store.schema(name).table}_token_seq"
         for name in streams
     ]
-    rows = db.read(lambda cur: cur.execute(" UNION ALL ".join(parts), tuple(streams)).fetchall())
+    rows = db.query(" UNION ALL ".join(parts), tuple(streams))
     return {name: int(token) for name, token in rows}
 
 
@@ -147,9 +153,7 @@ def streams_with_live_writers(store: TimedStore) -> set[str] | None:
     """PostgreSQL: the streams that have a live writer (None on SQLite, where writers hold no tokens)."""
     if store.database.dialect != "postgresql":
         return None
-    rows = store.database.read(
-        lambda cur: cur.execute("SELECT DISTINCT stream FROM tickline_writers WHERE alive").fetchall()
-    )
+    rows = store.database.query("SELECT DISTINCT stream FROM tickline_writers WHERE alive")
     return {row[0] for row in rows}
 
 
@@ -158,8 +162,8 @@ def last_ts_upto(store: TimedStore, stream: str, token: int) -> int | None:
     p = store.database.placeholder
     table = store.schema(stream).table
     sql = f"SELECT ts FROM {table} WHERE token <= {p} ORDER BY token DESC LIMIT 1"
-    found = store.database.read(lambda cur: cur.execute(sql, (token,)).fetchone())
-    return None if found is None else int(found[0])
+    found = store.database.query(sql, (token,))
+    return int(found[0][0]) if found else None
 
 
 def safe_point(

@@ -63,8 +63,14 @@ def token_bounds(execute: Execute, p: str, table: str, after: int | None, upto: 
     return (None if low is None else int(low)), (None if high is None else int(high))
 
 
-def open_worker_store(url: str | DatabaseUrl, base_dir: str | None = None) -> WorkerStore:
-    """Open (and migrate) a worker's database."""
+def open_worker_store(
+    url: str | DatabaseUrl, base_dir: str | None = None, synchronous_commit: bool = False
+) -> WorkerStore:
+    """Open (and migrate) a worker's database.
+
+    ``synchronous_commit`` (PostgreSQL only): wait for each apply's WAL flush.
+    Off by default, as PostgreSQL's apply workers: see ``docs/workers.md``.
+    """
     parsed = url if isinstance(url, DatabaseUrl) else parse_database_url(url, base_dir)
     if parsed.is_sqlite:
         from storage.sqlite_worker import SqliteWorkerStore
@@ -77,7 +83,7 @@ def open_worker_store(url: str | DatabaseUrl, base_dir: str | None = None) -> Wo
     from storage.pg_worker import PgWorkerStore
 
     assert parsed.dsn is not None
-    pg_store = PgWorkerStore(parsed.dsn)
+    pg_store = PgWorkerStore(parsed.dsn, synchronous_commit)
     pg_store.migrate()
     return pg_store
 

@@ -45,6 +45,41 @@ def test_bench_command_refuses_an_unknown_scenario() -> None:
     assert "wire" in proc.stderr
 
 
+def test_postgresql_scenarios_print_their_lines_against_logical_replication() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "benchmark.py"),
+            "end-to-end",
+            "latency",
+            "catch-up",
+            "writer",
+            "--rows",
+            "3000",
+            "--repeat",
+            "1",
+            "--rate",
+            "100",
+            "--seconds",
+            "1",
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name in ("end-to-end", "catch-up"):
+        assert re.search(RATIO_LINE.format(name=name), proc.stdout, re.M), proc.stdout
+    assert re.search(
+        r"^writer: tickline [\d,]+ commits/s, baseline [\d,]+ commits/s, ratio \d+\.\d\d$", proc.stdout, re.M
+    )
+    assert re.search(r"^latency: tickline [\d.]+ ms, baseline [\d.]+ ms, ratio \d+\.\d\d$", proc.stdout, re.M)
+    assert re.search(r"^  tickline: commit -> applied p50 .* reached \((held|NOT held)\)$", proc.stdout, re.M)
+    assert re.search(r"written by execute_values it reached [\d,]+ rows/s", proc.stdout), proc.stdout
+
+
 def test_fanout_scenario_prints_a_ratio_line_per_variant_and_a_plot(tmp_path) -> None:
     png = tmp_path / "fanout.png"
     proc = subprocess.run(

@@ -32,6 +32,7 @@ class WorkerConfig:
     reconnect_max: float = 5.0
     replicate_retry: float = 5.0  # retry a REPLICATE the master refused
     max_pending_rows: int = 50000
+    synchronous_commit: bool = False  # PostgreSQL worker database: wait for each apply's WAL flush
     ordered: bool | None = None  # timestamp order across streams; None: when 2+ streams have handlers
     start_at_ms: int | None = None  # a stream never applied here starts at this Unix ms (worker.start_at)
     apply: ApplySettings = ApplySettings()

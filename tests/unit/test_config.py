@@ -117,6 +117,19 @@ def test_check_config_command(tmp_path, capsys) -> None:
     assert "protocol.ping_timeout" in capsys.readouterr().err
 
 
+def test_worker_synchronous_commit_defaults_off_and_is_checked(tmp_path) -> None:
+    from scripts.config import ConfigError, load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("worker:\n  synchronous_commit: true\n")
+    assert load_config(str(path)).worker.synchronous_commit is True
+    path.write_text("worker: {}\n")
+    assert load_config(str(path)).worker.synchronous_commit is False
+    path.write_text("worker:\n  synchronous_commit: maybe\n")
+    with pytest.raises(ConfigError, match="synchronous_commit"):
+        load_config(str(path))
+
+
 def test_worker_time_keys() -> None:
     config = config_from_mapping({"worker": {"ordered": False, "start_at": "2026-11-23T00:00:00Z"}})
     assert config.worker.ordered is False

@@ -320,3 +320,120 @@ def test_worker_apply_moves_the_token_only_forwards_with_its_effects(db_url) -> 
     rows = store.database.read(lambda c: c.execute("SELECT token FROM replicated_events ORDER BY token").fetchall())
     assert [r[0] for r in rows] == [5, 6]  # the refused applies left nothing behind
     store.close()
+
+
+@pytest.mark.parametrize("count", [1, 7, 250])  # one statement, and COPY from 100 rows
+@pytest.mark.parametrize("batch", [False, True])
+def test_every_value_round_trips_by_statement_and_by_copy(db_url, count, batch) -> None:
+    s = open_store(db_url)
+    schema = StreamSchema(
+        "mixed",
+        (
+            Column("t", "text", True),
+            Column("n", "bigint", True),
+            Column("x", "double", True),
+            Column("ok", "boolean", True),
+            Column("j", "json", True),
+        ),
+    )
+    s.register_stream(schema)
+    texts = ["tab\there", "new\nline\r\n", "back\\slash \\N \\t", "ünïcode ☃", "", "\\", "end\\"]
+    rows = []
+    for i in range(count):
+        rows.append(
+            [
+                texts[i % len(texts)] if i % 5 else None,
+                [-(2**63), 2**63 - 1, 0, i][i % 4] if i % 6 else None,
+                [1.5, -0.0, 1e308, 2.5e-7, -1e-300][i % 5] if i % 7 else None,
+                [True, False][i % 2] if i % 8 else None,
+                {"k": texts[i % len(texts)], "n": [i, None]} if i % 3 else None,
+            ]
+        )
+    tokens = s.append("mixed", rows, "w\\x", batch=batch)
+    assert len(tokens) == count
+    assert tokens == ([tokens[0]] * count if batch else list(range(tokens[0], tokens[0] + count)))
+    stored = s.read_rows("mixed", 0, 10**9, 10**6)
+    assert [r[TOKEN] for r in stored] == tokens
+    assert {r[INSTANCE] for r in stored} == {"w\\x"}
+    stamps = [r[TS] for r in stored]
+    assert stamps == sorted(stamps) and len(set(stamps)) == count
+    for row, back in zip(rows, stored, strict=True):
+        assert list(back[4:8]) == [row[0], row[1], row[2], row[3] if row[3] is None else back[7]]
+        if row[3] is not None:
+            assert bool(back[7]) is row[3]
+        assert (None if back[8] is None else orjson.loads(back[8])) == row[4]
+    s.close()
+
+
+def test_a_transaction_of_several_appends_commits_once(db_url) -> None:
+    s = open_store(db_url)
+    s.register_stream(EVENTS)
+    writing = getattr(s, "writing", None)
+    if writing is None:
+        pytest.skip("this store has no writing()")
+    with writing("events", "w") as txn:
+        first = txn.append([EVENT])
+        many = txn.append([EVENT] * 150)
+        shared = txn.append([EVENT] * 2, batch=True) + txn.append([EVENT] * 120, batch=True)
+    assert many[0] == first[0] + 1 and len(set(shared[:2])) == len(set(shared[2:])) == 1 and shared[0] > many[-1]
+    assert len(s.read_rows("events", 0, 10**9, 10**6)) == 1 + 150 + 122
+    assert s.safe_positions()["events"] >= shared[0]
+    s.close()
+
+
+@pytest.mark.parametrize("count", [3, 120])  # one multi-row INSERT, and COPY from 50 rows
+def test_worker_replicates_every_value_by_statement_and_by_copy(db_url, count) -> None:
+    from storage.worker_store import open_worker_store
+
+    schema = StreamSchema(
+        "mixed",
+        (Column("t", "text", True), Column("x", "double", True), Column("ok", "boolean"), Column("j", "json", True)),
+    )
+    store = open_worker_store(db_url)
+    store.create_replicated_table(schema)
+    texts = ["tab\there", "new\nline\r", "back\\slash \\N", "ünïcode ☃", ""]
+    rows = [
+        (
+            7,
+            "w\\1",
+            100 + i,
+            *schema.check_row([texts[i % 5] if i % 4 else None, i / 3, i % 2 == 0, {"k": texts[i % 5]}]),
+        )
+        for i in range(count)
+    ]
+    store.apply("mixed", 7, lambda txn: txn.replicate(schema, rows))
+    back = store.database.read(
+        lambda c: c.execute("SELECT token, instance_name, ts, t, x, ok, j FROM replicated_mixed ORDER BY ts").fetchall()
+    )
+    assert len(back) == count
+    for row, got in zip(rows, back, strict=True):
+        assert tuple(got[:5]) == row[:5] and bool(got[5]) is row[5]
+        assert (
+            orjson.loads(got[6]) == orjson.loads(row[6]) if isinstance(got[6], str) else got[6] == orjson.loads(row[6])
+        )
+    store.close()
+
+
+def test_worker_synchronous_commit_is_a_choice(pg_url) -> None:
+    from storage.worker_store import open_worker_store
+
+    for choice, expected in ((False, "off"), (True, "on")):
+        store = open_worker_store(pg_url, synchronous_commit=choice)
+        assert store.database.read(lambda c: c.execute("SHOW synchronous_commit").fetchone()[0]) == expected
+        store.close()
+
+
+def test_a_bad_row_in_a_large_append_is_named_and_nothing_is_written(db_url) -> None:
+    s = open_store(db_url)
+    schema = StreamSchema("m", (Column("n", "bigint"), Column("x", "double"), Column("j", "json", True)))
+    s.register_stream(schema)
+    good = [[i, i, {"i": i}] for i in range(150)]  # ints for a double are converted
+    with pytest.raises(RowError, match="'n' expects bigint"):
+        s.append("m", [*good[:70], ["7", 1.0, None], *good[70:]], "w")
+    with pytest.raises(RowError, match="expects 3 values"):
+        s.append("m", [*good, [1, 2.0]], "w")
+    assert s.read_rows("m", 0, 10**9, 10**6) == []
+    s.append("m", good, "w")
+    back = s.read_rows("m", 0, 10**9, 10**6)
+    assert [(r[4], r[5], orjson.loads(r[6])) for r in back] == [(i, float(i), {"i": i}) for i in range(150)]
+    s.close()

@@ -104,3 +104,29 @@ def test_first_token_at(db_url) -> None:
         assert time_index.ts_at_ms(1234) == compose(1234)
     finally:
         store.close()
+
+
+def test_the_wake_up_safe_point_agrees_with_the_full_one_on_postgresql(pg_url) -> None:
+    """PgStreamStore.safe_point without the sweep (one statement after t) answers as time_index.safe_point."""
+    store = open_store(pg_url)
+    other = open_store(pg_url)
+    try:
+        store.register_stream(EVENTS)
+        other.schema("events")
+        (first,) = store.append("events", [row(1)], "A")
+        with store.writing("events", "A") as txn:
+            txn.append([row(2)])
+            other.append("events", [row(3)], "B")
+            fast_times, fast_positions = other.safe_point(expire_writers=False, allocate=False)
+            slow_times, slow_positions = time_index.safe_point(other, expire_writers=False, allocate=False)
+            assert fast_positions == slow_positions == {"events": first}
+            assert fast_times == slow_times == {"events": stored_ts(other, first)}
+        store.retire_writers()
+        other.retire_writers()
+        fast_times, fast_positions = other.safe_point(expire_writers=False, allocate=False)
+        slow_times, slow_positions = time_index.safe_point(other, expire_writers=False, allocate=False)
+        assert fast_positions == slow_positions and fast_times == slow_times
+        assert fast_times["events"] >= stored_ts(other, fast_positions["events"])
+    finally:
+        store.close()
+        other.close()

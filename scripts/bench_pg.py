@@ -1,0 +1,626 @@
+"""Benchmark scenarios against PostgreSQL's own logical replication.
+
+``end-to-end``, ``latency`` and ``catch-up`` run tickline (a ``tickline
+master`` on the source database, a ``tickline worker --replicate events`` on
+the target database, rows appended through the Python API) and, as the
+baseline in the same invocation, PostgreSQL logical replication (a
+publication on the source, a subscription on the target) between the same two
+throwaway PostgreSQL clusters, started here: the source with
+``wal_level=logical``, both durable (``fsync`` and ``synchronous_commit``
+on). Same rows (the ``events`` stream's), same transaction sizes, same
+durability: the tickline worker applies with ``synchronous_commit=off``, as
+PostgreSQL's apply worker does (``worker.synchronous_commit``, its default).
+Runs alternate (tickline, baseline, tickline, ...) and the median of
+``repeat`` runs is reported.
+
+end-to-end  rows/s from the first commit on the source to the last row
+            applied on the target, 1000-row transactions. The primary line
+            compares with the baseline written by ``COPY`` (what a tickline
+            append of 1000 rows uses); a second line with ``execute_values``.
+latency     single-row commits paced at a requested rate (default 1,000/s)
+            for a few seconds; commit -> applied on the target (seen by a
+            ``LISTEN`` of a trigger's ``NOTIFY`` on the target table, for
+            both); the line compares p99 (ratio = baseline p99 / tickline
+            p99), followed by p50/p99 of both and the rate each reached.
+writer      the writer alone on the durable source: single-row appends
+            against a plain INSERT + COMMIT of the same row (commits/s),
+            and 1000-row appends against the same rows by COPY without
+            tickline (rows/s).
+catch-up    rows written (1000-row transactions, ``COPY``) while the
+            consumer is away (tickline worker stopped; subscription disabled),
+            then rows/s from its start to the last row applied.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import select
+import statistics
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from scripts.benchmark import ROOT, BenchError, Server, _env, _fmt, _free_port, make_rows
+from scripts.pg_local import PostgresServer
+
+TXN_ROWS = 1000
+BASE_COLUMNS = "token BIGINT NOT NULL, instance_name TEXT NOT NULL, ts BIGINT NOT NULL, event_id TEXT NOT NULL, "
+BASE_COLUMNS += "room_id TEXT NOT NULL, type TEXT NOT NULL, state_key TEXT, redacts TEXT"
+NAMES = "token, instance_name, ts, event_id, room_id, type, state_key, redacts"
+WAIT_SECONDS = 600.0
+
+
+def _connect(url: str, autocommit: bool = True) -> Any:
+    import psycopg2
+
+    conn = psycopg2.connect(url)
+    conn.autocommit = autocommit
+    return conn
+
+
+def _scalar(conn: Any, sql: str) -> Any:
+    with conn.cursor() as cur:
+        cur.execute(sql)
+        row = cur.fetchone()
+    return None if row is None else row[0]
+
+
+def _wait(condition: Callable[[], bool], what: str, timeout: float = WAIT_SECONDS, interval: float = 0.005) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise BenchError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+def _copy_text(first: int, rows: list[tuple[Any, ...]], instance: str) -> str:
+    now = int(time.time() * 1000) << 18
+    out = []
+    for i, row in enumerate(rows):
+        values = [str(first + i), instance, str(now + i)] + ["\\N" if v is None else v for v in row]
+        out.append("\t".join(values))
+    out.append("")
+    return "\n".join(out)
+
+
+class Clusters:
+    """Two durable throwaway clusters on loopback; the source with ``wal_level=logical``."""
+
+    def __init__(self) -> None:
+        self.source = PostgresServer(durable=True, logical=True)
+        self.target = PostgresServer(durable=True)
+
+    def __enter__(self) -> Clusters:
+        self.source.start()
+        try:
+            self.target.start()
+        except BaseException:
+            self.source.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.target.stop()
+        self.source.stop()
+
+
+class Baseline:
+    """A table ``events`` published on the source and subscribed on the target."""
+
+    def __init__(self, clusters: Clusters, applied_trigger: bool = False) -> None:
+        self.src_url = clusters.source.new_database()
+        self.dst_url = clusters.target.new_database()
+        self.name = self.src_url.rsplit("/", 1)[1]
+        src = _connect(self.src_url)
+        with src.cursor() as cur:
+            cur.execute(f"CREATE TABLE events ({BASE_COLUMNS})")
+            cur.execute("CREATE INDEX events_token ON events (token)")
+            cur.execute("CREATE PUBLICATION p FOR TABLE events")
+        src.close()
+        dst = _connect(self.dst_url)
+        with dst.cursor() as cur:
+            cur.execute(f"CREATE TABLE events ({BASE_COLUMNS})")
+            cur.execute("CREATE INDEX events_token ON events (token)")
+            if applied_trigger:
+                _add_applied_trigger(cur, "events", always=True)
+            port = clusters.source.port
+            cur.execute(
+                f"CREATE SUBSCRIPTION s_{self.name} CONNECTION "
+                f"'host=127.0.0.1 port={port} dbname={self.name} user=postgres' PUBLICATION p"
+            )
+        self.dst = dst
+        _wait(self._ready, "the subscription's initial copy", 60, 0.02)
+
+    def _ready(self) -> bool:
+        states = _scalar(self.dst, "SELECT string_agg(srsubstate::text, '') FROM pg_subscription_rel")
+        return bool(states) and set(states) == {"r"}
+
+    def applied(self) -> int:
+        return int(_scalar(self.dst, "SELECT COALESCE(max(token), 0) FROM events"))
+
+    def enable(self, on: bool) -> None:
+        with self.dst.cursor() as cur:
+            cur.execute(f"ALTER SUBSCRIPTION s_{self.name} {'ENABLE' if on else 'DISABLE'}")
+
+    def close(self) -> None:
+        with self.dst.cursor() as cur:
+            cur.execute(f"DROP SUBSCRIPTION s_{self.name}")  # before the source goes: no lingering slot
+        self.dst.close()
+
+
+def _add_applied_trigger(cur: Any, table: str, always: bool = False) -> None:
+    cur.execute(
+        "CREATE OR REPLACE FUNCTION bench_applied() RETURNS trigger LANGUAGE plpgsql AS "
+        "$$ BEGIN PERFORM pg_notify('bench_applied', NEW.token::text); RETURN NULL; END $$"
+    )
+    cur.execute(f"CREATE TRIGGER bench_applied AFTER INSERT ON {table} FOR EACH ROW EXECUTE FUNCTION bench_applied()")
+    if always:  # the apply worker fires only ALWAYS (or REPLICA) triggers
+        cur.execute(f"ALTER TABLE {table} ENABLE ALWAYS TRIGGER bench_applied")
+
+
+class Tickline:
+    """``tickline master`` on the source database and ``tickline worker --replicate events`` on the target."""
+
+    def __init__(self, clusters: Clusters, workdir: str, tag: str) -> None:
+        from replication.streams import CACHES, EVENTS
+        from storage.store import open_store
+
+        self.src_url = clusters.source.new_database()
+        self.dst_url = clusters.target.new_database()
+        self.workdir, self.tag = workdir, tag
+        prepared = open_store(self.src_url)
+        prepared.register_stream(EVENTS)
+        prepared.register_stream(CACHES)
+        prepared.close()
+        self.port = _free_port()
+        self.master = Server(
+            [*_tickline(), "master", "--database", self.src_url, "--listen", f"127.0.0.1:{self.port}"],
+            os.path.join(workdir, f"{tag}-master.log"),
+            "listening on",
+            "tickline master",
+        )
+        self.worker: subprocess.Popen[bytes] | None = None
+        self._worker_log: Any = None
+        self.dst = _connect(self.dst_url)
+        self.store = open_store(self.src_url)
+
+    def start_worker(self) -> None:
+        self._worker_log = open(os.path.join(self.workdir, f"{self.tag}-worker.log"), "ab")
+        self.worker = subprocess.Popen(
+            [
+                *_tickline(),
+                "worker",
+                "--name",
+                "bench",
+                "--master",
+                f"127.0.0.1:{self.port}",
+                "--database",
+                self.dst_url,
+                "--replicate",
+                "events",
+            ],
+            cwd=ROOT,
+            env=_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=self._worker_log,
+            stderr=subprocess.STDOUT,
+        )
+        _wait(self._table_ready, "the tickline worker to start", 60, 0.02)
+
+    def _table_ready(self) -> bool:
+        if self.worker is not None and self.worker.poll() is not None:
+            raise BenchError(f"tickline worker exited with {self.worker.returncode} (log in {self.workdir})")
+        return bool(_scalar(self.dst, "SELECT to_regclass('tickline_applied') IS NOT NULL"))
+
+    def stop_worker(self) -> None:
+        if self.worker is not None and self.worker.poll() is None:
+            self.worker.terminate()
+            try:
+                self.worker.wait(15)
+            except subprocess.TimeoutExpired:
+                self.worker.kill()
+                self.worker.wait()
+        self.worker = None
+        if self._worker_log is not None:
+            self._worker_log.close()
+            self._worker_log = None
+
+    def applied(self) -> int:
+        found = _scalar(self.dst, "SELECT token FROM tickline_applied WHERE stream = 'events'")
+        return int(found or 0)
+
+    def close(self) -> None:
+        self.stop_worker()
+        self.store.close()
+        self.master.stop()
+        self.dst.close()
+
+
+def _tickline() -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "scripts.cli"]
+
+
+# -- writers ------------------------------------------------------------------------------
+
+
+def _baseline_write(url: str, rows: int, method: str, first_token: int = 1) -> int:
+    """Insert ``rows`` rows into ``events`` in 1000-row transactions; the last token."""
+    from psycopg2.extras import execute_values
+
+    conn = _connect(url, autocommit=False)
+    token = first_token
+    with conn.cursor() as cur:
+        for start in range(0, rows, TXN_ROWS):
+            chunk = make_rows(start, min(TXN_ROWS, rows - start))
+            if method == "copy":
+                cur.copy_expert(
+                    f"COPY events ({NAMES}) FROM STDIN", io.BytesIO(_copy_text(token, chunk, "base").encode())
+                )
+            else:
+                now = int(time.time() * 1000) << 18
+                execute_values(
+                    cur,
+                    f"INSERT INTO events ({NAMES}) VALUES %s",
+                    [(token + i, "base", now + i, *row) for i, row in enumerate(chunk)],
+                    page_size=TXN_ROWS,
+                )
+            conn.commit()
+            token += len(chunk)
+    conn.close()
+    return token - 1
+
+
+def _tickline_write(t: Tickline, rows: int) -> int:
+    last = 0
+    for start in range(0, rows, TXN_ROWS):
+        last = t.store.append("events", make_rows(start, min(TXN_ROWS, rows - start)), "bench-writer")[-1]
+    return last
+
+
+# -- scenarios ------------------------------------------------------------------------------
+
+
+def end_to_end_once(clusters: Clusters, workdir: str, rows: int, which: str) -> float:
+    """One run: rows/s from the first commit to the last row applied."""
+    if which == "tickline":
+        t = Tickline(clusters, workdir, "e2e")
+        try:
+            t.start_worker()
+            started = time.perf_counter()
+            last = _tickline_write(t, rows)
+            _wait(lambda: t.applied() >= last, f"the tickline worker to apply {rows:,} rows")
+            return rows / (time.perf_counter() - started)
+        finally:
+            t.close()
+    b = Baseline(clusters)
+    try:
+        started = time.perf_counter()
+        last = _baseline_write(b.src_url, rows, which)
+        _wait(lambda: b.applied() >= last, f"logical replication to apply {rows:,} rows")
+        return rows / (time.perf_counter() - started)
+    finally:
+        b.close()
+
+
+def catch_up_once(clusters: Clusters, workdir: str, rows: int, which: str) -> float:
+    if which == "tickline":
+        t = Tickline(clusters, workdir, "catchup")
+        try:
+            last = _tickline_write(t, rows)
+            started = time.perf_counter()
+            t.start_worker()
+            _wait(lambda: t.applied() >= last, f"the tickline worker to catch up {rows:,} rows")
+            return rows / (time.perf_counter() - started)
+        finally:
+            t.close()
+    b = Baseline(clusters)
+    try:
+        b.enable(False)
+        last = _baseline_write(b.src_url, rows, "copy")
+        started = time.perf_counter()
+        b.enable(True)
+        _wait(lambda: b.applied() >= last, f"logical replication to catch up {rows:,} rows")
+        return rows / (time.perf_counter() - started)
+    finally:
+        b.close()
+
+
+def writer_once(clusters: Clusters, rows: int, single: int, which: str) -> dict[str, float]:
+    """The writer alone on the (durable) source: single-row commits and 1000-row transactions.
+
+    ``which`` is ``tickline`` (``append``) or ``plain`` (INSERT + COMMIT per row;
+    COPY per 1000 rows, the method a tickline append of 1000 rows uses).
+    """
+    url = clusters.source.new_database()
+    if which == "tickline":
+        from replication.streams import EVENTS
+        from storage.store import open_store
+
+        store = open_store(url)
+        store.register_stream(EVENTS)
+        store.append("events", make_rows(0, 1), "bench-writer")  # registers the writer
+        started = time.perf_counter()
+        for n in range(single):
+            store.append("events", make_rows(n, 1), "bench-writer")
+        one = single / (time.perf_counter() - started)
+        started = time.perf_counter()
+        for start in range(0, rows, TXN_ROWS):
+            store.append("events", make_rows(start, min(TXN_ROWS, rows - start)), "bench-writer")
+        bulk = rows / (time.perf_counter() - started)
+        store.close()
+        return {"single": one, "bulk": bulk}
+    conn = _connect(url, autocommit=False)
+    with conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE events ({BASE_COLUMNS})")
+        cur.execute("CREATE INDEX events_token ON events (token)")
+        conn.commit()
+        now = int(time.time() * 1000) << 18
+        started = time.perf_counter()
+        for n in range(single):
+            row = make_rows(n, 1)[0]
+            cur.execute(
+                f"INSERT INTO events ({NAMES}) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)", (n + 1, "base", now + n, *row)
+            )
+            conn.commit()
+        one = single / (time.perf_counter() - started)
+    conn.close()
+    started = time.perf_counter()
+    _baseline_write(url, rows, "copy", single + 1)
+    bulk = rows / (time.perf_counter() - started)
+    return {"single": one, "bulk": bulk}
+
+
+@contextmanager
+def _applied_listener(url: str) -> Iterator[dict[int, float]]:
+    """token -> when the target said it was applied (a trigger's NOTIFY, read by a thread)."""
+    conn = _connect(url)
+    with conn.cursor() as cur:
+        cur.execute("LISTEN bench_applied")
+    seen: dict[int, float] = {}
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.is_set():
+            if select.select([conn], [], [], 0.05)[0]:
+                conn.poll()
+                now = time.perf_counter()
+                for n in conn.notifies:
+                    seen[int(n.payload)] = now
+                conn.notifies.clear()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield seen
+    finally:
+        stop.set()
+        thread.join(5)
+        conn.close()
+
+
+def _paced(commit: Callable[[int], int], rate: int, seconds: float) -> tuple[dict[int, float], float]:
+    """Commit single rows at ``rate``/s for ``seconds``: token -> commit time, and the rate reached."""
+    committed: dict[int, float] = {}
+    interval = 1.0 / rate
+    started = time.perf_counter()
+    next_at = started
+    n = 0
+    end = started + seconds
+    while next_at < end:
+        token = commit(n)
+        committed[token] = time.perf_counter()
+        n += 1
+        next_at += interval
+        delay = next_at - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+    return committed, n / (time.perf_counter() - started)
+
+
+def latency_once(clusters: Clusters, workdir: str, rate: int, seconds: float, which: str) -> dict[str, float]:
+    if which == "tickline":
+        t = Tickline(clusters, workdir, "latency")
+        try:
+            t.start_worker()
+            with t.dst.cursor() as cur:
+                _wait(lambda: bool(_scalar(t.dst, "SELECT to_regclass('replicated_events') IS NOT NULL")), "table")
+                _add_applied_trigger(cur, "replicated_events")
+            t.store.append("events", make_rows(0, 1), "bench-latency")  # warm up
+            with _applied_listener(t.dst_url) as seen:
+
+                def commit(n: int) -> int:
+                    return t.store.append("events", make_rows(n, 1), "bench-latency")[0]
+
+                committed, reached = _paced(commit, rate, seconds)
+                last = max(committed)
+                _wait(lambda: last in seen, "the last row to be applied", 60)
+            return _delays(committed, seen, reached)
+        finally:
+            t.close()
+    b = Baseline(clusters, applied_trigger=True)
+    conn = _connect(b.src_url, autocommit=False)
+    try:
+        with _applied_listener(b.dst_url) as seen, conn.cursor() as cur:
+            now = int(time.time() * 1000) << 18
+
+            def commit(n: int) -> int:
+                row = make_rows(n, 1)[0]
+                cur.execute(
+                    f"INSERT INTO events ({NAMES}) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
+                    (n + 1, "base", now + n, *row),
+                )
+                conn.commit()
+                return n + 1
+
+            committed, reached = _paced(commit, rate, seconds)
+            last = max(committed)
+            _wait(lambda: last in seen, "the last row to be applied", 60)
+        return _delays(committed, seen, reached)
+    finally:
+        conn.close()
+        b.close()
+
+
+def _delays(committed: dict[int, float], seen: dict[int, float], reached: float) -> dict[str, float]:
+    delays = sorted((seen[t] - c) * 1000 for t, c in committed.items() if t in seen)
+    if not delays:
+        raise BenchError("no row was seen applied")
+    return {
+        "p50": statistics.median(delays),
+        "p99": delays[min(len(delays) - 1, int(0.99 * len(delays)))],
+        "reached": reached,
+        "samples": float(len(delays)),
+    }
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def run(
+    chosen: list[str],
+    rows: int,
+    workdir: str,
+    repeat: int = 3,
+    rate: int = 1000,
+    seconds: float = 10.0,
+    catch_up_rows: int | None = None,
+    verbose: bool = False,
+) -> dict[str, dict[str, Any]]:
+    """Run the chosen scenarios, interleaved, and print their lines; returns the figures."""
+    results: dict[str, dict[str, Any]] = {}
+
+    def log(text: str) -> None:
+        if verbose:
+            print(f"  {text}", flush=True)
+
+    with Clusters() as clusters:
+        if "writer" in chosen:
+            single = max(200, min(2000, rows // 10))
+            wr: dict[str, list[dict[str, float]]] = {"tickline": [], "plain": []}
+            for i in range(repeat):
+                for which in wr:
+                    value = writer_once(clusters, rows, single, which)
+                    wr[which].append(value)
+                    log(f"writer run {i + 1} {which}: {value}")
+            w = {k: {m: _median([v[m] for v in runs_]) for m in ("single", "bulk")} for k, runs_ in wr.items()}
+            results["writer"] = w
+            t, p = w["tickline"], w["plain"]
+            print(
+                f"writer: tickline {_fmt(t['single'])} commits/s, baseline {_fmt(p['single'])} commits/s, "
+                f"ratio {t['single'] / p['single']:.2f}",
+                flush=True,
+            )
+            print(
+                f"  single-row appends against INSERT + COMMIT of the same row ({single:,} each, durable); "
+                f"bulk ({rows:,} rows, {TXN_ROWS}-row transactions): tickline {_fmt(t['bulk'])} rows/s, "
+                f"the same rows by COPY without tickline {_fmt(p['bulk'])} rows/s, ratio {t['bulk'] / p['bulk']:.2f}",
+                flush=True,
+            )
+        if "end-to-end" in chosen:
+            runs: dict[str, list[float]] = {"tickline": [], "copy": [], "execute_values": []}
+            for i in range(repeat):
+                for which in runs:
+                    value = end_to_end_once(clusters, workdir, rows, which)
+                    runs[which].append(value)
+                    log(f"end-to-end run {i + 1} {which}: {_fmt(value)} rows/s")
+            r = {k: _median(v) for k, v in runs.items()}
+            results["end-to-end"] = r
+            print(
+                f"end-to-end: tickline {_fmt(r['tickline'])} rows/s, baseline {_fmt(r['copy'])} rows/s, "
+                f"ratio {r['tickline'] / r['copy']:.2f}",
+                flush=True,
+            )
+            print(
+                f"  {rows:,} rows in {TXN_ROWS}-row transactions, durable, median of {repeat} interleaved runs; "
+                f"baseline: PostgreSQL logical replication written by COPY (tickline's append of {TXN_ROWS} rows "
+                f"uses COPY); written by execute_values it reached {_fmt(r['execute_values'])} rows/s "
+                f"(ratio {r['tickline'] / r['execute_values']:.2f})",
+                flush=True,
+            )
+        if "latency" in chosen:
+            lat: dict[str, list[dict[str, float]]] = {"tickline": [], "baseline": []}
+            for i in range(repeat):
+                for which in lat:
+                    value = latency_once(clusters, workdir, rate, seconds, which)
+                    lat[which].append(value)
+                    log(f"latency run {i + 1} {which}: {value}")
+            agg = {w: {k: _median([v[k] for v in runs_]) for k in runs_[0]} for w, runs_ in lat.items()}
+            results["latency"] = agg
+            t, b = agg["tickline"], agg["baseline"]
+            print(
+                f"latency: tickline {t['p99']:.2f} ms, baseline {b['p99']:.2f} ms, ratio {b['p99'] / t['p99']:.2f}",
+                flush=True,
+            )
+            for name, a in (("tickline", t), ("baseline", b)):
+                held = "held" if a["reached"] >= 0.95 * rate else "NOT held"
+                print(
+                    f"  {name}: commit -> applied p50 {a['p50']:.2f} ms, p99 {a['p99']:.2f} ms; "
+                    f"{rate:,} single-row commits/s requested, {_fmt(a['reached'])}/s reached ({held})",
+                    flush=True,
+                )
+        if "catch-up" in chosen:
+            n = catch_up_rows or rows
+            cu: dict[str, list[float]] = {"tickline": [], "baseline": []}
+            for i in range(repeat):
+                for which in cu:
+                    value = catch_up_once(clusters, workdir, n, which)
+                    cu[which].append(value)
+                    log(f"catch-up run {i + 1} {which}: {_fmt(value)} rows/s")
+            c = {k: _median(v) for k, v in cu.items()}
+            results["catch-up"] = c
+            print(
+                f"catch-up: tickline {_fmt(c['tickline'])} rows/s, baseline {_fmt(c['baseline'])} rows/s, "
+                f"ratio {c['tickline'] / c['baseline']:.2f}",
+                flush=True,
+            )
+            print(
+                f"  {n:,} rows written while the consumer was away; baseline: logical replication, "
+                "subscription disabled then enabled",
+                flush=True,
+            )
+    return results
+
+
+def plot(results: dict[str, dict[str, Any]], path: str) -> None:
+    """A PNG: throughput ratios (left) and commit -> applied percentiles (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    names, ratios = [], []
+    if "end-to-end" in results:
+        r = results["end-to-end"]
+        names += ["end-to-end\nvs COPY", "end-to-end\nvs execute_values"]
+        ratios += [r["tickline"] / r["copy"], r["tickline"] / r["execute_values"]]
+    if "catch-up" in results:
+        c = results["catch-up"]
+        names.append("catch-up")
+        ratios.append(c["tickline"] / c["baseline"])
+    if "latency" in results:
+        t, b = results["latency"]["tickline"], results["latency"]["baseline"]
+        names.append("latency\n(p99 ratio)")
+        ratios.append(b["p99"] / t["p99"])
+        width = 0.35
+        xs = range(2)
+        right.bar([x - width / 2 for x in xs], [t["p50"], t["p99"]], width, label="tickline")
+        right.bar([x + width / 2 for x in xs], [b["p50"], b["p99"]], width, label="logical replication")
+        right.set_xticks(list(xs), ["p50", "p99"])
+        right.set_ylabel("commit -> applied (ms)")
+        right.set_title("single-row commits, paced")
+        right.legend()
+    left.bar(names, ratios, color=["tab:green" if r >= 1.0 else "tab:red" for r in ratios])
+    left.axhline(1.0, color="black", linewidth=0.8)
+    left.set_ylabel("tickline / logical replication (>1: tickline better)")
+    left.set_title("ratios, same run")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

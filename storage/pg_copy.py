@@ -1,0 +1,120 @@
+"""Rows as PostgreSQL ``COPY`` text (the writer's bulk appends and the worker's applies)."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import orjson
+
+from storage.schema import StreamSchema
+
+_COPY_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
+NULL_COPY = "\\N"
+
+
+def _copy_text(value: str) -> str:
+    # Most values need no escape: four substring tests are much cheaper than a translate.
+    if "\\" in value or "\t" in value or "\n" in value or "\r" in value:
+        return value.translate(_COPY_ESCAPES)
+    return value
+
+
+def _copy_bool(value: bool) -> str:
+    return "t" if value else "f"
+
+
+def _copy_double(value: float) -> str:
+    text = repr(value)
+    return _SPECIAL.get(text, text)
+
+
+_SPECIAL = {"inf": "Infinity", "-inf": "-Infinity", "nan": "NaN"}
+_COPY_FORMATS: dict[str, Callable[[Any], str]] = {
+    "text": _copy_text,
+    "json": _copy_text,
+    "bigint": str,
+    "double": _copy_double,
+    "boolean": _copy_bool,
+}
+
+
+def copy_rows(cursor: Any, table: str, schema: StreamSchema, rows: Sequence[tuple[Any, ...]]) -> None:
+    """``COPY`` rows ``(token, instance_name, ts, *checked values)`` into ``table``."""
+    formats: list[Callable[[Any], str]] = [str, _copy_text, str]
+    formats += [_COPY_FORMATS[c.type] for c in schema.columns]
+    columns = formatter(schema, checked=True)
+    lines = []
+    for row in rows:
+        text = columns(row[3:])
+        if text is None:
+            text = "\t".join([NULL_COPY if v is None else f(v) for f, v in zip(formats[3:], row[3:], strict=False)])
+        lines.append(f"{row[0]}\t{_copy_text(row[1])}\t{row[2]}\t{text}")
+    lines.append("")
+    names = ", ".join(("token", "instance_name", "ts", *schema.column_names))
+    cursor.copy_expert(f"COPY {table} ({names}) FROM STDIN", io.BytesIO("\n".join(lines).encode()), size=1 << 20)
+
+
+_MIN_INT, _MAX_INT = -(2**63), 2**63 - 1
+
+
+def column_formatter(schema: StreamSchema, checked: bool = False) -> Callable[[Any], str | None]:
+    """A function checking one row's values and returning its columns as COPY text, or None.
+
+    Generated once per schema (one unrolled function, no per-value dispatch):
+    it accepts only what :meth:`StreamSchema.check_row` stores unchanged (a
+    list or tuple of exactly typed values; JSON values are encoded). Anything
+    else, a wrong value included, gives None: the caller then checks the row
+    with ``check_row``, which names the problem. With ``checked``, the values
+    were checked already (JSON values are JSON text).
+    """
+    lines = ["def fmt(row):", "    if type(row) is not list and type(row) is not tuple:", "        return None"]
+    lines += [f"    if len(row) != {len(schema.columns)}:", "        return None"]
+    names = [f"v{i}" for i in range(len(schema.columns))]
+    lines.append(f"    {', '.join(names)}{',' if len(names) == 1 else ''} = row")
+    for i, column in enumerate(schema.columns):
+        v, s = f"v{i}", f"s{i}"
+        lines.append(f"    if {v} is None:")
+        lines.append(f"        {s} = NULL" if column.nullable else "        return None")
+        kind = column.type
+        if kind == "text" and checked:
+            lines += [f"    elif type({v}) is str:", f"        {s} = esc({v})"]
+        elif kind == "text":  # ASCII without NUL here; the rest is checked by check_row
+            lines += [f"    elif type({v}) is str and {v}.isascii() and NUL not in {v}:", f"        {s} = esc({v})"]
+        elif kind == "bigint":
+            lines += [f"    elif type({v}) is int and MIN <= {v} <= MAX:", f"        {s} = str({v})"]
+        elif kind == "double":
+            lines += [f"    elif type({v}) is float and {v} - {v} == 0.0:", f"        {s} = dbl({v})"]  # finite
+        elif kind == "boolean":
+            lines += [f"    elif {v} is True:", f"        {s} = 't'", f"    elif {v} is False:", f"        {s} = 'f'"]
+        elif kind == "json" and checked:
+            lines += [f"    elif type({v}) is str:", f"        {s} = esc({v})"]
+        elif kind == "json":
+            lines += ["    else:", "        try:", f"            {s} = esc(dumps({v}).decode())"]
+            lines += ["        except Exception:", "            return None"]
+        if kind != "json" or checked:
+            lines += ["    else:", "        return None"]
+    lines.append("    return " + ' + "\\t" + '.join(f"s{i}" for i in range(len(schema.columns))))
+    namespace: dict[str, Any] = {
+        "NULL": NULL_COPY,
+        "NUL": "\x00",
+        "esc": _copy_text,
+        "dbl": _copy_double,
+        "MIN": _MIN_INT,
+        "MAX": _MAX_INT,
+        "dumps": orjson.dumps,
+    }
+    exec("\n".join(lines), namespace)
+    fmt: Callable[[Any], str | None] = namespace["fmt"]
+    return fmt
+
+
+_FORMATTERS: dict[tuple[StreamSchema, bool], Callable[[Any], str | None]] = {}
+
+
+def formatter(schema: StreamSchema, checked: bool = False) -> Callable[[Any], str | None]:
+    found = _FORMATTERS.get((schema, checked))
+    if found is None:
+        found = _FORMATTERS[(schema, checked)] = column_formatter(schema, checked)
+    return found
