@@ -184,30 +184,42 @@ class SqliteStreamStore:
     def read_lines_json(
         self, stream: str, after: int, upto: int, limit: int, prefix: str, with_ts: bool
     ) -> tuple[bytes, int, int] | None:
-        """Whole lines built by SQLite (no Python object per value or row); None if a batch is in range."""
+        """Whole lines built by SQLite in one value (no Python object per row); None if a batch is in range.
+
+        Reads the tokens ``(after, min(upto, after + limit)]`` (SQLite's tokens
+        are dense, so that is about ``limit`` rows; over a gap it moves to the
+        next row's token first). The rows are concatenated by ``group_concat``
+        over the ``(token, seq)`` order of the token index, so the answer is
+        one ``bytes`` whatever the row count.
+        """
         schema = self.schema(stream)
         values = self._json_values(schema)
         if with_ts:
             values.append("ts")
         table = schema.table
-        span = (
-            f"SELECT count(*), count(DISTINCT token), max(token) FROM "
-            f"(SELECT token FROM {table} WHERE token > ? AND token <= ? ORDER BY token LIMIT ?)"
-        )
-        size = f"SELECT count(*) FROM {table} WHERE token = ?"
+        span = f"SELECT count(*), count(DISTINCT token), max(token) FROM {table} WHERE token > ? AND token <= ?"
+        first = f"SELECT min(token) FROM {table} WHERE token > ? AND token <= ?"
         lines = (
-            f"SELECT CAST(? || instance_name || ' ' || token || ' ' || json_array({', '.join(values)}) || char(10)"
-            f" AS BLOB) FROM {table} WHERE token > ? AND token <= ? ORDER BY token, seq"
+            f"SELECT CAST(group_concat(? || instance_name || ' ' || token || ' ' || json_array({', '.join(values)})"
+            f" || char(10), '') AS BLOB) FROM {table} INDEXED BY {table}_token WHERE token > ? AND token <= ?"
         )
 
         def run(conn: sqlite3.Connection) -> tuple[bytes, int, int] | None:
-            count, tokens, last = conn.execute(span, (after, upto, limit)).fetchone()
+            end = min(upto, after + max(limit, 1))
+            count, tokens, last = conn.execute(span, (after, end)).fetchone()
+            if not count and end < upto:
+                # A gap in the tokens: start the range at the next row.
+                (nxt,) = conn.execute(first, (after, upto)).fetchone()
+                if nxt is None:
+                    return b"", after, 0
+                end = min(upto, nxt - 1 + max(limit, 1))
+                count, tokens, last = conn.execute(span, (after, end)).fetchone()
             if not count:
                 return b"", after, 0
-            if tokens != count or (count == limit and conn.execute(size, (last,)).fetchone()[0] > 1):
+            if tokens != count:
                 return None  # rows sharing a token: batch lines, built by the caller
-            rows = conn.execute(lines, (prefix, after, last)).fetchall()
-            return b"".join([row[0] for row in rows]), last, len(rows)
+            (data,) = conn.execute(lines, (prefix, after, last)).fetchone()
+            return data, last, count
 
         return self.database.read(run)
 
