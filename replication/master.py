@@ -65,7 +65,7 @@ from replication.subscriptions import FanOutTarget, Subscription
 from replication.timeline import TimelineService
 from replication.timeline_settings import TimelineSettings
 from replication.timeticks import TimeTicker, read_since
-from replication.window import Read, RecentWindow, SharedReads
+from replication.window import Read, RecentWindow, SharedReads, WindowFiller
 from storage.contracts import Notifier, StreamStore
 from storage.schema import StreamSchema
 from storage.store import TOKEN, StorageError
@@ -109,6 +109,8 @@ class Master:
         self.window = RecentWindow(config.recent_bytes)
         # Answers of replay reads kept for other replays of the same range.
         self.shared_reads = SharedReads(config.recent_bytes // 8)
+        # Fills the window from storage in large reads: on start, and for replays below it.
+        self.filler = WindowFiller(self.window, self._read_range, self.live_token)
         self.connections: set[ServerProtocol] = set()
         self.client_commands = ClientCommandHandlers(self)
         self._catchup_rows = 0
@@ -150,6 +152,8 @@ class Master:
             lambda f: logger.error("following stream heads stopped: %s", f.getTraceback())
         )
         self.timeticks.start()
+        for stream in self._live:
+            self.filler.fill(stream, 0, False, whole=False)  # warm the window with the newest rows
         self.port = self._listen()
         address = self.port.getHost()
         logger.info(
@@ -275,6 +279,17 @@ class Master:
             return d
 
         return self.shared_reads.read(stream, after, upto, with_ts, start)
+
+    def fill_recent(self, stream: str, after: int, with_ts: bool) -> defer.Deferred[None] | None:
+        """Read the rows between ``after`` and the window into it (see ``WindowFiller``)."""
+        return self.filler.fill(stream, after, with_ts)
+
+    def _read_range(self, stream: str, after: int, upto: int, with_ts: bool) -> defer.Deferred[Read | None]:
+        """Whole lines of the rows in ``(after, upto]`` built by the store, off the reactor (None: a batch)."""
+        d: defer.Deferred[Read | None] = self.db.run(
+            self.store.read_lines_json, stream, after, upto, upto - after, f"RDATA {stream} ", with_ts
+        )
+        return d
 
     def read_encoded_since(
         self, stream: str, after: int, upto: int, limit: int, with_ts: bool, since_ts: int

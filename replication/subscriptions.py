@@ -19,9 +19,12 @@ states:
   it rejoins as soon as it has caught up. A paused connection therefore
   costs the master at most the one write that paused it.
 
-Catching up and lagging read the window first (synchronously) and storage
-only for rows older than the window; concurrent replays of the same range
-share one storage read (see ``replication.window``).
+Catching up and lagging read the window first (synchronously). A replay that
+starts below the window first asks the master to read the rows between its
+start and the window into the window (when they fit; one fill shared by
+every replay that asks) and is then served from memory; otherwise it reads
+storage, concurrent replays of the same range sharing one storage read (see
+``replication.window``).
 
 A new ``REPLICATE`` for a stream replaces its subscription; the *generation*
 number makes the answers of reads started for the old one fall on the floor.
@@ -54,6 +57,7 @@ class Subscription:
 
     __slots__ = (
         "announce_live",
+        "filled_at",
         "generation",
         "lag_bytes",
         "lagging",
@@ -84,6 +88,7 @@ class Subscription:
         self.generation = generation  # bumped when a new REPLICATE restarts the stream
         # REPLICATE <stream> @<unix_ms>: the replay drops rows older than this.
         self.since_ts = since_ts
+        self.filled_at = -1  # the position at which it last waited for the window to be filled
 
     @property
     def state(self) -> str:
@@ -111,6 +116,14 @@ class StreamSource(Protocol):
 
     def read_recent(self, stream: str, after: int, upto: int, limit: int, with_ts: bool) -> Read | None:
         """The same from the window of recent rows, at once; None when the window does not hold them."""
+        ...
+
+    def fill_recent(self, stream: str, after: int, with_ts: bool) -> defer.Deferred[None] | None:
+        """Bring the rows after ``after`` into the window (one fill shared by every replay asking).
+
+        Fires when that fill ends; None when it will not be done (no room,
+        nothing to do): the replay then reads storage.
+        """
         ...
 
     def read_encoded(self, stream: str, after: int, upto: int, limit: int, with_ts: bool) -> defer.Deferred[Read]:
@@ -302,6 +315,15 @@ class Subscriptions:
                 if recent is not None:
                     self._deliver(sub, recent, head)
                     continue
+                if sub.filled_at != sub.sent_token:
+                    # Below the window: the rows up to it are read into the
+                    # window once for every replay, then served from there.
+                    sub.filled_at = sub.sent_token
+                    filled = source.fill_recent(sub.stream, sub.sent_token, self._with_ts)
+                    if filled is not None:
+                        sub.reading = True
+                        filled.addCallback(self._filled, sub, sub.generation)
+                        return
             sub.reading = True
             generation = sub.generation
             if sub.since_ts is not None:
@@ -329,6 +351,13 @@ class Subscriptions:
             upto = last_token if last_token > sub.sent_token else head
             self._outlet.send(PositionCommand(sub.stream, self._source.instance_name, sub.sent_token, upto))
             sub.sent_token = upto
+
+    def _filled(self, _: None, sub: Subscription, generation: int) -> None:
+        if generation != sub.generation or self._subs.get(sub.stream) is not sub:
+            return
+        sub.reading = False
+        if not self._outlet.closing:
+            self._pump(sub)
 
     def _read(self, result: Read, sub: Subscription, generation: int, head: int) -> None:
         if generation != sub.generation or self._subs.get(sub.stream) is not sub:

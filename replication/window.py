@@ -24,6 +24,7 @@ No sockets here and no database: the master feeds the window and asks it.
 
 from __future__ import annotations
 
+import logging
 from array import array
 from bisect import bisect_right
 from collections import OrderedDict, deque
@@ -31,6 +32,8 @@ from collections.abc import Callable
 
 from twisted.internet import defer
 from twisted.python.failure import Failure
+
+logger = logging.getLogger(__name__)
 
 # What a chunk costs beyond its bytes (objects, dict, deque slot): counted so
 # that a flood of empty POSITION spans is bounded too.
@@ -96,6 +99,7 @@ class RecentWindow:
         self.max_bytes = max_bytes
         self.size = 0
         self._streams: dict[str, deque[Chunk]] = {}
+        self._stream_size: dict[str, int] = {}  # bytes of each stream's chunks
         self._order: deque[tuple[str, Chunk]] = deque()  # every chunk, oldest first
 
     def append(self, stream: str, after: int, last: int, count: int, data: dict[bool, bytes]) -> None:
@@ -114,7 +118,41 @@ class RecentWindow:
         chunks.append(chunk)
         self._order.append((stream, chunk))
         self.size += chunk.size
+        self._stream_size[stream] = self._stream_size.get(stream, 0) + chunk.size
         self._evict()
+
+    def prepend(self, stream: str, after: int, last: int, count: int, data: dict[bool, bytes], live: int) -> bool:
+        """Rows in ``(after, last]`` read from storage, older than the stream's oldest chunk.
+
+        Taken only when they join the window (``last`` is the oldest chunk's
+        start, or with no chunk the live token ``live``) and fit in the free
+        bytes: older rows never push newer ones out. True if taken.
+        """
+        chunks = self._streams.get(stream)
+        if not (chunks[0].after == last if chunks else last == live) or after >= last:
+            return False
+        chunk = Chunk(after, last, count, data)
+        if self.size + chunk.size > self.max_bytes:
+            return False
+        if chunks is None:
+            chunks = self._streams[stream] = deque()
+        chunks.appendleft(chunk)
+        self._order.appendleft((stream, chunk))  # the oldest: evicted first
+        self.size += chunk.size
+        self._stream_size[stream] = self._stream_size.get(stream, 0) + chunk.size
+        return True
+
+    def free_bytes(self) -> int:
+        return max(0, self.max_bytes - self.size)
+
+    def bytes_per_token(self, stream: str) -> float | None:
+        """The average size of the stream's chunks per token (for sizing a fill), or None."""
+        chunks = self._streams.get(stream)
+        if not chunks:
+            return None
+        tokens = chunks[-1].last - chunks[0].after
+        size = self._stream_size.get(stream, 0)
+        return size / tokens if tokens > 0 and size else None
 
     def _evict(self) -> None:
         while self.size > self.max_bytes and self._order:
@@ -123,10 +161,12 @@ class RecentWindow:
             if chunks and chunks[0] is chunk:
                 chunks.popleft()
                 self.size -= chunk.size
+                self._stream_size[stream] -= chunk.size
 
     def forget(self, stream: str) -> None:
         """Drop a stream's chunks (its live token moved on without them)."""
         chunks = self._streams.pop(stream, None)
+        self._stream_size.pop(stream, None)
         if chunks:
             self.size -= sum(c.size for c in chunks)
             dropped = {id(c) for c in chunks}
@@ -239,3 +279,124 @@ class SharedReads:
             del self._flying[key]
         for w in waiters:
             w.errback(failure)
+
+
+class WindowFiller:
+    """Extends a stream's window backwards from its oldest chunk, with large storage reads.
+
+    On start the master warms each stream's window from its newest rows
+    (:meth:`fill` down to token 0, as far as the free bytes go); a replay that
+    starts below the window asks for the rows between its start and the
+    window, and is served from memory once they are in. One fill runs per
+    stream at a time; replays that ask while it runs wait for it (one read
+    for all of them). Each read is ``(lo, hi]`` of at most ``chunk_tokens``
+    tokens, sized from the bytes per token already seen so that it fits; a
+    fill stops when the window has no room, when a read is not offered as
+    whole lines (a batch in the range: those replays read storage), or when
+    the window changed under it (the stream was dropped).
+    """
+
+    def __init__(
+        self,
+        window: RecentWindow,
+        read_range: Callable[[str, int, int, bool], defer.Deferred[Read | None]],
+        live_token: Callable[[str], int],
+        chunk_tokens: int = 65536,
+        read_bytes: int = 4 << 20,
+        first_tokens: int = 1024,
+    ) -> None:
+        self.window = window
+        self._read_range = read_range
+        self._live_token = live_token
+        self.chunk_tokens = chunk_tokens  # tokens per read at most
+        self.read_bytes = read_bytes  # bytes per read, about (SQLite builds each read in memory)
+        self.first_tokens = first_tokens  # the first read of a stream not in the window: its size is not known
+        # A fill takes at most half the window, so that the live fan-out keeps room.
+        self.max_fill_bytes = window.max_bytes // 2
+        self.guess_bytes_per_token = 100.0  # before anything of the stream was read
+        self._learned: dict[str, float] = {}  # bytes per token of the stream's last fill read
+        self._gave_up: dict[str, int] = {}  # a fill from this token found no room: not again from there
+        self._jobs: dict[str, tuple[int, bool, list[defer.Deferred[None]]]] = {}
+        self.reads = 0  # storage reads made by fills
+
+    def fill(self, stream: str, floor: int, with_ts: bool, whole: bool = True) -> defer.Deferred[None] | None:
+        """Bring the stream's rows down to ``floor`` into the window; fires when the fill ends.
+
+        With ``whole`` (a replay's request) nothing is started unless all of
+        ``(floor, oldest]`` looks like it fits in the free bytes; None then,
+        and also when there is nothing to do. A running fill that reaches
+        ``floor`` (same variant) is joined.
+        """
+        job = self._jobs.get(stream)
+        if job is not None:
+            if job[0] <= floor and job[1] == with_ts:
+                waiter: defer.Deferred[None] = defer.Deferred()
+                job[2].append(waiter)
+                return waiter
+            return None
+        start = self.window.start(stream)
+        top = start if start is not None else self._live_token(stream)
+        if top <= floor:
+            return None
+        if self._gave_up.get(stream, -1) == top:
+            return None  # the last fill from here found no room (or a batch): storage
+        if whole and not self._fits(stream, top - floor):
+            return None
+        waiters: list[defer.Deferred[None]] = []
+        self._jobs[stream] = (floor, with_ts, waiters)
+        mine: defer.Deferred[None] = defer.Deferred()
+        waiters.append(mine)
+        defer.ensureDeferred(self._run(stream, floor, top, with_ts, whole)).addBoth(self._done, stream, waiters)
+        return mine
+
+    def filling(self, stream: str) -> bool:
+        return stream in self._jobs
+
+    def _per_token(self, stream: str) -> float | None:
+        return self.window.bytes_per_token(stream) or self._learned.get(stream)
+
+    def _fits(self, stream: str, tokens: int, budget: int | None = None) -> bool:
+        per_token = self._per_token(stream) or self.guess_bytes_per_token
+        if budget is None:
+            budget = min(self.window.free_bytes(), self.max_fill_bytes)
+        return tokens * per_token <= budget
+
+    async def _run(self, stream: str, floor: int, top: int, with_ts: bool, whole: bool) -> None:
+        window = self.window
+        budget = min(window.free_bytes(), self.max_fill_bytes)
+        while top > floor:
+            if whole and not self._fits(stream, top - floor, budget):
+                self._gave_up[stream] = top
+                return
+            per_token = self._per_token(stream)
+            if per_token is None:
+                tokens = min(self.first_tokens, top - floor)
+            else:
+                fits = int(budget / (per_token * 1.1))
+                tokens = min(self.chunk_tokens, top - floor, fits, max(1, int(self.read_bytes / per_token)))
+            if tokens < 1:
+                return
+            lo = top - tokens
+            self.reads += 1
+            result = await self._read_range(stream, lo, top, with_ts)
+            if result is None:
+                self._gave_up[stream] = top
+                return
+            data, _, count = result
+            if data:
+                self._learned[stream] = len(data) / tokens
+            if len(data) > budget:
+                self._gave_up[stream] = top
+                return
+            if not window.prepend(stream, lo, top, count, {with_ts: data}, self._live_token(stream)):
+                return
+            budget -= len(data)
+            top = lo
+
+    def _done(self, result: object, stream: str, waiters: list[defer.Deferred[None]]) -> None:
+        if self._jobs.get(stream, (0, False, None))[2] is waiters:
+            del self._jobs[stream]
+        if isinstance(result, Failure):
+            logger.warning("filling the window of %s failed: %s", stream, result.getErrorMessage())
+        for w in waiters:
+            w.callback(None)

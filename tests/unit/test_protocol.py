@@ -754,13 +754,15 @@ def test_paused_replay_reads_nothing_more_from_storage(make_env: Callable[..., E
     conn.proto.pauseProducing()  # paused while the first chunk is being read
     env.db.release()
     first = tokens(conn.commands())
-    assert first == list(range(1, 11))  # at most the chunk already in flight
+    # At most what was in flight: nothing (the rows were read into the window
+    # of recent rows, served on resume) or the first chunk read from storage.
+    assert first in ([], list(range(1, 11)))
     reads = len(env.db.calls)
     env.advance_by(2.0)
-    assert "_read_encoded" not in env.db.calls[reads:]  # only the heads poller ran
+    assert not {"_read_encoded", "read_lines_json"} & set(env.db.calls[reads:])  # only the heads poller ran
     assert tokens(conn.commands()) == []
     conn.proto.resumeProducing()
-    assert tokens(conn.commands()) == list(range(11, 101))
+    assert tokens(conn.commands()) == list(range(len(first) + 1, 101))
 
 
 def test_client_paused_longer_than_max_pause_is_dropped_with_error(make_env: Callable[..., Env]) -> None:

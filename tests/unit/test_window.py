@@ -188,8 +188,13 @@ def test_replay_older_than_the_window_reads_storage_then_the_window(window_env: 
     assert 0 < storage_reads <= start // 5 + 1  # storage up to the window, then memory
 
 
+def fills(env: Env) -> int:
+    return env.db.calls.count("read_lines_json")
+
+
 def test_concurrent_replays_of_one_range_share_each_read(window_env: Callable[..., Env]) -> None:
-    env = window_env(catchup_rows=10)
+    # A window too small for the range: the replays read storage, sharing each read.
+    env = window_env(recent_bytes=2000, catchup_rows=10)
     env.write("events", [event(i) for i in range(1, 101)])
     env.follow()
     conns = [env.connected() for _ in range(20)]
@@ -202,9 +207,31 @@ def test_concurrent_replays_of_one_range_share_each_read(window_env: Callable[..
         assert len(held) == 1  # one read for twenty replays
         fn, args, kwargs, d = held[0]
         d.callback(fn(*args, **kwargs))
-    assert reads(env) == 10  # ten chunks, each read once
+    # Ten chunks, each read once (the last rows, which fit, by one fill of the window).
+    assert reads(env) + fills(env) == 10 and reads(env) >= 9
     for conn in conns:
         assert tokens(conn.commands()) == list(range(1, 101))
+
+
+def test_concurrent_replays_below_the_window_share_one_fill(window_env: Callable[..., Env]) -> None:
+    env = window_env(catchup_rows=10)
+    env.write("events", [event(i) for i in range(1, 101)])
+    env.follow()
+    conns = [env.connected() for _ in range(20)]
+    env.db.hold = "read_lines_json"
+    for conn in conns:
+        conn.send("REPLICATE events 0")
+    assert len(env.db.held) == 1  # one fill for twenty replays
+    env.db.release()
+    assert reads(env) == 0 and fills(env) == 1
+    assert env.master.window.start("events") == 0
+    for conn in conns:
+        assert tokens(conn.commands()) == list(range(1, 101))
+    # The next replay is served from memory.
+    late = env.connected()
+    late.send("REPLICATE events 50")
+    assert tokens(late.commands()) == list(range(51, 101))
+    assert reads(env) == 0 and fills(env) == 1
 
 
 def test_a_lagging_connection_stays_in_the_fan_out_up_to_max_lag_bytes(window_env: Callable[..., Env]) -> None:
