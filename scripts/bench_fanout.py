@@ -1,28 +1,40 @@
 """``tickline bench fanout``: one master feeding 1, 10 and 50 clients, live and replay.
 
 Variants ``live-1``, ``live-10``, ``live-50``, ``replay-1``, ``replay-10``,
-``replay-50``:
+``replay-50``, ``replay-storage-1``, ``replay-storage-50``:
 
-- *replay*: N rows of ``events`` are in a SQLite database before the master
-  starts (so none are in its window of recent rows); N clients connect at
-  once and each sends ``REPLICATE events 0``; timed from the connects to the
-  last row of the last client.
 - *live*: the N clients send ``REPLICATE events <head>`` and wait for their
-  ``POSITION``; then N new rows are committed in one transaction; timed from
-  the commit to the last row of the last client (the master reads them in
-  ``fanout_rows`` chunks and fans each out).
+  ``POSITION``; then ``rows`` new rows are committed in one transaction (by
+  this process); timed from the commit to the last row of the last client.
+  The master reads them from storage (``fanout_rows`` per read) and fans each
+  chunk out once: what bounds it is the master's storage read (SQLite builds
+  the lines, about 1 µs per row) plus its poll interval (SQLite has no
+  notification: up to ``poll_interval``, 50 ms, before the first read).
+- *replay*: the N clients connect at once and each replays the newest
+  ``rows`` rows (``REPLICATE events <head - rows>``): rows inside the
+  master's window of recent rows (put there by the live fan-out, or on start
+  by the window's warm-up), served from memory; timed from the connects to
+  the last row of the last client.
+- *replay-storage*: the same N clients replay ``rows`` rows from token 0
+  against a second master on the same database whose window is too small to
+  hold them (``recent_bytes`` 1 MiB): storage reads in chunks of
+  ``catchup_rows``, concurrent replays sharing each read.
 
-The clients are raw line counters (one process holds all of them; each counts
-the ``RDATA`` lines it receives), so what is measured is the master.
-Baseline, in the same run and interleaved: a bare Twisted server that writes
-the same pre-built bytes to each of the N connections (a push producer), read
-by the same counting clients.
+The clients (one process holds all of them) count the ``RDATA`` lines and
+check their order on whole buffers: one regular expression finds every
+line's token, which must run on from the expected first token without a gap
+or a repeat (no per-line Python dispatch, as the raw socket clients of the
+issue's checks). Baseline, in the same run and interleaved: a bare Twisted
+server that writes the same pre-built bytes to each of the N connections (a
+push producer), read by the same clients.
 
 Reported per variant: rows/s delivered (all clients together; best run),
 master CPU per delivered row (user + system time from ``/proc/<pid>/stat``,
-median of the runs; steadier than wall time on a shared machine), master
-peak memory (``VmHWM``, reset before each run through ``/proc/<pid>/clear_refs``;
-highest of the runs), and the spread of the runs (slowest run / median).
+median of the runs; steadier than wall time on a shared machine), the
+clients' CPU per row, master peak memory (``VmHWM``, reset before each run
+through ``/proc/<pid>/clear_refs``; highest of the runs), and the spread of
+the runs (slowest run / median). ``--db postgresql`` runs the same against a
+throwaway PostgreSQL server (``scripts/pg_local.py``).
 """
 
 from __future__ import annotations
@@ -51,10 +63,14 @@ from scripts.benchmark import (
 
 CLIENT_COUNTS = (1, 10, 50)
 MODES = ("live", "replay")
+STORAGE_CLIENT_COUNTS = (1, 50)
+# The replay-storage master's window: too small for the replayed rows.
+STORAGE_RECENT_BYTES = 1 << 20
 
 
 def variants() -> list[str]:
-    return [f"{mode}-{n}" for mode in MODES for n in CLIENT_COUNTS]
+    names = [f"{mode}-{n}" for mode in MODES for n in CLIENT_COUNTS]
+    return names + [f"replay-storage-{n}" for n in STORAGE_CLIENT_COUNTS]
 
 
 def _memory_kib(pid: int, field: str = "VmHWM") -> int:
@@ -80,31 +96,55 @@ def _reset_peak(pid: int) -> None:
 # -- the counting clients (their own process) ------------------------------------------
 
 
-def role_fanout_clients(port: int, rows: int, clients: int, send: str, wait: bool, timeout: float) -> int:
-    """N connections that count RDATA lines; with ``wait``, READY once each saw its POSITION."""
+def role_fanout_clients(
+    port: int, rows: int, clients: int, send: str, wait: bool, timeout: float, first: int = 0
+) -> int:
+    """N connections that count RDATA lines and check their tokens run on from ``first`` (0: the first seen).
+
+    With ``wait``, READY once each saw its POSITION.
+    """
+    import re
+
     from twisted.internet import reactor
     from twisted.internet.protocol import ClientFactory, Protocol
 
-    result: dict[str, Any] = {"rows": 0, "t_start": 0.0, "t_last": None, "done": 0}
+    # Every line is searched with the newline before it (the carried tail keeps it).
+    token_re = re.compile(rb"\nRDATA \S+ \S+ (\d+) ")
+    result: dict[str, Any] = {"rows": 0, "t_start": 0.0, "t_first": None, "t_last": None, "done": 0}
     ready = {"positioned": 0}
 
     class Counting(Protocol):
         def connectionMade(self) -> None:
             self.count = 0
-            self.tail = b""
+            self.tail = b"\n"  # the newline before the next line, and a partial line
+            self.next = first  # the token the next RDATA line must carry
             self.positioned = False
             if send:
                 self.transport.write(send.encode() + b"\n")
 
         def dataReceived(self, data: bytes) -> None:
             buf = self.tail + data
+            end = buf.rfind(b"\n") + 1
+            self.tail = buf[end - 1 :]
             if not self.positioned and b"POSITION " in buf:
                 self.positioned = True
                 ready["positioned"] += 1
                 if wait and ready["positioned"] == clients:
                     print("READY", flush=True)
-            self.count += buf.count(b"RDATA ")
-            self.tail = data[-5:]
+            found = token_re.findall(buf, 0, end)
+            if not found:
+                return
+            if result["t_first"] is None:
+                result["t_first"] = time.monotonic()
+            if not self.next:
+                self.next = int(found[0])
+            n = len(found)
+            if list(map(int, found)) != list(range(self.next, self.next + n)):
+                result["error"] = f"rows out of order: expected tokens from {self.next}, got {found[:3]}..."
+                reactor.stop()
+                return
+            self.next += n
+            self.count += n
             if self.count >= rows:
                 result["rows"] += self.count
                 result["done"] += 1
@@ -141,7 +181,12 @@ def role_fanout_clients(port: int, rows: int, clients: int, send: str, wait: boo
 
 
 def run_fanout(
-    rows: int, repeat: int, workdir: str, verbose: bool, chosen: Sequence[str] | None = None
+    rows: int,
+    repeat: int,
+    workdir: str,
+    verbose: bool,
+    chosen: Sequence[str] | None = None,
+    db: str = "sqlite",
 ) -> dict[str, dict[str, Any]]:
     from storage.store import open_store
 
@@ -151,14 +196,22 @@ def run_fanout(
         if verbose:
             print(f"  {text}", file=sys.stderr, flush=True)
 
-    url = f"sqlite:///{os.path.join(workdir, 'fanout.db')}"
-    head = fill_database(url, rows)
     timeout = 120.0 + rows / 5_000
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     base_runs: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     servers: list[Server] = []
     store = None
+    pg = None
     try:
+        if db == "postgresql":
+            from scripts.pg_local import PostgresServer
+
+            pg = PostgresServer()
+            pg.start()
+            url = pg.new_database()
+        else:
+            url = f"sqlite:///{os.path.join(workdir, 'fanout.db')}"
+        head = fill_database(url, rows)
         base_port = _free_port()
         baseline = Server(
             _self_command("_baseline-server", "--port", str(base_port), "--rows", str(rows)),
@@ -168,19 +221,38 @@ def run_fanout(
             timeout=30.0 + rows / 20_000,
         )
         servers.append(baseline)
-        port = _free_port()
-        master_cmd = [sys.executable, "-m", "scripts.cli", "master", "--database", url, "--listen", f"127.0.0.1:{port}"]
-        master = Server(master_cmd, os.path.join(workdir, "fanout-master.log"), "listening on", "master")
-        servers.append(master)
+
+        def start_master(tag: str, config: str | None = None) -> tuple[Server, int]:
+            port = _free_port()
+            cmd = [sys.executable, "-m", "scripts.cli", "master", "--database", url, "--listen", f"127.0.0.1:{port}"]
+            if config is not None:
+                path = os.path.join(workdir, f"fanout-{tag}.yaml")
+                with open(path, "w") as f:
+                    f.write(config)
+                cmd += ["--config", path]
+            server = Server(cmd, os.path.join(workdir, f"fanout-{tag}.log"), "listening on", f"master ({tag})")
+            servers.append(server)
+            return server, port
+
+        master, port = start_master("master")
+        cold = cold_port = None
+        if any(name.startswith("replay-storage-") for name in names):
+            cold, cold_port = start_master("storage", f"master:\n  recent_bytes: {STORAGE_RECENT_BYTES}\n")
         store = open_store(url)
+        if db == "sqlite":
+            # The commit returns once the rows are visible, not after a WAL
+            # checkpoint of them (the live runs are timed from it).
+            store.database.connection().execute("PRAGMA wal_autocheckpoint = 0")  # type: ignore[attr-defined]
         next_row = head
 
-        def measure(kind: str, server: Server, clients: int, send: str, on_ready: Any = None) -> dict[str, float]:
-            """One run: N clients until each has ``rows`` rows; the server's CPU and peak memory."""
+        def measure(
+            kind: str, server: Server, port: int, clients: int, send: str, first: int, on_ready: Any = None
+        ) -> dict[str, float]:
+            """One run: N clients until each has ``rows`` rows in order; the server's CPU and peak memory."""
             pid = server.proc.pid
             _reset_peak(pid)
             cpu_before = _cpu_seconds(pid)
-            args = ["_fanout-clients", "--port", str(port if server is master else base_port)]
+            args = ["_fanout-clients", "--port", str(port), "--first", str(first)]
             args += ["--rows", str(rows), "--clients", str(clients), "--send", send, "--timeout", str(timeout)]
             if on_ready is not None:
                 args.append("--wait")
@@ -193,23 +265,32 @@ def run_fanout(
             run = {
                 "rate": r["rows"] / seconds if seconds > 0 else float("inf"),
                 "seconds": seconds,
+                "first_ms": 1000 * (r["t_first"] - start),
                 "server_us": 1e6 * cpu / r["rows"],
+                "client_us": 1e6 * r["cpu"] / r["rows"],
                 "peak_mib": _memory_kib(pid) / 1024,
             }
             log(
-                f"{kind}: {_fmt(run['rate'])} rows/s delivered, {run['seconds']:.2f} s, "
-                f"server CPU {run['server_us']:.3f} us/row, peak {run['peak_mib']:.0f} MiB"
+                f"{kind}: {_fmt(run['rate'])} rows/s delivered, {run['seconds']:.3f} s "
+                f"(first row after {run['first_ms']:.1f} ms), server CPU {run['server_us']:.3f} us/row, "
+                f"clients {run['client_us']:.3f} us/row, peak {run['peak_mib']:.0f} MiB"
             )
             return run
 
         for i in range(repeat):
             log(f"fanout run {i + 1} of {repeat}")
             for name in names:
-                mode, _, n = name.partition("-")
+                mode, _, n = name.rpartition("-")
                 clients = int(n)
-                base_runs[name].append(measure(f"baseline {name}", baseline, clients, ""))
+                base_runs[name].append(measure(f"baseline {name}", baseline, base_port, clients, "", 0))
+                if mode == "replay-storage":
+                    assert cold is not None and cold_port is not None
+                    runs[name].append(measure(f"tickline {name}", cold, cold_port, clients, f"REPLICATE {STREAM} 0", 1))
+                    continue
                 if mode == "replay":
-                    runs[name].append(measure(f"tickline {name}", master, clients, f"REPLICATE {STREAM} 0"))
+                    start = next_row - rows  # the newest rows: inside the window
+                    send = f"REPLICATE {STREAM} {start}"
+                    runs[name].append(measure(f"tickline {name}", master, port, clients, send, start + 1))
                     continue
                 new_rows = make_rows(next_row, rows)
                 live_head = next_row
@@ -219,25 +300,31 @@ def run_fanout(
                     store.append(STREAM, new_rows, INSTANCE)  # one transaction
                     return {"t_commit": time.monotonic()}
 
+                send = f"REPLICATE {STREAM} {live_head}"
                 runs[name].append(
-                    measure(f"tickline {name}", master, clients, f"REPLICATE {STREAM} {live_head}", on_ready=commit)
+                    measure(f"tickline {name}", master, port, clients, send, live_head + 1, on_ready=commit)
                 )
     finally:
         if store is not None:
             store.close()
         for server in reversed(servers):
             server.stop()
+        if pg is not None:
+            pg.stop()
     results = {}
     for name in names:
         med = statistics.median(r["seconds"] for r in runs[name])
         results[name] = {
+            "db": db,
             "tickline": max(r["rate"] for r in runs[name]),
             "baseline": max(r["rate"] for r in base_runs[name]),
             "master_us": statistics.median(r["server_us"] for r in runs[name]),
+            "client_us": statistics.median(r["client_us"] for r in runs[name]),
             "baseline_us": statistics.median(r["server_us"] for r in base_runs[name]),
             "peak_mib": max(r["peak_mib"] for r in runs[name]),
             "baseline_peak_mib": max(r["peak_mib"] for r in base_runs[name]),
             "median_rate": statistics.median(r["rate"] for r in runs[name]),
+            "first_ms": statistics.median(r["first_ms"] for r in runs[name]),
             "spread": max(r["seconds"] for r in runs[name]) / med if med > 0 else 1.0,
             "runs": runs[name],
             "baseline_runs": base_runs[name],
@@ -247,22 +334,24 @@ def run_fanout(
 
 def print_results(results: dict[str, dict[str, Any]]) -> None:
     for name, r in results.items():
+        label = name if r.get("db", "sqlite") == "sqlite" else f"{name} ({r['db']})"
         print(
-            f"fanout {name}: tickline {_fmt(r['tickline'])} rows/s, baseline {_fmt(r['baseline'])} rows/s, "
+            f"fanout {label}: tickline {_fmt(r['tickline'])} rows/s, baseline {_fmt(r['baseline'])} rows/s, "
             f"ratio {r['tickline'] / r['baseline']:.2f}",
             flush=True,
         )
         print(
             f"  master CPU per delivered row {r['master_us']:.3f} us (baseline server {r['baseline_us']:.3f} us); "
             f"master peak memory {r['peak_mib']:.0f} MiB (baseline {r['baseline_peak_mib']:.0f} MiB); "
-            f"median {_fmt(r['median_rate'])} rows/s, slowest run {r['spread']:.2f}x the median",
+            f"median {_fmt(r['median_rate'])} rows/s, slowest run {r['spread']:.2f}x the median; "
+            f"clients {r['client_us']:.3f} us/row, first row after {r['first_ms']:.1f} ms",
             flush=True,
         )
-    for mode in MODES:
+    for mode, counts in (("live", CLIENT_COUNTS), ("replay", CLIENT_COUNTS), ("replay-storage", STORAGE_CLIENT_COUNTS)):
         one = results.get(f"{mode}-1")
         if one is None:
             continue
-        for n in CLIENT_COUNTS[1:]:
+        for n in counts[1:]:
             many = results.get(f"{mode}-{n}")
             if many is not None and one["master_us"] > 0:
                 print(
@@ -280,10 +369,14 @@ def plot(results: dict[str, dict[str, Any]], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
-    for mode, style in (("live", "o-"), ("replay", "s-")):
+    for mode, style, label in (
+        ("live", "o-", "tickline live"),
+        ("replay", "s-", "tickline replay (window)"),
+        ("replay-storage", "^:", "tickline replay (storage)"),
+    ):
         points = [(n, results[f"{mode}-{n}"]["master_us"]) for n in CLIENT_COUNTS if f"{mode}-{n}" in results]
         if points:
-            ax.plot([p[0] for p in points], [p[1] for p in points], style, label=f"tickline {mode}")
+            ax.plot([p[0] for p in points], [p[1] for p in points], style, label=label)
     base = [(n, results[f"live-{n}"]["baseline_us"]) for n in CLIENT_COUNTS if f"live-{n}" in results]
     if base:
         ax.plot([p[0] for p in base], [p[1] for p in base], "k--", label="bare Twisted sender")
@@ -310,5 +403,6 @@ def fanout_cli(argv: list[str]) -> int:
     p.add_argument("--send", default="")
     p.add_argument("--wait", action="store_true", help="say READY once every client saw its POSITION")
     p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--first", type=int, default=0, help="the first token expected (0: the first one seen)")
     a = p.parse_args(argv)
-    return role_fanout_clients(a.port, a.rows, a.clients, a.send, a.wait, a.timeout)
+    return role_fanout_clients(a.port, a.rows, a.clients, a.send, a.wait, a.timeout, a.first)

@@ -692,6 +692,8 @@ def main(
     rate: int = 1000,
     seconds: float = 10.0,
     plot_path: str | None = None,
+    db: str = "sqlite",
+    fanout_variants: list[str] | None = None,
 ) -> int:
     """Run the scenarios (default: all); print one result line each. Returns an exit code."""
     chosen = list(scenarios or SCENARIOS)
@@ -715,7 +717,7 @@ def main(
             from scripts.bench_fanout import print_results as print_fanout
             from scripts.bench_fanout import run_fanout
 
-            fanout = run_fanout(rows, repeat, workdir, verbose)
+            fanout = run_fanout(rows, repeat, workdir, verbose, fanout_variants, db)
             print_fanout(fanout)
             if plot_path:
                 from scripts.bench_fanout import plot as plot_fanout
@@ -814,8 +816,35 @@ def _cli(argv: Sequence[str] | None = None) -> int:
         help="end-to-end, latency, catch-up: plot ratios and percentiles; "
         "fanout: master CPU per delivered row against clients (FILE-fanout.png when both)",
     )
+    p.add_argument(
+        "--db",
+        choices=("sqlite", "postgresql"),
+        default="sqlite",
+        help="fanout: the master's database (postgresql: a throwaway server, scripts/pg_local.py)",
+    )
+    p.add_argument(
+        "--variants", metavar="LIST", help="fanout: only these variants, comma-separated (e.g. live-1,replay-1)"
+    )
     a = p.parse_args(argv)
-    return main(a.scenarios, a.rows, a.repeat, a.profile, a.verbose, a.rate, a.seconds, a.plot)
+    if a.variants:
+        from scripts.bench_fanout import variants
+
+        chosen = a.variants.split(",")
+        unknown = [v for v in chosen if v not in variants()]
+        if unknown:
+            p.error(f"unknown fanout variant {unknown[0]!r} (known: {', '.join(variants())})")
+    return main(
+        a.scenarios,
+        a.rows,
+        a.repeat,
+        a.profile,
+        a.verbose,
+        a.rate,
+        a.seconds,
+        a.plot,
+        a.db,
+        a.variants.split(",") if a.variants else None,
+    )
 
 
 if __name__ == "__main__":

@@ -583,8 +583,47 @@ class PgStreamStore:
     def read_lines_json(
         self, stream: str, after: int, upto: int, limit: int, prefix: str, with_ts: bool
     ) -> tuple[bytes, int, int] | None:
-        """Not offered on PostgreSQL yet: the master uses :meth:`read_rows_json`."""
-        return None
+        """Whole lines built by PostgreSQL (``string_agg``, one text value); None if a batch is in range.
+
+        Reads the tokens ``(after, min(upto, after + limit)]`` (over a gap in
+        the tokens it first moves to the next row's token), as the SQLite
+        store does. Each value is written as the Python encoder writes it
+        (``to_json``; JSON columns as their text; integral doubles with
+        ``.0``); other doubles in PostgreSQL's shortest exact form, which may
+        write an exponent differently (``1e+300``) but reads as the same number.
+        """
+        schema = self.schema(stream)
+        values = [_pg_json_value(c.name, c.type) for c in schema.columns]
+        if with_ts:
+            values.append("ts::text")
+        row = " || ',' || ".join(values)
+        table = schema.table
+        span = f"SELECT count(*), count(DISTINCT token), max(token) FROM {table} WHERE token > %s AND token <= %s"
+        first = f"SELECT min(token) FROM {table} WHERE token > %s AND token <= %s"
+        lines = (
+            f"SELECT string_agg(%s || instance_name || ' ' || token || ' [' || {row} || E']\\n', '' ORDER BY token, seq)"
+            f" FROM {table} WHERE token > %s AND token <= %s"
+        )
+        step = max(limit, 1)
+        with self._side_cursor() as cur:
+            end = min(upto, after + step)
+            cur.execute(span, (after, end))
+            count, tokens, last = cur.fetchone()
+            if not count and end < upto:
+                cur.execute(first, (after, upto))
+                (nxt,) = cur.fetchone()
+                if nxt is None:
+                    return b"", after, 0
+                end = min(upto, nxt - 1 + step)
+                cur.execute(span, (after, end))
+                count, tokens, last = cur.fetchone()
+            if not count:
+                return b"", after, 0
+            if tokens != count:
+                return None  # rows sharing a token: batch lines, built by the caller
+            cur.execute(lines, (prefix, after, last))
+            (text,) = cur.fetchone()
+            return text.encode("utf-8"), last, count
 
     def read_rows_json(self, stream: str, after: int, upto: int, limit: int) -> list[JsonRow]:
         """Like :meth:`read_rows`, each row ``(seq, token, instance_name bytes, ts, JSON array bytes)``.
@@ -876,6 +915,19 @@ class PgNotifier:
 
     def close(self) -> None:
         self._conn.close()
+
+
+def _pg_json_value(name: str, kind: str) -> str:
+    """SQL for one column's JSON text in a line built by :meth:`PgStreamStore.read_lines_json`."""
+    if kind == "json":
+        return f"coalesce({name}::text, 'null')"
+    if kind == "double":
+        # orjson writes integral doubles as 2.0; to_json would write 2.
+        return (
+            f"CASE WHEN {name} IS NULL THEN 'null' WHEN {name} = trunc({name}) AND abs({name}) < 1e15"
+            f" THEN trunc({name})::bigint::text || '.0' ELSE to_json({name})::text END"
+        )
+    return f"coalesce(to_json({name})::text, 'null')"
 
 
 def _json_encoder(schema: StreamSchema) -> Callable[[StoredRow], bytes]:
