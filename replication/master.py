@@ -153,7 +153,7 @@ class Master:
         )
         self.timeticks.start()
         for stream in self._live:
-            self.filler.fill(stream, 0, False, whole=False)  # warm the window with the newest rows
+            self.filler.fill(stream, 0, False, whole=False, reason="the start")  # the newest rows
         self.port = self._listen()
         address = self.port.getHost()
         logger.info(

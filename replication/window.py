@@ -142,6 +142,10 @@ class RecentWindow:
         self._stream_size[stream] = self._stream_size.get(stream, 0) + chunk.size
         return True
 
+    def stream_bytes(self, stream: str) -> int:
+        """What the stream's chunks take (counted as for the bound)."""
+        return self._stream_size.get(stream, 0)
+
     def free_bytes(self) -> int:
         return max(0, self.max_bytes - self.size)
 
@@ -319,7 +323,9 @@ class WindowFiller:
         self._jobs: dict[str, tuple[int, bool, list[defer.Deferred[None]]]] = {}
         self.reads = 0  # storage reads made by fills
 
-    def fill(self, stream: str, floor: int, with_ts: bool, whole: bool = True) -> defer.Deferred[None] | None:
+    def fill(
+        self, stream: str, floor: int, with_ts: bool, whole: bool = True, reason: str = "a replay"
+    ) -> defer.Deferred[None] | None:
         """Bring the stream's rows down to ``floor`` into the window; fires when the fill ends.
 
         With ``whole`` (a replay's request) nothing is started unless all of
@@ -346,7 +352,8 @@ class WindowFiller:
         self._jobs[stream] = (floor, with_ts, waiters)
         mine: defer.Deferred[None] = defer.Deferred()
         waiters.append(mine)
-        defer.ensureDeferred(self._run(stream, floor, top, with_ts, whole)).addBoth(self._done, stream, waiters)
+        run = defer.ensureDeferred(self._run(stream, floor, top, with_ts, whole))
+        run.addBoth(self._done, stream, waiters, reason, self.reads)
         return mine
 
     def filling(self, stream: str) -> bool:
@@ -385,18 +392,32 @@ class WindowFiller:
             data, _, count = result
             if data:
                 self._learned[stream] = len(data) / tokens
-            if len(data) > budget:
+            if len(data) + CHUNK_OVERHEAD > budget:
                 self._gave_up[stream] = top
                 return
             if not window.prepend(stream, lo, top, count, {with_ts: data}, self._live_token(stream)):
                 return
-            budget -= len(data)
+            budget -= len(data) + CHUNK_OVERHEAD
             top = lo
 
-    def _done(self, result: object, stream: str, waiters: list[defer.Deferred[None]]) -> None:
+    def _done(
+        self, result: object, stream: str, waiters: list[defer.Deferred[None]], reason: str, reads_before: int
+    ) -> None:
         if self._jobs.get(stream, (0, False, None))[2] is waiters:
             del self._jobs[stream]
         if isinstance(result, Failure):
             logger.warning("filling the window of %s failed: %s", stream, result.getErrorMessage())
+        elif self.reads > reads_before:
+            start = self.window.start(stream)
+            logger.info(
+                "window of %s filled for %s: tokens %s..%d, %d bytes of %d in all, %d storage reads",
+                stream,
+                reason,
+                "-" if start is None else start + 1,
+                self._live_token(stream),
+                self.window.stream_bytes(stream),
+                self.window.size,
+                self.reads - reads_before,
+            )
         for w in waiters:
             w.callback(None)
