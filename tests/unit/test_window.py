@@ -283,7 +283,7 @@ def test_a_connection_that_joins_during_a_fan_out_read_gets_every_row_once(windo
 
 def test_window_prepend_takes_older_rows_only_where_they_join_and_fit() -> None:
     size = len(rows_bytes(21, 30)) + CHUNK_OVERHEAD  # the largest chunk here
-    w = RecentWindow(3 * size)
+    w = RecentWindow(2 * size + CHUNK_OVERHEAD)
     assert not w.prepend("s", 0, 10, 10, {False: rows_bytes(1, 10)}, live=20)  # must end at the live token
     assert w.prepend("s", 10, 20, 10, {False: rows_bytes(11, 20)}, live=20)
     assert not w.prepend("s", 0, 9, 9, {False: rows_bytes(1, 9)}, live=20)  # a gap below the window
@@ -291,6 +291,6 @@ def test_window_prepend_takes_older_rows_only_where_they_join_and_fit() -> None:
     assert w.start("s") == 0 and w.read("s", 0, 20, 100, False) == (rows_bytes(1, 20), 20, 20)
     # New rows push the oldest (prepended) chunk out first; older rows never push newer ones out.
     w.append("s", 20, 30, 10, {False: rows_bytes(21, 30)})
-    assert w.start("s") == 10 and w.size <= 3 * size
+    assert w.start("s") == 10 and w.size <= 2 * size + CHUNK_OVERHEAD
     assert not w.prepend("s", 0, 10, 10, {False: rows_bytes(1, 10)}, live=30)  # full: not taken
     assert w.start("s") == 10 and w.read("s", 10, 30, 100, False) == (rows_bytes(11, 30), 30, 20)
