@@ -82,3 +82,21 @@ def test_lines_built_by_the_store_equal_the_json_rows(db_url, with_ts: bool) -> 
     # A batch in range, or cut by the limit: the caller encodes.
     assert store.read_lines_json("mixed", 5, 7, 100, "RDATA mixed ", with_ts) is None
     assert store.read_lines_json("mixed", 6, 7, 1, "RDATA mixed ", with_ts) is None
+
+
+@pytest.mark.parametrize("with_ts", [False, True])
+def test_lines_built_by_the_store_with_several_writers_in_range(db_url, with_ts: bool) -> None:
+    store = open_store(db_url)
+    store.register_stream(SCHEMA)
+    for i, row in enumerate(ROWS):
+        store.append("mixed", [row], f"w{i % 2}")
+    built = store.read_lines_json("mixed", 0, 6, 100, "RDATA mixed ", with_ts)
+    expected, _ = encode_json_rows("mixed", store.read_rows_json("mixed", 0, 6, 100), with_ts)
+    assert built is not None and built[1:] == (6, 6)
+    got, want = built[0].splitlines(), expected.splitlines()
+    assert [line.split(b" [")[0] for line in got] == [line.split(b" [")[0] for line in want]
+    assert [orjson.loads(line.split(b" ", 4)[4]) for line in got] == [
+        orjson.loads(line.split(b" ", 4)[4]) for line in want
+    ]
+    if db_url.startswith("sqlite"):
+        assert built[0] == expected
