@@ -10,9 +10,11 @@ subscription that can take them; one that cannot (paused) takes them from the
 window later. Replays (``REPLICATE <stream> <token>``) are paced by their
 connection (see ``replication.subscriptions``): served from the window when
 they start inside it, otherwise read from storage, concurrent replays of the
-same range sharing one read. The fan-out reads a stream only while some
-connection is live on it; when it moves a stream on without reading, the
-stream's window is dropped.
+same range sharing one read. The fan-out reads a stream while some
+connection is live on it or while the window holds the stream (filled on
+start from the newest rows, or for a replay): so the window stays whole when
+every connection is catching up for a moment. A stream with neither is moved
+on without reading.
 
 Layers: :class:`~replication.server.ServerProtocol` (one per connection:
 framing, authentication, dispatch) uses the master through
@@ -416,11 +418,12 @@ class Master:
                 continue
             while self._live[stream] < head:
                 subs = self._live_subs[stream]
-                if not subs:
-                    self._live[stream] = head
-                    self.window.forget(stream)
+                if not subs and self.window.start(stream) is None:
+                    self._live[stream] = head  # nobody live and nothing kept: no read
                     break
-                variants = tuple(sorted({target.with_ts for target in subs}))
+                # A stream the window holds is read on even with nobody live at
+                # the moment (replays and catching-up connections take it from there).
+                variants = tuple(sorted({target.with_ts for target in subs})) or (False,)
                 encoded, last_token, count = await self.db.run(
                     self._read_encoded, stream, self._live[stream], head, self.config.fanout_rows, variants
                 )
