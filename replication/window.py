@@ -356,9 +356,6 @@ class WindowFiller:
         run.addBoth(self._done, stream, waiters, reason, self.reads)
         return mine
 
-    def filling(self, stream: str) -> bool:
-        return stream in self._jobs
-
     def _per_token(self, stream: str) -> float | None:
         return self.window.bytes_per_token(stream) or self._learned.get(stream)
 

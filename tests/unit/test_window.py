@@ -294,3 +294,29 @@ def test_window_prepend_takes_older_rows_only_where_they_join_and_fit() -> None:
     assert w.start("s") == 10 and w.size <= 2 * size + CHUNK_OVERHEAD
     assert not w.prepend("s", 0, 10, 10, {False: rows_bytes(1, 10)}, live=30)  # full: not taken
     assert w.start("s") == 10 and w.read("s", 10, 30, 100, False) == (rows_bytes(11, 30), 30, 20)
+
+
+def test_the_fan_out_keeps_a_stream_the_window_holds_when_nobody_is_live(window_env: Callable[..., Env]) -> None:
+    env = window_env()
+    live = env.connected()
+    live.send("REPLICATE events 0")
+    live.commands()
+    env.write("events", [event(1), event(2)])
+    env.follow()
+    assert tokens(live.commands()) == [1, 2]
+    live.proto.connectionLost(None)  # nobody live on events any more
+    env.write("events", [event(3), event(4)])
+    env.follow()
+    assert env.master.window.read("events", 0, 4, 100, False) is not None  # read on into the window
+    before = reads(env)
+    conn = env.connected()
+    conn.send("REPLICATE events 0")
+    assert tokens(conn.commands()) == [1, 2, 3, 4]
+    assert reads(env) == before and fills(env) == 0  # all from memory
+
+
+def test_a_stream_nobody_reads_and_the_window_does_not_hold_is_not_read(window_env: Callable[..., Env]) -> None:
+    env = window_env()
+    env.write("events", [event(1), event(2)])
+    env.follow()
+    assert reads(env) == 0 and env.master.live_token("events") == 2
