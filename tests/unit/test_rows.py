@@ -100,3 +100,18 @@ def test_lines_built_by_the_store_with_several_writers_in_range(db_url, with_ts:
     ]
     if db_url.startswith("sqlite"):
         assert built[0] == expected
+
+
+def test_lines_built_by_the_store_step_over_a_gap_in_the_tokens(db_url) -> None:
+    """A rolled-back write leaves no rows for its tokens (PostgreSQL): the read moves to the next row."""
+    store = open_store(db_url)
+    store.register_stream(SCHEMA)
+    store.append("mixed", [ROWS[0]], "w1")
+    with pytest.raises(RuntimeError), store.writing("mixed", "w1") as txn:
+        txn.append([ROWS[1], ROWS[2], ROWS[3]])
+        raise RuntimeError("roll back")
+    (token,) = store.append("mixed", [ROWS[4]], "w1")
+    got = store.read_lines_json("mixed", 1, token, 2, "RDATA mixed ", False)
+    assert got is not None and got[1:] == (token, 1)
+    assert got[0].startswith(b"RDATA mixed w1 %d [" % token)
+    assert store.read_lines_json("mixed", token, token + 5, 2, "RDATA mixed ", False) == (b"", token, 0)
