@@ -305,14 +305,16 @@ class WindowFiller:
         window: RecentWindow,
         read_range: Callable[[str, int, int, bool], defer.Deferred[Read | None]],
         live_token: Callable[[str], int],
-        chunk_tokens: int = 65536,
+        chunk_tokens: int = 10000,
         read_bytes: int = 4 << 20,
-        first_tokens: int = 1024,
+        first_tokens: int = 64,
     ) -> None:
         self.window = window
         self._read_range = read_range
         self._live_token = live_token
-        self.chunk_tokens = chunk_tokens  # tokens per read at most
+        # Tokens per read at most: like the fan-out's reads (fanout_rows), a read
+        # holds at most this many lines of at most max_line_bytes each.
+        self.chunk_tokens = chunk_tokens
         self.read_bytes = read_bytes  # bytes per read, about (SQLite builds each read in memory)
         self.first_tokens = first_tokens  # the first read of a stream not in the window: its size is not known
         # A fill takes at most half the window, so that the live fan-out keeps room.

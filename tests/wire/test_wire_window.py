@@ -49,7 +49,7 @@ def test_a_master_started_on_existing_rows_warms_its_window_within_its_bytes(mas
     assert last == total and 1 < first <= total  # the newest rows, not all of them
     assert stream_bytes <= RECENT_BYTES // 2 and all_bytes <= RECENT_BYTES
     assert (total - first + 1) * len(BODY) > RECENT_BYTES // 4  # it did fill most of what it may
-    assert reads >= 2  # large reads, sized from the first
+    assert reads >= 2  # a small first read, then reads sized from it
     # A replay inside the window: every row once, in order, and no fill.
     inside = Reader(m.host, m.port, "inside", b"REPLICATE blobs %d\n" % (first - 1))
     inside.expected = first
