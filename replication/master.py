@@ -154,8 +154,7 @@ class Master:
             lambda f: logger.error("following stream heads stopped: %s", f.getTraceback())
         )
         self.timeticks.start()
-        for stream in self._live:
-            self.filler.fill(stream, 0, False, whole=False, reason="the start")  # the newest rows
+        await self._warm_window()
         self.port = self._listen()
         address = self.port.getHost()
         logger.info(
@@ -167,6 +166,29 @@ class Master:
             ", ".join(f"{s}@{t}" for s, t in sorted(self._live.items())),
         )
         return self.port
+
+    async def _warm_window(self, bound: float = 3.0) -> None:
+        """Fill the window with each stream's newest rows before listening (at most ``bound`` s).
+
+        A replay that arrives while the window is being filled waits for the
+        fill; warming before the first connection keeps the first replays
+        from waiting (a slow database only delays listening by ``bound``).
+        """
+        fills = [self.filler.fill(stream, 0, False, whole=False, reason="the start") for stream in self._live]
+        waiting = [d for d in fills if d is not None]
+        if not waiting:
+            return
+        done: defer.Deferred[None] = defer.Deferred()
+
+        def finish(_: object = None) -> None:
+            if not done.called:
+                done.callback(None)
+
+        timer = self.reactor.callLater(bound, finish)
+        defer.DeferredList(waiting).addCallback(finish)
+        await done
+        if timer.active():
+            timer.cancel()
 
     def _listen(self) -> Any:
         """Listen with the connection limits (replication.limits), over TLS when configured."""
