@@ -33,6 +33,7 @@ from storage.timeline_contract import (
     Database,
     Leased,
     Outcome,
+    PassResult,
     TimelineMessage,
     new_message_id,
 )
@@ -44,6 +45,7 @@ BATCHABLE = frozenset(
     {"schedule", "move", "cancel", "lease", "lease_due", "extend", "release", "delete", "next_due", "active_leases"}
 )
 _COLUMNS = "topic, id, ts, body, producer_group, consumer, bucket, version, created_ms"
+_COLUMN_LIST = _COLUMNS.split(", ")
 
 
 def _message_key(call: tuple[str, tuple[Any, ...]]) -> tuple[str, str]:
@@ -54,6 +56,33 @@ def _message_key(call: tuple[str, tuple[Any, ...]]) -> tuple[str, str]:
     if name in ("lease", "extend", "release", "delete"):
         return args[0], args[1]
     return "\uffff", ""
+
+
+def _deal(due: list[Any], consumers: list[str], remaining: list[int]) -> list[int]:
+    """Deal due rows (earliest first; row[3] is the last holder) over requests in turn.
+
+    Returns the request index of each row. A row goes to the next request in
+    turn with room whose consumer was not its last holder (an expired lease
+    goes to someone else first), else to any with room. ``remaining`` is
+    used up in place; the rows are never more than the room.
+    """
+    assigned = []
+    n = len(consumers)
+    turn = 0
+    for row in due:
+        last = row[3]
+        pick = -1
+        for k in range(n):
+            j = (turn + k) % n
+            if remaining[j] > 0 and consumers[j] != last:
+                pick = j
+                break
+        if pick < 0:
+            pick = next(j for j in range(n) if remaining[j] > 0)
+        remaining[pick] -= 1
+        assigned.append(pick)
+        turn = pick + 1
+    return assigned
 
 
 def _message(row: Any) -> TimelineMessage:
@@ -93,43 +122,87 @@ class SqlTimelineStore:
         batch shares one commit, so nothing of it is acknowledged before all
         of it is durable. A database error rolls the whole batch back.
         """
-        for name, _ in calls:
-            if name not in BATCHABLE:
-                raise ValueError(f"{name!r} cannot run in a batch")
+        self._check_batchable(calls)
 
         def run(cur: Any) -> list[Any]:
             self._batch.cur = cur
             try:
-                results: list[Any] = [None] * len(calls)
-                # Deletes of distinct messages of one topic: one multi-row statement.
-                groups: dict[tuple[str, int], list[int]] = {}
-                for i, (name, args) in enumerate(calls):
-                    if name == "delete":
-                        groups.setdefault((args[0], args[4]), []).append(i)
-                done: set[int] = set()
-                for (topic, now_ms), positions in groups.items():
-                    first: dict[str, int] = {}
-                    for i in positions:
-                        first.setdefault(calls[i][1][1], i)
-                    unique = sorted(first.values())
-                    if len(unique) < 2:
-                        continue
-                    items = [(calls[i][1][1], calls[i][1][2], calls[i][1][3]) for i in unique]
-                    for i, outcome in zip(unique, self._delete_many(cur, topic, items, now_ms), strict=True):
-                        results[i] = outcome
-                        done.add(i)
-                # The rest one by one, in message order (concurrent batches lock
-                # rows in the same order; one message's changes keep their order).
-                rest = sorted((i for i in range(len(calls)) if i not in done), key=lambda i: _message_key(calls[i]))
-                for i in rest:
-                    name, args = calls[i]
-                    results[i] = getattr(self, name)(*args)
-                return results
+                return self._apply_calls(cur, calls)
             finally:
                 self._batch.cur = None
 
         result: list[Any] = self.db.write(run)
         return result
+
+    def cycle(
+        self,
+        calls: Sequence[tuple[str, tuple[Any, ...]]],
+        frees: Sequence[tuple[int, int] | None],
+        passes: Sequence[tuple[str, Sequence[tuple[str, int, int]], int]],
+    ) -> tuple[list[Any], list[PassResult]]:
+        """The master's cycle, in ONE transaction: the changes, then a lease pass per topic.
+
+        ``calls`` run as in :meth:`apply`. ``passes`` are (topic, requests,
+        now) with requests (consumer, lease_ms, how many); ``frees[i]`` names
+        the (pass, request) whose credit call ``i`` frees when it succeeds (a
+        ``DELETE`` or ``RELEASE`` of a lease the consumer held): the pass asks
+        that many more, so credit freed by a change is used again in the same
+        commit. One durable commit for the whole cycle; nothing of it is
+        acknowledged or sent before it.
+        """
+        self._check_batchable(calls)
+
+        def run(cur: Any) -> tuple[list[Any], list[PassResult]]:
+            self._batch.cur = cur
+            try:
+                results = self._apply_calls(cur, calls) if calls else []
+                asks = [[n for _, _, n in requests] for _, requests, _ in passes]
+                for result, free in zip(results, frees, strict=True):
+                    if free is not None and isinstance(result, Outcome) and result.ok:
+                        asks[free[0]][free[1]] += 1
+                out = []
+                for (topic, requests, now_ms), ask in zip(passes, asks, strict=True):
+                    reqs = [(c, lease, n) for (c, lease, _), n in zip(requests, ask, strict=True)]
+                    out.append(self._lease_round(cur, topic, reqs, now_ms, exact_next_due=False))
+                return results, out
+            finally:
+                self._batch.cur = None
+
+        result: tuple[list[Any], list[PassResult]] = self.db.write(run)
+        return result
+
+    @staticmethod
+    def _check_batchable(calls: Sequence[tuple[str, tuple[Any, ...]]]) -> None:
+        for name, _ in calls:
+            if name not in BATCHABLE:
+                raise ValueError(f"{name!r} cannot run in a batch")
+
+    def _apply_calls(self, cur: Any, calls: Sequence[tuple[str, tuple[Any, ...]]]) -> list[Any]:
+        results: list[Any] = [None] * len(calls)
+        done: set[int] = set()
+        if self._pg:
+            # Deletes that carry the leased row's tid: one statement per topic.
+            groups: dict[tuple[str, int], list[int]] = {}
+            for i, (name, args) in enumerate(calls):
+                if name == "delete" and len(args) > 5 and args[5] is not None:
+                    groups.setdefault((args[0], args[4]), []).append(i)
+            for (topic, now_ms), positions in groups.items():
+                first: dict[str, int] = {}
+                for i in positions:
+                    first.setdefault(calls[i][1][1], i)
+                unique = sorted(first.values())
+                items = [(calls[i][1][5], calls[i][1][1], calls[i][1][2], calls[i][1][3]) for i in unique]
+                for i, outcome in zip(unique, self._delete_by_tid(cur, topic, items, now_ms), strict=True):
+                    if outcome is not None:
+                        results[i] = outcome
+                        done.add(i)
+        # The rest one by one, in message order (concurrent batches lock rows
+        # in the same order; one message's changes keep their order).
+        rest = sorted((i for i in range(len(calls)) if i not in done), key=lambda i: _message_key(calls[i]))
+        for i in rest:
+            name, args = calls[i]
+            results[i] = getattr(self, name)(*args)
+        return results
 
     def _sql(self, text: str) -> str:
         return text.replace("?", "%s") if self._pg else text
@@ -325,40 +398,104 @@ class SqlTimelineStore:
     ) -> tuple[list[list[Leased]], int | None]:
         """The master's pass, in ONE transaction: leases for several consumers, then the next due time.
 
-        ``requests`` are (consumer, lease_ms, how many). A message whose lease
-        expired goes to another consumer first: each consumer first leases
-        messages it did not hold, then, if it still has room, the rest (a
-        lone consumer gets its expired messages back).
+        ``requests`` are (consumer, lease_ms, how many). See :meth:`_lease_round`.
         """
 
         def run(cur: Any) -> tuple[list[list[Leased]], int | None]:
             self._batch.cur = cur
             try:
-                results: list[list[Leased]] = [[] for _ in requests]
-                asked = 0
-                for i, (c, lease, n) in enumerate(requests):
-                    asked = i + 1
-                    results[i] = self.lease_due(topic, c, lease, n, now_ms, others_only=True)
-                    if len(results[i]) < n:
-                        break  # nothing more for others: the rest need not ask
-                next_due = self.next_due(topic)
-                if next_due is not None and next_due <= now_ms:
-                    # Due messages remain: expired leases that their holders
-                    # skipped. The consumers not asked yet take them first, then
-                    # anyone with room (a lone consumer gets its own back).
-                    for i in range(asked, len(requests)):
-                        c, lease, n = requests[i]
-                        results[i] = self.lease_due(topic, c, lease, n, now_ms, others_only=True)
-                    for (c, lease, n), got in zip(requests, results, strict=True):
-                        if len(got) < n:
-                            got.extend(self.lease_due(topic, c, lease, n - len(got), now_ms))
-                    next_due = self.next_due(topic)
-                return results, next_due
+                result = self._lease_round(cur, topic, requests, now_ms, exact_next_due=True)
+                return result.leased, result.next_due
             finally:
                 self._batch.cur = None
 
-        result: tuple[list[list[Leased]], int | None] = self.db.write(run)
-        return result
+        out: tuple[list[list[Leased]], int | None] = self.db.write(run)
+        return out
+
+    def _lease_round(
+        self, cur: Any, topic: str, requests: Sequence[tuple[str, int, int]], now_ms: int, exact_next_due: bool
+    ) -> PassResult:
+        """Lease the earliest due messages to several consumers at once, spread fairly.
+
+        ONE locking read takes up to the total asked (``FOR UPDATE SKIP
+        LOCKED``: never a message another transaction holds), earliest first;
+        they are dealt out in turn over the requests, and a message whose
+        lease expired goes to another consumer than its last holder when one
+        has room (a lone consumer gets its own back); then ONE update leases
+        them all (each row to its consumer, until now + its lease). The next
+        due time is read only when fewer were found than asked (else more may
+        be due: ``more``), or always with ``exact_next_due``.
+        """
+        leased: list[list[Leased]] = [[] for _ in requests]
+        total = sum(n for _, _, n in requests)
+        found_total = 0
+        if total > 0:
+            for bucket in self._bucket_order():
+                want = total - found_total
+                if want <= 0:
+                    break
+                due = self._all(
+                    cur,
+                    f"SELECT {'ctid' if self._pg else 'rowid'}, id, ts, consumer FROM {TABLE} "
+                    "WHERE topic = ? AND bucket = ? AND deleted_ms IS NULL AND ts <= ? ORDER BY ts LIMIT ?"
+                    + (" FOR UPDATE SKIP LOCKED" if self._pg else ""),
+                    (topic, bucket, now_ms, want),
+                )
+                if not due:
+                    continue
+                found_total += len(due)
+                remaining = [n - len(got) for (_, _, n), got in zip(requests, leased, strict=True)]
+                assigned = _deal(due, [c for c, _, _ in requests], remaining)
+                self._lease_rows(cur, topic, requests, due, assigned, now_ms, leased)
+        more = total > 0 and found_total >= total
+        next_due = self.next_due(topic) if exact_next_due or not more else now_ms
+        return PassResult(leased, next_due, more)
+
+    def _lease_rows(
+        self,
+        cur: Any,
+        topic: str,
+        requests: Sequence[tuple[str, int, int]],
+        due: list[Any],
+        assigned: list[int],
+        now_ms: int,
+        leased: list[list[Leased]],
+    ) -> None:
+        """Lease each locked due row to its request's consumer (one statement on PostgreSQL)."""
+        due_of = {row[1]: int(row[2]) for row in due}
+        req_of = {row[1]: j for row, j in zip(due, assigned, strict=True)}
+        if self._pg:
+            rows = self._all(
+                cur,
+                # By ctid (the rows are locked, so their ctid is stable): a TID
+                # scan whatever the planner's statistics say.
+                f"UPDATE {TABLE} t SET consumer = u.c, ts = u.until, version = t.version + 1 "
+                "FROM unnest(?::tid[], ?::text[], ?::bigint[]) AS u(tid, c, until) "
+                "WHERE t.ctid = u.tid AND t.deleted_ms IS NULL AND t.ts <= ? "
+                f"RETURNING {', '.join('t.' + c for c in _COLUMN_LIST)}, t.ctid",
+                (
+                    [row[0] for row in due],
+                    [requests[j][0] for j in assigned],
+                    [now_ms + requests[j][1] for j in assigned],
+                    now_ms,
+                ),
+            )
+        else:
+            rows = []
+            for row, j in zip(due, assigned, strict=True):
+                consumer, lease_ms, _ = requests[j]
+                got = self._one(
+                    cur,
+                    f"UPDATE {TABLE} SET consumer = ?, ts = ?, version = version + 1 "
+                    "WHERE topic = ? AND id = ? AND deleted_ms IS NULL AND ts <= ? "
+                    f"RETURNING {_COLUMNS}, NULL",
+                    (consumer, now_ms + lease_ms, topic, row[1], now_ms),
+                )
+                if got is not None:
+                    rows.append(got)
+        for r in sorted(rows, key=lambda r: (due_of[r[1]], r[1])):
+            tid = r[9]
+            leased[req_of[r[1]]].append(Leased(_message(r[:9]), due_of[r[1]], None if tid is None else str(tid)))
 
     def _bucket_order(self) -> list[int]:
         if self.buckets == 1:
@@ -396,8 +533,14 @@ class SqlTimelineStore:
             (now_ms + delay_ms,),
         )
 
-    def delete(self, topic: str, message_id: str, consumer: str, version: int, now_ms: int) -> Outcome:
-        """The holder, with its version, while the lease is active: the message is deleted (marked)."""
+    def delete(
+        self, topic: str, message_id: str, consumer: str, version: int, now_ms: int, tid: str | None = None
+    ) -> Outcome:
+        """The holder, with its version, while the lease is active: the message is deleted (marked).
+
+        ``tid`` (where the leased row was, from :class:`Leased`) is only a
+        hint for batches (:meth:`apply`); alone, the message is found by id.
+        """
         return self._holder_change(
             topic,
             message_id,
@@ -410,37 +553,36 @@ class SqlTimelineStore:
             (now_ms,),
         )
 
-    def _delete_many(self, cur: Any, topic: str, items: list[tuple[str, str, int]], now_ms: int) -> list[Outcome]:
-        """Delete several distinct messages, each on its own holder/version/lease condition, in ONE statement."""
-        values = ", ".join(["(?, ?, ?)"] * len(items))
-        params: list[Any] = [p for item in items for p in item]
+    def _delete_by_tid(
+        self, cur: Any, topic: str, items: list[tuple[str, str, str, int]], now_ms: int
+    ) -> list[Outcome | None]:
+        """Delete several distinct messages in ONE statement, found by their leased row's tid.
+
+        ``items`` are (tid, id, consumer, version). Each row is still checked
+        on its own holder/version/lease condition. A message not deleted here
+        (refused, or its row moved since: the tid is stale) gets None: the
+        caller runs it through :meth:`delete` by primary key, which changes it
+        or names the failed condition.
+        """
         rows = self._all(
             cur,
-            f"WITH v (id, consumer, version) AS (VALUES {values}) "
-            f"UPDATE {TABLE} SET deleted_ms = ?, version = {TABLE}.version + 1 FROM v "
-            f"WHERE {TABLE}.topic = ? AND {TABLE}.id IN ({', '.join('?' * len(items))}) "
-            f"AND {TABLE}.id = v.id AND {TABLE}.deleted_ms IS NULL "
-            f"AND {TABLE}.consumer = v.consumer AND {TABLE}.version = v.version AND {TABLE}.ts > ? "
-            f"RETURNING {', '.join(f'{TABLE}.{c}' for c in _COLUMNS.split(', '))}",
-            (*params, now_ms, topic, *(item[0] for item in items), now_ms),
+            f"UPDATE {TABLE} t SET deleted_ms = ?, version = t.version + 1 "
+            "FROM unnest(?::tid[], ?::text[], ?::text[], ?::bigint[]) AS v(tid, id, consumer, version) "
+            "WHERE t.ctid = v.tid AND t.topic = ? AND t.id = v.id AND t.deleted_ms IS NULL "
+            "AND t.consumer = v.consumer AND t.version = v.version AND t.ts > ? "
+            f"RETURNING {', '.join('t.' + c for c in _COLUMN_LIST)}",
+            (
+                now_ms,
+                [item[0] for item in items],
+                [item[1] for item in items],
+                [item[2] for item in items],
+                [item[3] for item in items],
+                topic,
+                now_ms,
+            ),
         )
         deleted = {r[1]: _message(r) for r in rows}
-        outcomes = []
-        for mid, consumer, version in items:
-            message = deleted.get(mid)
-            if message is not None:
-                outcomes.append(Outcome(True, message))
-                continue
-            current = self._get(cur, topic, mid)
-            if current is None:
-                outcomes.append(Outcome.refused(UNKNOWN_MESSAGE))
-            elif current.consumer != consumer:
-                outcomes.append(Outcome.refused(NOT_HOLDER))
-            elif current.version != version:
-                outcomes.append(Outcome.refused(STALE_VERSION))
-            else:
-                outcomes.append(Outcome.refused(LEASE_EXPIRED))
-        return outcomes
+        return [None if (m := deleted.get(item[1])) is None else Outcome(True, m) for item in items]
 
     def _holder_change(
         self,

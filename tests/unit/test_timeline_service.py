@@ -182,13 +182,13 @@ def test_bursts_are_paced_and_spread_fairly(env) -> None:
         service.command(p, ScheduleCommand("jobs", "g", f"m{i:02}", 0, True, "{}"))
     settle()
     passes: list[list[int]] = []
-    lease_pass = service._lease_pass
+    cycle = service.store.cycle
 
-    def recording(topic: str, requests: list, now_ms: int) -> Any:
-        passes.append([n for _, _, n in requests])
-        return lease_pass(topic, requests, now_ms)
+    def recording(calls: list, frees: list, requests: list) -> Any:
+        passes.extend([n for _, _, n in reqs] for _, reqs, _ in requests)
+        return cycle(calls, frees, requests)
 
-    service._lease_pass = recording  # type: ignore[method-assign]
+    service.store.cycle = recording  # type: ignore[method-assign]
     workers = [Conn(f"w{i}") for i in range(3)]
     for i, w in enumerate(workers):
         service.command(w, TimelineCommand("jobs", f"w{i}", 100, 10_000))
@@ -217,12 +217,13 @@ def test_paused_connection_gets_nothing_until_it_resumes(env) -> None:
 
 
 def test_a_lease_taken_for_a_connection_that_went_away_is_released_at_once(env) -> None:
-    service, _, runner, settle = env
+    service, clock, runner, settle = env
     p, w, other = Conn("p"), Conn("w"), Conn("o")
     service.command(p, ScheduleCommand("jobs", "g", "a", 0, True, "{}"))
     settle()
     service.command(w, TimelineCommand("jobs", "w", 5, 60_000))
-    runner.step()  # w's active leases (none); the lease pass is queued now
+    runner.step()  # w's active leases (none); a cycle with the lease pass at the end of the turn
+    clock.advance(0)
     assert len(runner.queue) == 1
     service.connection_lost(w)  # ... and w goes away before the pass runs
     runner.step()  # the pass leases "a" for w in storage, finds w gone, queues the release
