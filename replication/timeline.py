@@ -35,13 +35,11 @@ from twisted.internet import defer, task
 from twisted.python.failure import Failure
 
 from replication.commands import (
-    AckCommand,
     CancelCommand,
     Command,
     DeleteCommand,
     ErrorCommand,
     ExtendCommand,
-    LeaseCommand,
     MoveCommand,
     NackCommand,
     ReleaseCommand,
@@ -52,7 +50,15 @@ from replication.dbthreads import DatabaseThreads
 from replication.reactor_types import Clock, DelayedCall, Transport
 from replication.timeline_metrics import TimelineStats
 from replication.timeline_settings import TimelineSettings
-from storage.timeline_contract import LEASE_EXPIRED, NOT_HOLDER, UNKNOWN_MESSAGE, Outcome, PassResult, TimelineStore
+from storage.timeline_contract import (
+    LEASE_EXPIRED,
+    NOT_HOLDER,
+    UNKNOWN_MESSAGE,
+    Outcome,
+    PassResult,
+    TimelineMessage,
+    TimelineStore,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +79,10 @@ class Connection(Protocol):
         ...
 
     def send(self, command: Command) -> None: ...
+
+    def send_lines(self, name: str, data: bytes, count: int) -> None:
+        """``count`` encoded ``name`` lines at once (bounded like ``send`` for a client that does not read)."""
+        ...
 
     def finish_after_half_close(self) -> None: ...
 
@@ -158,12 +168,16 @@ class TopicState:
         self.rotation = 0
 
 
+# An answer ready to write: the command's name and its encoded line.
+_Answer = tuple[str, bytes]
+
+
 class _ConnState:
     __slots__ = ("answers", "consumers", "paused_reading", "queues")
 
     def __init__(self) -> None:
         self.consumers: dict[str, Consumer] = {}  # topic -> subscription
-        self.answers: deque[list[Command | None]] = deque()  # answers in command order
+        self.answers: deque[list[_Answer | None]] = deque()  # answers in command order
         self.paused_reading = False
         # Commands on one message run in the order they arrived (others run side by side).
         self.queues: dict[tuple[str, str], deque[_Change]] = {}
@@ -180,7 +194,7 @@ class _Change:
         state: _ConnState,
         st: TopicState,
         command: Command,
-        slot: list[Command | None],
+        slot: list[_Answer | None],
         key: tuple[str, str] | None,
     ) -> None:
         self.conn = conn
@@ -314,7 +328,7 @@ class TimelineService:
                     ),
                 )
                 return
-        slot: list[Command | None] = [None]
+        slot: list[_Answer | None] = [None]
         state.answers.append(slot)
         self._throttle(conn, state)
         mid = getattr(command, "id", None)
@@ -373,7 +387,8 @@ class TimelineService:
         if outcome.ok:
             message = outcome.message
             assert message is not None
-            change.slot[0] = AckCommand(name, st.name, message.id, message.version, message.ts)
+            # ACK <COMMAND> <topic> <id> <version> <timestamp_ms> (AckCommand's line, written directly)
+            change.slot[0] = ("ACK", f"ACK {name} {st.name} {message.id} {message.version} {message.ts}\n".encode())
             if isinstance(command, (ScheduleCommand, MoveCommand)):
                 self._poke(st, message.ts)
             elif isinstance(command, ExtendCommand):
@@ -387,7 +402,7 @@ class TimelineService:
                     self._poke(st, message.ts)
         else:
             reason = outcome.reason or UNKNOWN_MESSAGE
-            change.slot[0] = NackCommand(name, st.name, mid or "-", reason)
+            change.slot[0] = ("NACK", NackCommand(name, st.name, mid or "-", reason).encode())
             if isinstance(command, (ExtendCommand, ReleaseCommand, DeleteCommand)):
                 self.stats.refused += 1
                 if consumer is not None and mid and reason in (NOT_HOLDER, UNKNOWN_MESSAGE, LEASE_EXPIRED):
@@ -399,7 +414,7 @@ class TimelineService:
             change.consumer.freeing.discard(getattr(change.command, "id", ""))
         name = change.command.NAME
         logger.error("[%s] %s failed: %s", change.conn.conn_name, name, message)
-        change.slot[0] = ErrorCommand(f"{name} failed: storage unavailable ({message}); retry")
+        change.slot[0] = ("ERROR", ErrorCommand(f"{name} failed: storage unavailable ({message}); retry").encode())
         self._answered(change)
 
     def _answered(self, change: _Change) -> None:
@@ -415,16 +430,26 @@ class TimelineService:
             change.state.queues.pop(key, None)
 
     def _answer_now(self, conn: Connection, state: _ConnState, command: Command) -> None:
-        state.answers.append([command])
+        state.answers.append([(command.NAME, command.encode())])
         self._flush(conn, state)
 
     def _flush(self, conn: Connection, state: _ConnState) -> None:
+        """Write the answers that are ready, in command order; a run of one kind in one write."""
         answers = state.answers
-        while answers and answers[0][0] is not None:
-            command = answers.popleft()[0]
-            assert command is not None
-            if conn in self._conns:
-                conn.send(command)
+        live = conn in self._conns
+        run: list[bytes] = []
+        run_name = ""
+        while answers and (ready := answers[0][0]) is not None:
+            answers.popleft()
+            name, line = ready
+            if name != run_name and run:
+                if live:
+                    conn.send_lines(run_name, b"".join(run), len(run))
+                run = []
+            run_name = name
+            run.append(line)
+        if run and live:
+            conn.send_lines(run_name, b"".join(run), len(run))
         self._throttle(conn, state)
         if not answers:
             self._finish_half_closed(conn)
@@ -595,7 +620,8 @@ class TimelineService:
             for message in messages:
                 # A consumer that comes back gets its active leases first.
                 consumer.held[message.id] = message.ts
-                conn.send(LeaseCommand(st.name, message.id, message.version, message.ts, message.body))
+            if messages:
+                conn.send_lines("LEASE", b"".join(_lease_line(st.name, m) for m in messages), len(messages))
             if consumer.free() == 0:
                 consumer.passed = True  # no credit left for a pass
                 self._finish_half_closed(conn)
@@ -720,16 +746,18 @@ class TimelineService:
             if consumer.gone:
                 orphans.extend((consumer.consumer_id, x.message) for x in leased)
                 continue
-            send = consumer.conn.send
             held = consumer.held
             tids = consumer.tids
+            lines = []
             for x in leased:
                 m = x.message
                 held[m.id] = m.ts
                 if x.tid is not None:
                     tids[m.id] = x.tid
-                send(LeaseCommand(name, m.id, m.version, m.ts, m.body))
+                lines.append(_lease_line(name, m))
                 lease_sent(name, max(0, sent_ms - x.due_ms))
+            if lines:
+                consumer.conn.send_lines("LEASE", b"".join(lines), len(lines))
             if not consumer.passed:
                 consumer.passed = True
                 self._finish_half_closed(consumer.conn)
@@ -765,6 +793,11 @@ class TimelineService:
             lambda _: self._poke(st, now),
             lambda f: logger.warning("releasing unsent leases failed (they expire): %s", f.getErrorMessage()),
         )
+
+
+def _lease_line(topic: str, m: TimelineMessage) -> bytes:
+    """``LEASE <topic> <id> <version> <until_ms> <body_json>`` (LeaseCommand's line, written directly)."""
+    return f"LEASE {topic} {m.id} {m.version} {m.ts} {m.body}\n".encode()
 
 
 class NoTimeline:

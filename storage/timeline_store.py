@@ -182,17 +182,17 @@ class SqlTimelineStore:
         done: set[int] = set()
         if self._pg:
             # Deletes that carry the leased row's tid: one statement per topic.
-            groups: dict[tuple[str, int], list[int]] = {}
+            groups: dict[str, list[int]] = {}
             for i, (name, args) in enumerate(calls):
                 if name == "delete" and len(args) > 5 and args[5] is not None:
-                    groups.setdefault((args[0], args[4]), []).append(i)
-            for (topic, now_ms), positions in groups.items():
+                    groups.setdefault(args[0], []).append(i)
+            for topic, positions in groups.items():
                 first: dict[str, int] = {}
                 for i in positions:
                     first.setdefault(calls[i][1][1], i)
                 unique = sorted(first.values())
-                items = [(calls[i][1][5], calls[i][1][1], calls[i][1][2], calls[i][1][3]) for i in unique]
-                for i, outcome in zip(unique, self._delete_by_tid(cur, topic, items, now_ms), strict=True):
+                items = [(a[5], a[1], a[2], a[3], a[4]) for a in (calls[i][1] for i in unique)]
+                for i, outcome in zip(unique, self._delete_by_tid(cur, topic, items), strict=True):
                     if outcome is not None:
                         results[i] = outcome
                         done.add(i)
@@ -437,7 +437,7 @@ class SqlTimelineStore:
                 due = self._all(
                     cur,
                     f"SELECT {'ctid' if self._pg else 'rowid'}, id, ts, consumer FROM {TABLE} "
-                    "WHERE topic = ? AND bucket = ? AND deleted_ms IS NULL AND ts <= ? ORDER BY ts LIMIT ?"
+                    "WHERE topic = ? AND bucket = ? AND deleted_ms IS NULL AND ts <= ? ORDER BY ts, id LIMIT ?"
                     + (" FOR UPDATE SKIP LOCKED" if self._pg else ""),
                     (topic, bucket, now_ms, want),
                 )
@@ -553,12 +553,10 @@ class SqlTimelineStore:
             (now_ms,),
         )
 
-    def _delete_by_tid(
-        self, cur: Any, topic: str, items: list[tuple[str, str, str, int]], now_ms: int
-    ) -> list[Outcome | None]:
+    def _delete_by_tid(self, cur: Any, topic: str, items: list[tuple[str, str, str, int, int]]) -> list[Outcome | None]:
         """Delete several distinct messages in ONE statement, found by their leased row's tid.
 
-        ``items`` are (tid, id, consumer, version). Each row is still checked
+        ``items`` are (tid, id, consumer, version, now_ms). Each row is still checked
         on its own holder/version/lease condition. A message not deleted here
         (refused, or its row moved since: the tid is stale) gets None: the
         caller runs it through :meth:`delete` by primary key, which changes it
@@ -566,19 +564,18 @@ class SqlTimelineStore:
         """
         rows = self._all(
             cur,
-            f"UPDATE {TABLE} t SET deleted_ms = ?, version = t.version + 1 "
-            "FROM unnest(?::tid[], ?::text[], ?::text[], ?::bigint[]) AS v(tid, id, consumer, version) "
+            f"UPDATE {TABLE} t SET deleted_ms = v.now, version = t.version + 1 "
+            "FROM unnest(?::tid[], ?::text[], ?::text[], ?::bigint[], ?::bigint[]) AS v(tid, id, consumer, version, now) "
             "WHERE t.ctid = v.tid AND t.topic = ? AND t.id = v.id AND t.deleted_ms IS NULL "
-            "AND t.consumer = v.consumer AND t.version = v.version AND t.ts > ? "
+            "AND t.consumer = v.consumer AND t.version = v.version AND t.ts > v.now "
             f"RETURNING {', '.join('t.' + c for c in _COLUMN_LIST)}",
             (
-                now_ms,
                 [item[0] for item in items],
                 [item[1] for item in items],
                 [item[2] for item in items],
                 [item[3] for item in items],
+                [item[4] for item in items],
                 topic,
-                now_ms,
             ),
         )
         deleted = {r[1]: _message(r) for r in rows}

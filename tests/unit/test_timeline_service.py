@@ -21,6 +21,7 @@ from replication.commands import (
     ReleaseCommand,
     ScheduleCommand,
     TimelineCommand,
+    parse_line,
 )
 from replication.timeline import TimelineService
 from replication.timeline_settings import TimelineSettings
@@ -63,6 +64,11 @@ class Conn:
 
     def send(self, command: Command) -> None:
         self.sent.append(command)
+
+    def send_lines(self, name: str, data: bytes, count: int) -> None:
+        lines = data.decode().splitlines()
+        assert len(lines) == count and all(line.startswith(name + " ") for line in lines)
+        self.sent.extend(parse_line(line) for line in lines)
 
     def finish_after_half_close(self) -> None:
         pass
