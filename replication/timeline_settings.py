@@ -22,7 +22,7 @@ class TimelineSettings:
     topics: tuple[str, ...] = attr.ib(default=(DEFAULT_TOPIC,), converter=_with_default_topic)  # `jobs` always exists
     batch: int = 64  # leases per consumer per reactor turn (paces bursts)
     max_batch: int = 500  # changes committed together at most (group commit under load)
-    batch_flights: int = 4  # batches of changes in flight at once
+    batch_flights: int = 2  # batches of changes in flight at once
     max_pending: int = 1000  # timeline commands in flight per connection before reading pauses
     remove_interval: float = 5.0  # seconds between batch removals of deleted messages (and counts for metrics)
     remove_batch: int = 5000  # deleted messages removed per pass

@@ -85,6 +85,11 @@ def _deal(due: list[Any], consumers: list[str], remaining: list[int]) -> list[in
     return assigned
 
 
+def _pg_array(words: Sequence[str]) -> str:
+    """A PostgreSQL text array literal (one parameter, parsed once by the server, not a node per element)."""
+    return "{" + ",".join('"' + w.replace("\\", "\\\\").replace('"', '\\"') + '"' for w in words) + "}"
+
+
 def _message(row: Any) -> TimelineMessage:
     topic, mid, ts, body, group, consumer, bucket, version, created = row
     return TimelineMessage(topic, mid, int(ts), body, group, consumer, int(bucket), int(version), int(created))
@@ -417,14 +422,14 @@ class SqlTimelineStore:
     ) -> PassResult:
         """Lease the earliest due messages to several consumers at once, spread fairly.
 
-        ONE locking read takes up to the total asked (``FOR UPDATE SKIP
-        LOCKED``: never a message another transaction holds), earliest first;
-        they are dealt out in turn over the requests, and a message whose
-        lease expired goes to another consumer than its last holder when one
-        has room (a lone consumer gets its own back); then ONE update leases
-        them all (each row to its consumer, until now + its lease). The next
-        due time is read only when fewer were found than asked (else more may
-        be due: ``more``), or always with ``exact_next_due``.
+        Up to the total asked, earliest first (on PostgreSQL ``FOR UPDATE
+        SKIP LOCKED``: never a message another transaction holds), dealt out
+        in turn over the requests; a message whose lease expired goes to
+        another consumer than its last holder when one can take it (a lone
+        consumer gets its own back). On PostgreSQL this is ONE statement
+        (lock, deal, lease). The next due time is read only when fewer were
+        found than asked (else more may be due: ``more``), or always with
+        ``exact_next_due``.
         """
         leased: list[list[Leased]] = [[] for _ in requests]
         total = sum(n for _, _, n in requests)
@@ -434,22 +439,123 @@ class SqlTimelineStore:
                 want = total - found_total
                 if want <= 0:
                     break
+                remaining = [n - len(got) for (_, _, n), got in zip(requests, leased, strict=True)]
+                if self._pg:
+                    found_total += self._lease_pg(cur, topic, bucket, requests, remaining, now_ms, leased)
+                    continue
+                # SQLite: the write lock is held, the due rows read are the ones updated.
                 due = self._all(
                     cur,
-                    f"SELECT {'ctid' if self._pg else 'rowid'}, id, ts, consumer FROM {TABLE} "
-                    "WHERE topic = ? AND bucket = ? AND deleted_ms IS NULL AND ts <= ? ORDER BY ts, id LIMIT ?"
-                    + (" FOR UPDATE SKIP LOCKED" if self._pg else ""),
+                    f"SELECT rowid, id, ts, consumer FROM {TABLE} "
+                    "WHERE topic = ? AND bucket = ? AND deleted_ms IS NULL AND ts <= ? ORDER BY ts, id LIMIT ?",
                     (topic, bucket, now_ms, want),
                 )
-                if not due:
-                    continue
-                found_total += len(due)
-                remaining = [n - len(got) for (_, _, n), got in zip(requests, leased, strict=True)]
-                assigned = _deal(due, [c for c, _, _ in requests], remaining)
-                self._lease_rows(cur, topic, requests, due, assigned, now_ms, leased)
+                if due:
+                    found_total += len(due)
+                    assigned = _deal(due, [c for c, _, _ in requests], remaining)
+                    self._lease_rows(cur, topic, requests, due, assigned, now_ms, leased)
         more = total > 0 and found_total >= total
         next_due = self.next_due(topic) if exact_next_due or not more else now_ms
         return PassResult(leased, next_due, more)
+
+    def _lease_pg(
+        self,
+        cur: Any,
+        topic: str,
+        bucket: int,
+        requests: Sequence[tuple[str, int, int]],
+        remaining: list[int],
+        now_ms: int,
+        leased: list[list[Leased]],
+    ) -> int:
+        """One statement: lock up to sum(remaining) due rows, deal them over the requests in turn, lease them.
+
+        The k-th row (in due order) goes to the k-th slot of a round-robin
+        over the requests with room. Rows that went back to their last holder
+        while another request could take them are then moved (rare: expired
+        leases). Returns how many rows were leased.
+        """
+        slots: list[int] = []
+        left = list(remaining)
+        while any(left):
+            for j, n in enumerate(left):
+                if n > 0:
+                    slots.append(j)
+                    left[j] = n - 1
+        rows = self._all(
+            cur,
+            # A materialized CTE: the LIMIT is applied once (a subquery in FROM
+            # may be rescanned, leasing more than asked). The rows are locked,
+            # so their ctid is stable: the update is a TID scan whatever the
+            # planner's statistics say.
+            f"WITH d AS MATERIALIZED (SELECT ctid, id, ts, consumer FROM {TABLE} "
+            "WHERE topic = ? AND bucket = ? AND deleted_ms IS NULL AND ts <= ? "
+            "ORDER BY ts, id LIMIT ? FOR UPDATE SKIP LOCKED), "
+            "n AS (SELECT ctid, ts, consumer, row_number() OVER (ORDER BY ts, id) AS k FROM d) "
+            f"UPDATE {TABLE} t SET consumer = (?::text[])[n.k], ts = (?::bigint[])[n.k], version = t.version + 1 "
+            f"FROM n WHERE t.ctid = n.ctid RETURNING {', '.join('t.' + c for c in _COLUMN_LIST)}, t.ctid, n.ts, n.consumer, n.k",
+            (
+                topic,
+                bucket,
+                now_ms,
+                len(slots),
+                _pg_array([requests[j][0] for j in slots]),
+                "{" + ",".join(str(now_ms + requests[j][1]) for j in slots) + "}",
+            ),
+        )
+        if not rows:
+            return 0
+        rows.sort(key=lambda r: r[12])
+        got = [(r, slots[r[12] - 1]) for r in rows]
+        used = [0] * len(requests)
+        for _, j in got:
+            used[j] += 1
+        if any(r[11] is not None and r[11] == requests[j][0] for r, j in got):
+            got = self._not_to_last_holder(cur, got, requests, remaining, used, now_ms)
+        for r, j in got:
+            leased[j].append(Leased(_message(r[:9]), int(r[10]), str(r[9])))
+        return len(rows)
+
+    def _not_to_last_holder(
+        self,
+        cur: Any,
+        got: list[tuple[Any, int]],
+        requests: Sequence[tuple[str, int, int]],
+        remaining: list[int],
+        used: list[int],
+        now_ms: int,
+    ) -> list[tuple[Any, int]]:
+        """Move expired leases that went back to their last holder to another request that can take them."""
+        out = list(got)
+        for i, (r, j) in enumerate(out):
+            last = r[11]
+            if last is None or last != requests[j][0]:
+                continue
+            target = next(
+                (k for k in range(len(requests)) if requests[k][0] != last and used[k] < remaining[k]),
+                None,
+            )
+            if target is not None:
+                used[j] -= 1
+                used[target] += 1
+                out[i] = (self._relet(cur, r, requests[target], now_ms), target)
+                continue
+            # Swap with a row dealt to another consumer that may take this one.
+            for m, (r2, j2) in enumerate(out):
+                if requests[j2][0] != last and r2[11] != requests[j][0]:
+                    out[i] = (self._relet(cur, r, requests[j2], now_ms), j2)
+                    out[m] = (self._relet(cur, r2, requests[j], now_ms), j)
+                    break
+        return out
+
+    def _relet(self, cur: Any, row: Any, request: tuple[str, int, int], now_ms: int) -> Any:
+        """Give a row leased in this transaction to another consumer (same change: same version)."""
+        new = self._one(
+            cur,
+            f"UPDATE {TABLE} SET consumer = ?, ts = ? WHERE ctid = ?::tid RETURNING {_COLUMNS}, ctid",
+            (request[0], now_ms + request[1], str(row[9])),
+        )
+        return (*new, row[10], row[11], row[12])
 
     def _lease_rows(
         self,
@@ -461,41 +567,23 @@ class SqlTimelineStore:
         now_ms: int,
         leased: list[list[Leased]],
     ) -> None:
-        """Lease each locked due row to its request's consumer (one statement on PostgreSQL)."""
+        """SQLite: lease each due row (read under the write lock) to its request's consumer."""
         due_of = {row[1]: int(row[2]) for row in due}
         req_of = {row[1]: j for row, j in zip(due, assigned, strict=True)}
-        if self._pg:
-            rows = self._all(
+        rows = []
+        for row, j in zip(due, assigned, strict=True):
+            consumer, lease_ms, _ = requests[j]
+            got = self._one(
                 cur,
-                # By ctid (the rows are locked, so their ctid is stable): a TID
-                # scan whatever the planner's statistics say.
-                f"UPDATE {TABLE} t SET consumer = u.c, ts = u.until, version = t.version + 1 "
-                "FROM unnest(?::tid[], ?::text[], ?::bigint[]) AS u(tid, c, until) "
-                "WHERE t.ctid = u.tid AND t.deleted_ms IS NULL AND t.ts <= ? "
-                f"RETURNING {', '.join('t.' + c for c in _COLUMN_LIST)}, t.ctid",
-                (
-                    [row[0] for row in due],
-                    [requests[j][0] for j in assigned],
-                    [now_ms + requests[j][1] for j in assigned],
-                    now_ms,
-                ),
+                f"UPDATE {TABLE} SET consumer = ?, ts = ?, version = version + 1 "
+                "WHERE topic = ? AND id = ? AND deleted_ms IS NULL AND ts <= ? "
+                f"RETURNING {_COLUMNS}",
+                (consumer, now_ms + lease_ms, topic, row[1], now_ms),
             )
-        else:
-            rows = []
-            for row, j in zip(due, assigned, strict=True):
-                consumer, lease_ms, _ = requests[j]
-                got = self._one(
-                    cur,
-                    f"UPDATE {TABLE} SET consumer = ?, ts = ?, version = version + 1 "
-                    "WHERE topic = ? AND id = ? AND deleted_ms IS NULL AND ts <= ? "
-                    f"RETURNING {_COLUMNS}, NULL",
-                    (consumer, now_ms + lease_ms, topic, row[1], now_ms),
-                )
-                if got is not None:
-                    rows.append(got)
+            if got is not None:
+                rows.append(got)
         for r in sorted(rows, key=lambda r: (due_of[r[1]], r[1])):
-            tid = r[9]
-            leased[req_of[r[1]]].append(Leased(_message(r[:9]), due_of[r[1]], None if tid is None else str(tid)))
+            leased[req_of[r[1]]].append(Leased(_message(r), due_of[r[1]]))
 
     def _bucket_order(self) -> list[int]:
         if self.buckets == 1:
@@ -570,11 +658,11 @@ class SqlTimelineStore:
             "AND t.consumer = v.consumer AND t.version = v.version AND t.ts > v.now "
             f"RETURNING {', '.join('t.' + c for c in _COLUMN_LIST)}",
             (
-                [item[0] for item in items],
-                [item[1] for item in items],
-                [item[2] for item in items],
-                [item[3] for item in items],
-                [item[4] for item in items],
+                "{" + ",".join(f'"{item[0]}"' for item in items) + "}",
+                _pg_array([item[1] for item in items]),
+                _pg_array([item[2] for item in items]),
+                "{" + ",".join(str(item[3]) for item in items) + "}",
+                "{" + ",".join(str(item[4]) for item in items) + "}",
                 topic,
             ),
         )
