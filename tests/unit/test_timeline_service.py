@@ -1,4 +1,4 @@
-"""The master's timeline service with an injected clock (task.Clock) and a real SQLite store.
+"""The master's timeline service with an injected clock (task.Clock) and a real store (both backends).
 
 Storage calls go through a runner the test drives, so the interleavings
 (a connection lost while a lease pass is out) are exact.
@@ -81,11 +81,11 @@ class Conn:
 
 
 @pytest.fixture
-def env(tmp_path: Path):
+def env(db_url: str):
     clock = task.Clock()
     clock.advance(T0)
     runner = Runner()
-    store = open_timeline_store(f"sqlite:///{tmp_path}/t.db")
+    store = open_timeline_store(db_url)
     service = TimelineService(store, TimelineSettings(batch=4, remove_interval=3600), runner, clock)
 
     def settle(advance: float = 0.0) -> None:
@@ -289,3 +289,84 @@ def test_a_body_whose_lease_line_would_not_fit_is_refused(tmp_path: Path) -> Non
     assert p.answers()[-1].startswith("ACK SCHEDULE jobs a 1 ")
     assert store.get("jobs", "b") is None
     store.close()
+
+
+def _record_cycles(service: TimelineService) -> list[tuple[list[str], list[list[tuple[str, int, int]]]]]:
+    """Each storage transaction of the service: the changes' names and the lease requests."""
+    seen: list[tuple[list[str], list[list[tuple[str, int, int]]]]] = []
+    cycle = service.store.cycle
+
+    def recording(calls: list, frees: list, passes: list) -> Any:
+        seen.append(([name for name, _ in calls], [list(reqs) for _, reqs, _ in passes]))
+        return cycle(calls, frees, passes)
+
+    service.store.cycle = recording  # type: ignore[method-assign]
+    return seen
+
+
+def test_a_delete_and_the_lease_it_frees_share_one_transaction_and_ack_waits_for_its_commit(env) -> None:
+    service, clock, runner, settle = env
+    p, w = Conn("p"), Conn("w")
+    for i in range(2):
+        service.command(p, ScheduleCommand("jobs", "g", f"m{i}", 0, True, "{}"))
+    service.command(w, TimelineCommand("jobs", "w", 1, 10_000))
+    settle()
+    assert [x.id for x in w.leases()] == ["m0"]
+    cycles = _record_cycles(service)
+    service.command(w, DeleteCommand("jobs", "m0", 2))
+    clock.advance(0)  # the cycle goes out at the end of the reactor turn
+    assert len(runner.queue) == 1 and w.answers() == []  # not committed yet: no ACK
+    runner.step()  # the one transaction commits
+    assert w.answers() == [f"ACK DELETE jobs m0 3 {ms(T0) + 10_000}"]
+    assert [x.id for x in w.leases()] == ["m0", "m1"]  # the credit it freed, in the same commit
+    assert cycles == [(["delete"], [[("w", 10_000, 0)]])]
+    settle()
+    assert len(w.leases()) == 2  # never more than the credit
+
+
+def test_a_refused_change_does_not_fail_the_others_in_its_transaction(env) -> None:
+    service, _clock, _runner, settle = env
+    p, a, b = Conn("p"), Conn("a"), Conn("b")
+    for i in range(3):
+        service.command(p, ScheduleCommand("jobs", "g", f"m{i}", 0, True, "{}"))
+    service.command(a, TimelineCommand("jobs", "A", 1, 10_000))
+    service.command(b, TimelineCommand("jobs", "B", 1, 10_000))
+    settle()
+    (la,), (lb,) = a.leases(), b.leases()
+    cycles = _record_cycles(service)
+    service.command(a, DeleteCommand("jobs", la.id, la.version - 1))  # stale version
+    service.command(b, DeleteCommand("jobs", lb.id, lb.version))
+    settle()
+    assert cycles[0][0] == ["delete", "delete"]  # one transaction
+    assert a.answers() == [f"NACK DELETE jobs {la.id} stale version"]
+    assert b.answers() == [f"ACK DELETE jobs {lb.id} {lb.version + 1} {lb.until_ms}"]
+    kept = service.store.get("jobs", la.id)
+    assert kept is not None and kept.consumer == "A" and kept.version == la.version  # unchanged
+    assert len(a.leases()) == 1 and [x.id for x in b.leases()] == [lb.id, "m2"]
+
+
+def test_a_failed_transaction_answers_error_and_sends_no_lease(env) -> None:
+    service, _clock, _runner, settle = env
+    p, w = Conn("p"), Conn("w")
+    for i in range(2):
+        service.command(p, ScheduleCommand("jobs", "g", f"m{i}", 0, True, "{}"))
+    service.command(w, TimelineCommand("jobs", "w", 1, 10_000))
+    settle()
+    (lease,) = w.leases()
+    cycle = service.store.cycle
+
+    def broken(calls: list, frees: list, passes: list) -> Any:
+        service.store.cycle = cycle  # type: ignore[method-assign]
+        raise RuntimeError("connection reset")
+
+    service.store.cycle = broken  # type: ignore[method-assign]
+    service.command(w, DeleteCommand("jobs", lease.id, lease.version))
+    settle()
+    assert w.answers() == ["ERROR DELETE failed: storage unavailable (connection reset); retry"]
+    assert len(w.leases()) == 1
+    stored = service.store.get("jobs", lease.id)
+    assert stored is not None and stored.consumer == "w"  # nothing changed
+    service.command(w, DeleteCommand("jobs", lease.id, lease.version))
+    settle()
+    assert w.answers()[-1].startswith(f"ACK DELETE jobs {lease.id} ")
+    assert [x.id for x in w.leases()] == [lease.id, "m1"]
