@@ -63,6 +63,7 @@ from storage.timeline_contract import (
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_ERROR = 1.0  # seconds before a failed lease pass is tried again
+REMOVE_ROUNDS = 20  # batches of remove_batch the remover takes at most per remove_interval
 RACE_RETRY_MS = 5  # due messages remain yet none could be leased (taken elsewhere): look again soon
 
 
@@ -285,7 +286,12 @@ class TimelineService:
 
         def run() -> dict[str, dict[str, int]]:
             if self.store.deleted_count() > 0:  # a read first: no write lock taken for nothing
-                self.store.remove_deleted(self.settings.remove_batch)
+                # Batches, each its own short transaction, while they come full
+                # (bounded): under sustained load the marks do not pile up.
+                batch = self.settings.remove_batch
+                for _ in range(REMOVE_ROUNDS):
+                    if self.store.remove_deleted(batch) < batch:
+                        break
             return {topic: self.store.counts(topic, now) for topic in topics}
 
         d = self.db.run(run)

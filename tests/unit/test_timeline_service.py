@@ -370,3 +370,26 @@ def test_a_failed_transaction_answers_error_and_sends_no_lease(env) -> None:
     settle()
     assert w.answers()[-1].startswith(f"ACK DELETE jobs {lease.id} ")
     assert [x.id for x in w.leases()] == [lease.id, "m1"]
+
+
+def test_the_remover_takes_batches_while_they_come_full(db_url: str) -> None:
+    clock = task.Clock()
+    clock.advance(T0)
+    store = open_timeline_store(db_url)
+    for i in range(5):
+        store.schedule("jobs", "g", f"m{i}", ms(T0), "{}", ms(T0))
+    for x in store.lease_due("jobs", "c", 1000, 5, ms(T0)):
+        assert store.delete("jobs", x.message.id, "c", x.message.version, ms(T0)).ok
+    assert store.deleted_count() == 5
+    runner = Runner()
+    service = TimelineService(store, TimelineSettings(remove_batch=2, remove_interval=3600), runner, clock)
+    service.start()
+    clock.advance(0)
+    while runner.step() or (
+        clock.getDelayedCalls() and min(c.getTime() for c in clock.getDelayedCalls()) <= clock.seconds()
+    ):
+        clock.advance(0)
+    assert store.deleted_count() == 0  # 2 + 2 + 1 in one run, each batch its own transaction
+    assert service.stats.counts["jobs"] == {"available": 0, "waiting": 0, "processing": 0}
+    service.stop()
+    store.close()
