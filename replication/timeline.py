@@ -704,13 +704,18 @@ class TimelineService:
             if st.timer_at == at_ms:
                 return
             st.timer.cancel()
-        delay = max(0.0, (at_ms - self.now_ms()) / 1000)
+        # From the clock itself (not whole ms): the timer never fires before the ms it is for.
+        delay = max(0.0, at_ms / 1000 - self.clock.seconds())
         st.timer_at = at_ms
         st.timer = self.clock.callLater(delay, self._timer_fired, st)
 
     def _timer_fired(self, st: TopicState) -> None:
+        at_ms = st.timer_at
         st.timer = None
         st.timer_at = None
+        if at_ms is not None and self.now_ms() < at_ms:
+            self._set_timer(st, at_ms)  # a hair early (float seconds): nothing is due yet
+            return
         self._wake(st)
 
     def _arm(self, st: TopicState) -> None:

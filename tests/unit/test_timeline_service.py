@@ -393,3 +393,17 @@ def test_the_remover_takes_batches_while_they_come_full(db_url: str) -> None:
     assert service.stats.counts["jobs"] == {"available": 0, "waiting": 0, "processing": 0}
     service.stop()
     store.close()
+
+
+def test_the_timer_fires_at_the_due_ms_not_a_fraction_later(env) -> None:
+    service, clock, _, settle = env
+    p, w = Conn("p"), Conn("w")
+    service.command(w, TimelineCommand("jobs", "w", 5, 10_000))
+    settle(0.0004)  # the clock is 0.4 ms into a millisecond
+    service.command(p, ScheduleCommand("jobs", "g", "a", ms(T0) + 5, False, "{}"))
+    settle()
+    settle(0.0045)  # T0 + 4.9 ms: not yet
+    assert w.leases() == []
+    settle((ms(T0) + 5) / 1000 - clock.seconds())  # T0 + 5.0 ms: due now, leased now (not at T0 + 5.4 ms)
+    assert [x.id for x in w.leases()] == ["a"]
+    assert service.stats.lateness_sum == 0
