@@ -354,3 +354,33 @@ def test_ids_with_array_syntax_go_through_a_cycle(store: SqlTimelineStore, mid: 
     assert x.message.id == mid and x.message.consumer == 'c"1\\'
     results, _ = store.cycle([("delete", ("jobs", mid, 'c"1\\', x.message.version, T0 + 1, x.tid))], [None], [])
     assert results[0].ok and store.get("jobs", mid) is None
+
+
+def test_two_cycles_racing_never_lease_one_message_twice(db_url: str) -> None:
+    stores = [open_timeline_store(db_url), open_timeline_store(db_url)]
+    try:
+        for i in range(40):
+            stores[0].schedule("jobs", "g", f"m{i:02}", T0, "{}", T0)
+        barrier = threading.Barrier(2)
+        taken: dict[int, list[str]] = {0: [], 1: []}
+
+        def take(k: int) -> None:
+            barrier.wait()
+            for _ in range(10):
+                _, (result,) = stores[k].cycle([], [], [("jobs", [(f"a{k}", 60_000, 2), (f"b{k}", 60_000, 1)], T0 + 1)])
+                taken[k].extend(x.message.id for got in result.leased for x in got)
+
+        threads = [threading.Thread(target=take, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        ids = taken[0] + taken[1]
+        assert len(ids) == len(set(ids)) == 40, taken
+        for k in range(2):
+            for mid in taken[k]:
+                held = stores[0].get("jobs", mid)
+                assert held is not None and held.consumer in (f"a{k}", f"b{k}")
+    finally:
+        for s in stores:
+            s.close()
