@@ -377,6 +377,58 @@ def writer_once(clusters: Clusters, rows: int, single: int, which: str) -> dict[
 
 
 @contextmanager
+def _rdata_listener(port: int, stream: str = "events") -> Iterator[dict[int, float]]:
+    """token -> when an ``RDATA`` line of it reached a bare TCP client of the master (read by a thread).
+
+    The client speaks the seed protocol (``NAME``, ``REPLICATE``): it is live on
+    every stream from the master's current positions and records the first
+    arrival of each token, so commit -> RDATA is the master's part alone.
+    """
+    import socket
+
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.sendall(b"NAME bench-rdata\nREPLICATE\n")
+    seen: dict[int, float] = {}
+    positioned = threading.Event()
+    stop = threading.Event()
+    prefix = f"RDATA {stream} ".encode()
+    ready = f"POSITION {stream} ".encode()
+
+    def run() -> None:
+        buffer = b""
+        while not stop.is_set():
+            if not select.select([sock], [], [], 0.05)[0]:
+                continue
+            data = sock.recv(1 << 16)
+            if not data:
+                return
+            now = time.perf_counter()
+            buffer += data
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                if line.startswith(prefix):
+                    token = line[len(prefix) :].split(b" ", 2)[1]
+                    if token != b"batch":
+                        seen.setdefault(int(token), now)
+                elif line.startswith(ready):
+                    positioned.set()
+                elif line.startswith(b"PING"):
+                    sock.sendall(b"PING 0\n")
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        if not positioned.wait(30):
+            raise BenchError("the bare client got no POSITION from the master")
+        yield seen
+    finally:
+        stop.set()
+        thread.join(5)
+        sock.close()
+
+
+@contextmanager
 def _applied_listener(url: str) -> Iterator[dict[int, float]]:
     """token -> when the target said it was applied (a trigger's NOTIFY, read by a thread)."""
     conn = _connect(url)
@@ -432,7 +484,7 @@ def latency_once(clusters: Clusters, workdir: str, rate: int, seconds: float, wh
                 _wait(lambda: bool(_scalar(t.dst, "SELECT to_regclass('replicated_events') IS NOT NULL")), "table")
                 _add_applied_trigger(cur, "replicated_events")
             t.store.append("events", make_rows(0, 1), "bench-latency")  # warm up
-            with _applied_listener(t.dst_url) as seen:
+            with _applied_listener(t.dst_url) as seen, _rdata_listener(t.port) as sent:
 
                 def commit(n: int) -> int:
                     return t.store.append("events", make_rows(n, 1), "bench-latency")[0]
@@ -440,7 +492,11 @@ def latency_once(clusters: Clusters, workdir: str, rate: int, seconds: float, wh
                 committed, reached = _paced(commit, rate, seconds)
                 last = max(committed)
                 _wait(lambda: last in seen, "the last row to be applied", 60)
-            return _delays(committed, seen, reached)
+                _wait(lambda: last in sent, "the last row's RDATA at the bare client", 60)
+            result = _delays(committed, seen, reached)
+            rdata = _delays(committed, sent, reached)
+            result["rdata_p50"], result["rdata_p99"] = rdata["p50"], rdata["p99"]
+            return result
         finally:
             t.close()
     b = Baseline(clusters, applied_trigger=True)
@@ -565,6 +621,11 @@ def run(
                     f"{rate:,} single-row commits/s requested, {_fmt(a['reached'])}/s reached ({held})",
                     flush=True,
                 )
+            print(
+                f"  tickline master alone: commit -> RDATA at a bare TCP client p50 {t['rdata_p50']:.2f} ms, "
+                f"p99 {t['rdata_p99']:.2f} ms",
+                flush=True,
+            )
         if "catch-up" in chosen:
             n = catch_up_rows or rows
             cu: dict[str, list[float]] = {"tickline": [], "baseline": []}

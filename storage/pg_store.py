@@ -42,7 +42,7 @@ from storage import time_index
 from storage.contracts import JsonRow, Row, StoredRow
 from storage.limits import DEFAULT_MAX_LINE_BYTES, check_rows, max_row_json_bytes
 from storage.pg_copy import _COPY_FORMATS, NULL_COPY, _copy_text, formatter
-from storage.pg_db import Cursor, PgDatabase
+from storage.pg_db import Cursor, PgDatabase, prepared
 from storage.schema import COLUMN_TYPES, RowError, StreamSchema, check_instance_name
 from storage.store import FIRST_VALUE, DatabaseUnavailable, StreamCatalog
 from storage.urls import redact_url
@@ -752,18 +752,7 @@ class _Statements:
             sql = self._small[key] = self._build_small(count, batch, shared)
         if count > PREPARED_ROWS:
             return sql
-        conn = cursor.connection
-        prepared = _PREPARED.get(conn)
-        if prepared is None:
-            prepared = _PREPARED[conn] = {}
-        execute = prepared.get(sql)
-        if execute is None:
-            name = f"tickline_{len(prepared)}"
-            parts = sql.split("%s")
-            numbered = "".join(f"{part}${i}" for i, part in enumerate(parts[:-1], 1)) + parts[-1]
-            cursor.execute(f"PREPARE {name} AS {numbered}")
-            execute = prepared[sql] = f"EXECUTE {name} ({', '.join(['%s'] * (len(parts) - 1))})"
-        return execute
+        return prepared(cursor, sql)
 
     def _build_small(self, count: int, batch: bool, shared: bool) -> str:
         schema = self.schema
@@ -838,8 +827,6 @@ def _statements(schema: StreamSchema) -> _Statements:
 
 
 _STATEMENTS: dict[StreamSchema, _Statements] = {}
-# Per connection: statement text -> its EXECUTE (prepared statements live as long as their connection).
-_PREPARED: weakref.WeakKeyDictionary[Any, dict[str, str]] = weakref.WeakKeyDictionary()
 PREPARED_ROWS = 8  # appends of up to this many rows use prepared statements
 
 
