@@ -121,11 +121,12 @@ def test_the_token_moves_only_forwards_and_a_stale_apply_writes_nothing(db_url) 
         (["a\x00b", 1, 1.0, True, None, 1], "NUL"),
     ],
 )
-def test_a_row_that_does_not_fit_is_named_and_nothing_is_applied(db_url, row, message) -> None:
+@pytest.mark.parametrize("pad", [0, 60])  # one statement; COPY
+def test_a_row_that_does_not_fit_is_named_and_nothing_is_applied(db_url, row, message, pad) -> None:
     store = open_worker_store(db_url)
     store.create_replicated_table(MIXED)
     good = ["a", 1, 1.0, True, None, 1]
-    received = [(5, "w", [good]), (6, "w", [row]), (7, "w", [good])]
+    received = [(5, "w", [good] * (pad + 1)), (6, "w", [row]), (7, "w", [good])]
     with pytest.raises(RowError, match=message):
         store.apply_replicated("mixed", 7, MIXED, received, _effects(MIXED, received))
     assert store.applied_tokens() == {}
