@@ -116,6 +116,8 @@ $fn$
 """
 
 
+# time_index.oracle_last on PostgreSQL: the sequence holds what appends took, the table what the master took.
+_ORACLE_LAST_SQL = f"SELECT GREATEST(t.last_ts, s.last_value) FROM tickline_tso t, {ORACLE_SEQUENCE} s WHERE t.id = 1"
 FENCED_CODE = "TK001"
 FENCED_FUNCTION = "tickline_fenced_v1"
 _FENCED_SQL = f"""
@@ -195,6 +197,7 @@ class PgStreamStore:
         self.writer_timeout = writer_timeout
         self._lock = threading.Lock()
         self._json_encoders: dict[str, Callable[[StoredRow], bytes]] = {}
+        self._lines_sql: dict[tuple[str, bool], str] = {}
         self._writers: dict[tuple[str, str], _WriterState] = {}
         self._next_txn = 0
         self._reporter: threading.Thread | None = None
@@ -232,9 +235,12 @@ class PgStreamStore:
         known = self._catalog.known()
         if expire_writers or not known:
             return time_index.safe_point(self, expire_writers, allocate)
-        t = time_index.oracle_time(self) if allocate else time_index.oracle_last(self)
+        if allocate:
+            t = time_index.oracle_time(self)
+        else:  # time_index.oracle_last, prepared
+            t = int(self.database.query(_ORACLE_LAST_SQL, prepare=True)[0][0])
         parts = [
-            "SELECT %s, COALESCE((SELECT MIN(position) FROM tickline_writers WHERE alive AND stream = %s), "
+            "SELECT %s::text, COALESCE((SELECT MIN(position) FROM tickline_writers WHERE alive AND stream = %s), "
             f"(SELECT MAX(token) FROM {schema.table}), 0), "
             f"(SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {_seq(schema)}), "
             "EXISTS (SELECT 1 FROM tickline_writers WHERE alive AND stream = %s)"
@@ -243,14 +249,19 @@ class PgStreamStore:
         params = [value for schema in known for value in (schema.name, schema.name, schema.name)]
         times: dict[str, int] = {}
         positions: dict[str, int] = {}
-        for name, position, head, live in self.database.query(" UNION ALL ".join(parts), params):
+        for name, position, head, live in self.database.query(" UNION ALL ".join(parts), params, prepare=True):
             positions[name] = int(position)
             if int(head) <= position or not live:
                 times[name] = t
-            else:
-                last = time_index.last_ts_upto(self, name, int(position))
-                if last is not None:
-                    times[name] = last
+            else:  # time_index.last_ts_upto, prepared
+                table = self.schema(name).table
+                found = self.database.query(
+                    f"SELECT ts FROM {table} WHERE token <= %s::bigint ORDER BY token DESC LIMIT 1",
+                    (int(position),),
+                    prepare=True,
+                )
+                if found:
+                    times[name] = int(found[0][0])
         return times, positions
 
     def schema(self, stream: str) -> StreamSchema:
@@ -546,13 +557,13 @@ class PgStreamStore:
         token; ``COALESCE`` evaluates that only where it is needed.
         """
         parts = [
-            f"SELECT %s, COALESCE((SELECT MIN(position) FROM tickline_writers WHERE alive AND stream = %s), "
+            f"SELECT %s::text, COALESCE((SELECT MIN(position) FROM tickline_writers WHERE alive AND stream = %s), "
             f"(SELECT MAX(token) FROM {schema.table}), 0)"
             for schema in schemas
         ]
         params = [value for schema in schemas for value in (schema.name, schema.name)]
         with self._side_cursor() as cur:
-            cur.execute(" UNION ALL ".join(parts), params)
+            cur.execute(prepared(cur, " UNION ALL ".join(parts)), params)
             return {name: int(position) for name, position in cur.fetchall()}
 
     def heads(self) -> dict[str, int]:
@@ -583,8 +594,28 @@ class PgStreamStore:
     def read_lines_json(
         self, stream: str, after: int, upto: int, limit: int, prefix: str, with_ts: bool
     ) -> tuple[bytes, int, int] | None:
-        """Not offered on PostgreSQL yet: the master uses :meth:`read_rows_json`."""
-        return None
+        """Whole ``RDATA`` lines for rows in ``(after, upto]``, built by PostgreSQL: ``(lines, last token, rows)``.
+
+        About ``limit`` rows, never part of a token: the range ends at the
+        token of the ``limit``-th row, all of whose rows are included (rows
+        sharing a token are sent as ``batch`` lines, then the last with the
+        token). One prepared statement, no Python object per row or value:
+        each value is JSON by ``to_json`` (JSON columns as stored), the same
+        JSON the row's line-limit check at write counted. None (the caller
+        builds the lines) if a line came out over ``max_line_bytes``.
+        """
+        schema = self.schema(stream)
+        sql = self._lines_sql.get((stream, with_ts))
+        if sql is None:
+            sql = self._lines_sql[(stream, with_ts)] = _lines_sql(schema, with_ts)
+        with self._side_cursor() as cur:
+            cur.execute(prepared(cur, sql), (after, upto, limit, prefix, after))
+            text, last, count, longest = cur.fetchone()
+        if not count:
+            return b"", after, 0
+        if self.max_line_bytes is not None and longest > self.max_line_bytes:
+            return None
+        return text.encode(), int(last), int(count)
 
     def read_rows_json(self, stream: str, after: int, upto: int, limit: int) -> list[JsonRow]:
         """Like :meth:`read_rows`, each row ``(seq, token, instance_name bytes, ts, JSON array bytes)``.
@@ -882,6 +913,27 @@ def _json_encoder(schema: StreamSchema) -> Callable[[StoredRow], bytes]:
         return dumps(values)
 
     return encode
+
+
+def _lines_sql(schema: StreamSchema, with_ts: bool) -> str:
+    """The statement of :meth:`PgStreamStore.read_lines_json`: (after, upto, limit, prefix, after) -> one row."""
+    values = [
+        f"COALESCE({c.name}::text, 'null')" if c.type == "json" else f"COALESCE(to_json({c.name})::text, 'null')"
+        for c in schema.columns
+    ]
+    if with_ts:
+        values.append("ts::text")
+    row_json = " || ',' || ".join(values)
+    table = schema.table
+    return (
+        "WITH lim AS (SELECT max(token) AS last FROM "
+        f"(SELECT token FROM {table} WHERE token > %s::bigint AND token <= %s::bigint ORDER BY token LIMIT %s) AS x), "
+        "lines AS (SELECT token, seq, %s::text || instance_name || ' ' || "
+        "CASE WHEN lead(token) OVER (ORDER BY token, seq) = token THEN 'batch' ELSE token::text END "
+        f"|| ' [' || {row_json} || ']' AS line FROM {table}, lim WHERE token > %s::bigint AND token <= lim.last) "
+        "SELECT string_agg(line, E'\\n' ORDER BY token, seq) || E'\\n', max(token), count(*), "
+        "COALESCE(max(octet_length(line)), 0) FROM lines"
+    )
 
 
 def _first_line(e: BaseException) -> str:
