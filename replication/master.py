@@ -117,6 +117,7 @@ class Master:
         self._following = False
         self._follow_again = False
         self._expire_writers = True
+        self._woken = False  # the next pass was asked for by a commit (notify)
         self._follow_waiters: list[defer.Deferred[None]] = []
         self._notifications: NotificationReader | None = None
         self._relistening = False
@@ -318,7 +319,8 @@ class Master:
         return encoded, json_rows[-1][TOKEN], len(json_rows)
 
     def notify(self) -> None:
-        """Rows were committed by this process: fan them out now."""
+        """Rows were committed (a database notification, or a write of this process): fan them out now."""
+        self._woken = True
         if self._poller is not None and self._poller.running:
             self.reactor.callLater(0, self._follow_heads)
 
@@ -388,6 +390,10 @@ class Master:
     async def _advance(self) -> None:
         # The safe position: every row up to it has committed (see storage).
         expire, self._expire_writers = self._expire_writers, False
+        # A pass woken by a commit reads the oracle's mark (the commit moved it);
+        # the durable allocation that keeps idle streams' safe time moving is
+        # left to the timer's passes, off the commit -> RDATA path.
+        woken, self._woken = self._woken, False
         # Streams with live subscriptions: their first rows are read in the same
         # database hop as the safe point (no second hop through the thread pool).
         reads = {
@@ -396,7 +402,7 @@ class Master:
             if subs and stream in self._live
         }
         # A time taken before the safe positions gives each stream a safe time (TICK).
-        safe_times, heads, first = await self.db.run(self._wake, expire, self.timeticks.wanted(), reads)
+        safe_times, heads, first = await self.db.run(self._wake, expire, self.timeticks.wanted(not woken), reads)
         self._safe.update(heads)
         if any(stream not in self._schemas for stream in heads):
             self._learn(await self.db.run(self.store.catalog))
