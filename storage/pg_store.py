@@ -765,7 +765,9 @@ class _Statements:
 
     def __init__(self, schema: StreamSchema) -> None:
         self.schema = schema
-        names = ", ".join(("token", "instance_name", "ts", *schema.column_names))
+        # ``seq`` is each row's timestamp (unique and increasing with the oracle, so it
+        # orders a token's rows as inserted): given, not drawn from its sequence row by row.
+        names = ", ".join(("seq", "token", "instance_name", "ts", *schema.column_names))
         self.copy = f"COPY {schema.table} ({names}) FROM STDIN"
         self._small: dict[tuple[int, bool, bool], str] = {}
         self._formats = [_COPY_FORMATS[c.type] for c in schema.columns]
@@ -801,10 +803,11 @@ class _Statements:
             if shared
             else ("a.first_token" if batch else f"a.first_token + {count - 1}")
         )
-        names = ", ".join(("token", "instance_name", "ts", *schema.column_names))
+        names = ", ".join(("seq", "token", "instance_name", "ts", *schema.column_names))
         return (
             f"WITH a AS (SELECT first_token, first_ts FROM {ORACLE_FUNCTION}(%s::regclass, %s, %s, %s)), "
-            f"ins AS (INSERT INTO {schema.table} ({names}) SELECT {token}, %s, a.first_ts + v._i - 1, {aliases} "
+            f"ins AS (INSERT INTO {schema.table} ({names}) "
+            f"SELECT a.first_ts + v._i - 1, {token}, %s, a.first_ts + v._i - 1, {aliases} "
             f"FROM a, (VALUES {rows}) AS v(_i, {', '.join(schema.column_names)})), "
             f"u AS (UPDATE tickline_writers SET position = GREATEST(position, LEAST({last}, %s)), "
             f"heartbeat_ms = {NOW_MS} FROM a "
@@ -840,12 +843,14 @@ class _Statements:
         return out
 
     def copy_text(self, columns: list[str], instance: str, first_token: int, step: int, first_ts: int) -> str:
-        """The rows as COPY text: token, instance, ts, then the columns."""
+        """The rows as COPY text: seq (the row's timestamp), token, instance, ts, then the columns."""
         name = _copy_text(instance)
         if step:
-            lines = [f"{first_token + i}\t{name}\t{first_ts + i}\t{text}" for i, text in enumerate(columns)]
+            lines = [
+                f"{first_ts + i}\t{first_token + i}\t{name}\t{first_ts + i}\t{text}" for i, text in enumerate(columns)
+            ]
         else:
-            lines = [f"{first_token}\t{name}\t{first_ts + i}\t{text}" for i, text in enumerate(columns)]
+            lines = [f"{first_ts + i}\t{first_token}\t{name}\t{first_ts + i}\t{text}" for i, text in enumerate(columns)]
         lines.append("")
         return "\n".join(lines)
 
