@@ -21,7 +21,9 @@ latency     single-row commits paced at a requested rate (default 1,000/s)
             for a few seconds; commit -> applied on the target (seen by a
             ``LISTEN`` of a trigger's ``NOTIFY`` on the target table, for
             both); the line compares p99 (ratio = baseline p99 / tickline
-            p99), followed by p50/p99 of both and the rate each reached.
+            p99), followed by p50/p99 of both and the rate each reached, and
+            tickline's commit -> RDATA at a bare TCP client of the master
+            (the master's part alone).
 writer      the writer alone on the durable source: single-row appends
             against a plain INSERT + COMMIT of the same row (commits/s),
             and 1000-row appends against the same rows by COPY without
@@ -650,14 +652,18 @@ def run(
 
 
 def plot(results: dict[str, dict[str, Any]], path: str) -> None:
-    """A PNG: throughput ratios (left) and commit -> applied percentiles (right)."""
+    """A PNG: throughput ratios (left) and commit -> applied / RDATA percentiles (right)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     names, ratios = [], []
+    if "writer" in results:
+        w = results["writer"]
+        names += ["writer\nsingle row", "writer\nbulk (COPY)"]
+        ratios += [w["tickline"]["single"] / w["plain"]["single"], w["tickline"]["bulk"] / w["plain"]["bulk"]]
     if "end-to-end" in results:
         r = results["end-to-end"]
         names += ["end-to-end\nvs COPY", "end-to-end\nvs execute_values"]
@@ -670,10 +676,12 @@ def plot(results: dict[str, dict[str, Any]], path: str) -> None:
         t, b = results["latency"]["tickline"], results["latency"]["baseline"]
         names.append("latency\n(p99 ratio)")
         ratios.append(b["p99"] / t["p99"])
-        width = 0.35
+        width = 0.27
         xs = range(2)
-        right.bar([x - width / 2 for x in xs], [t["p50"], t["p99"]], width, label="tickline")
-        right.bar([x + width / 2 for x in xs], [b["p50"], b["p99"]], width, label="logical replication")
+        right.bar([x - width for x in xs], [t["p50"], t["p99"]], width, label="tickline, commit -> applied")
+        if "rdata_p50" in t:
+            right.bar(xs, [t["rdata_p50"], t["rdata_p99"]], width, label="tickline, commit -> RDATA (master)")
+        right.bar([x + width for x in xs], [b["p50"], b["p99"]], width, label="logical replication")
         right.set_xticks(list(xs), ["p50", "p99"])
         right.set_ylabel("commit -> applied (ms)")
         right.set_title("single-row commits, paced")

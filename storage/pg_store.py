@@ -227,10 +227,11 @@ class PgStreamStore:
         """As :func:`storage.time_index.safe_point`, in two round trips on a wake-up.
 
         Without the dead-writer sweep, after the oracle's time ``t``, one
-        statement reads per stream the safe position, the allocated head and
-        whether a live writer exists: the positions and the live writers from
-        one snapshot (so the writers are read no later than the positions),
-        the heads (sequences) after it, as the proof in docs/time.md needs.
+        prepared statement reads per stream the safe position, the allocated
+        head, whether a live writer exists and the last timestamp at or below
+        the position: the positions and the live writers from one snapshot (so
+        the writers are read no later than the positions), the heads
+        (sequences) after it, as the proof in docs/time.md needs.
         """
         known = self._catalog.known()
         if expire_writers or not known:
@@ -239,29 +240,27 @@ class PgStreamStore:
             t = time_index.oracle_time(self)
         else:  # time_index.oracle_last, prepared
             t = int(self.database.query(_ORACLE_LAST_SQL, prepare=True)[0][0])
+        # Per stream also the timestamp of the last row at or below the safe
+        # position (time_index.last_ts_upto), read in the same statement (and
+        # snapshot: every row up to the position has committed in it).
         parts = [
-            "SELECT %s::text, COALESCE((SELECT MIN(position) FROM tickline_writers WHERE alive AND stream = %s), "
-            f"(SELECT MAX(token) FROM {schema.table}), 0), "
-            f"(SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {_seq(schema)}), "
-            "EXISTS (SELECT 1 FROM tickline_writers WHERE alive AND stream = %s)"
+            "SELECT name, position, head, live, "
+            f"(SELECT ts FROM {schema.table} WHERE token <= p.position ORDER BY token DESC LIMIT 1) FROM "
+            "(SELECT %s::text AS name, COALESCE((SELECT MIN(position) FROM tickline_writers "
+            f"WHERE alive AND stream = %s), (SELECT MAX(token) FROM {schema.table}), 0) AS position, "
+            f"(SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {_seq(schema)}) AS head, "
+            "EXISTS (SELECT 1 FROM tickline_writers WHERE alive AND stream = %s) AS live) AS p"
             for schema in known
         ]
         params = [value for schema in known for value in (schema.name, schema.name, schema.name)]
         times: dict[str, int] = {}
         positions: dict[str, int] = {}
-        for name, position, head, live in self.database.query(" UNION ALL ".join(parts), params, prepare=True):
+        for name, position, head, live, last_ts in self.database.query(" UNION ALL ".join(parts), params, prepare=True):
             positions[name] = int(position)
             if int(head) <= position or not live:
                 times[name] = t
-            else:  # time_index.last_ts_upto, prepared
-                table = self.schema(name).table
-                found = self.database.query(
-                    f"SELECT ts FROM {table} WHERE token <= %s::bigint ORDER BY token DESC LIMIT 1",
-                    (int(position),),
-                    prepare=True,
-                )
-                if found:
-                    times[name] = int(found[0][0])
+            elif last_ts is not None:
+                times[name] = int(last_ts)
         return times, positions
 
     def schema(self, stream: str) -> StreamSchema:
