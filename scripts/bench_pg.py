@@ -687,6 +687,7 @@ def plot(results: dict[str, dict[str, Any]], path: str) -> None:
         right.set_title("single-row commits, paced")
         right.legend()
     left.bar(names, ratios, color=["tab:green" if r >= 1.0 else "tab:red" for r in ratios])
+    left.tick_params(axis="x", labelsize=8)
     left.axhline(1.0, color="black", linewidth=0.8)
     left.set_ylabel("tickline / logical replication (>1: tickline better)")
     left.set_title("ratios, same run")
