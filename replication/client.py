@@ -227,6 +227,11 @@ class ClientProtocol(LineCommandProtocol):
             logger.debug("[%s] dropped %d RDATA for %s before its POSITION", self.conn_name, len(entries), stream)
             return
         pending = self._pending_batch.pop(stream, None)
+        on_run = getattr(self.handler, "on_rows_run", None)
+        if on_run is not None and pending is None and _BATCH not in tokens:
+            # A handler that takes a run of single-row tokens in one call (the worker).
+            on_run(self, stream, instance, tokens, entries)
+            return
         on_rows = self.handler.on_rows
         for position, row in zip(tokens, entries, strict=True):
             if position == _BATCH:

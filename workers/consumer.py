@@ -23,8 +23,10 @@ measures only how long rows wait to be applied here.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import logging
+import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -77,7 +79,19 @@ class _Item:
     (``apply_replicated``): no object per row on that path.
     """
 
-    __slots__ = ("_rows", "arrived", "count", "instance", "raw", "seq", "stream", "token", "width", "with_ts")
+    __slots__ = (
+        "_rows",
+        "arrived",
+        "count",
+        "instance",
+        "raw",
+        "seq",
+        "stream",
+        "token",
+        "tokens",
+        "width",
+        "with_ts",
+    )
 
     def __init__(
         self,
@@ -88,8 +102,11 @@ class _Item:
         width: int = 0,
         with_ts: bool = True,
         arrived: float = 0.0,
+        tokens: list[int] | None = None,
     ) -> None:
-        self.token = token
+        self.token = token  # the last token
+        # Several single-row tokens (a run from the connection): each row's token; None: all rows are ``token``'s.
+        self.tokens = tokens
         self.raw: list[list[Any]] = raw or []  # empty: a POSITION moved the token without rows
         self.count = len(self.raw)
         self.stream = stream
@@ -103,8 +120,20 @@ class _Item:
     @property
     def rows(self) -> list[ReplicatedRow]:
         if self._rows is None:
-            self._rows = [self._row(row) for row in self.raw]
+            if self.tokens is None:
+                self._rows = [self._row(row, self.token) for row in self.raw]
+            else:
+                self._rows = [self._row(row, token) for row, token in zip(self.raw, self.tokens, strict=True)]
         return self._rows
+
+    def split(self) -> list[_Item]:
+        """One item per token (a failed apply is retried one token at a time)."""
+        if self.tokens is None:
+            return [self]
+        return [
+            _Item(token, [row], self.stream, self.instance, self.width, self.with_ts, self.arrived)
+            for token, row in zip(self.tokens, self.raw, strict=True)
+        ]
 
     def _split(self, row: list[Any]) -> tuple[int, tuple[Any, ...]]:
         """A row's timestamp and values. A row exactly one value longer than the
@@ -119,9 +148,9 @@ class _Item:
             return row[-1], tuple(row[:-1])
         return compose(int(self.arrived * 1000)), tuple(row)
 
-    def _row(self, row: list[Any]) -> ReplicatedRow:
+    def _row(self, row: list[Any], token: int) -> ReplicatedRow:
         ts, values = self._split(row)
-        return ReplicatedRow(self.stream, self.token, self.instance, ts, values)
+        return ReplicatedRow(self.stream, token, self.instance, ts, values)
 
     def first_ts(self) -> int | None:
         return self._split(self.raw[0])[0] if self.raw else None
@@ -129,8 +158,11 @@ class _Item:
     def last_ts(self) -> int | None:
         return self._split(self.raw[-1])[0] if self.raw else None
 
-    def received(self) -> ReceivedRows:
-        return (self.token, self.instance, self.raw)
+    def received(self) -> list[ReceivedRows]:
+        if self.tokens is None:
+            return [(self.token, self.instance, self.raw)]
+        instance = self.instance
+        return [(token, instance, [row]) for token, row in zip(self.tokens, self.raw, strict=True)]
 
 
 class StreamConsumer:
@@ -201,6 +233,28 @@ class StreamConsumer:
         item = _Item(token, rows, self.stream, instance, self._width, with_ts, self._clock.seconds())
         self.queued_rows += item.count
         self.known = token
+        self._enqueue(item)
+
+    def rows_run(self, instance: str, tokens: list[int], rows: list[list[Any]], with_ts: bool = True) -> None:
+        """Single rows of consecutive tokens, as :meth:`rows_received` of each, queued as one item.
+
+        Stale tokens (at or below ``known``) are dropped. Tokens out of order,
+        or a stream delivered in timestamp order across streams (the gate
+        orders tokens one by one), go token by token.
+        """
+        if self.gate is not None or not all(map(operator.lt, tokens, tokens[1:])):
+            for token, row in zip(tokens, rows, strict=True):
+                self.rows_received(instance, token, [row], with_ts)
+            return
+        if tokens[0] <= self.known:
+            start = bisect.bisect_right(tokens, self.known)
+            logger.debug("%s: dropped %d stale rows (known %s)", self.stream, start, self.known)
+            tokens, rows = tokens[start:], rows[start:]
+            if not tokens:
+                return
+        item = _Item(tokens[-1], rows, self.stream, instance, self._width, with_ts, self._clock.seconds(), tokens)
+        self.queued_rows += item.count
+        self.known = item.token
         self._enqueue(item)
 
     def position(self, prev_token: int, new_token: int) -> int | None:
@@ -291,6 +345,9 @@ class StreamConsumer:
             limit = self.gate.apply_limit(self)
             if limit is None:
                 return
+        if self._failures and self._queue[0].tokens is not None and len(self._queue[0].tokens) > 1:
+            # Retried one token at a time, so the next failure names the row.
+            self._queue.extendleft(reversed(self._queue.popleft().split()))
         group = [self._queue[0]]
         count = group[0].count
         if self._failures == 0:
@@ -312,7 +369,7 @@ class StreamConsumer:
 
         if self._replicate_in_db is not None and count and self._failures == 0 and all(i.with_ts for i in group):
             # One statement with the rows as received (PostgreSQL); retries go the general way.
-            received = [item.received() for item in group if item.count]
+            received = [rows for item in group if item.count for rows in item.received()]
             d = self._replicate_in_db(self.stream, token, self.schema, received, effects)
         else:
             d = self._apply_in_db(self.stream, token, effects)
@@ -355,7 +412,7 @@ class StreamConsumer:
         self._applying = False
         self._failures += 1
         delay = min(self.settings.retry_max, self.settings.retry_initial * 2 ** (self._failures - 1))
-        if len(group) == 1:
+        if len(group) == 1 and (group[0].tokens is None or len(group[0].tokens) == 1):
             logger.error(
                 "%s: applying token %s failed (attempt %d), retrying in %.1f s: %s; rows: %s",
                 self.stream,

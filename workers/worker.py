@@ -292,6 +292,24 @@ class Worker(ReplicationHandler):
             if client.transport is not None:
                 client.transport.pauseProducing()
 
+    def on_rows_run(
+        self, client: ClientProtocol, stream: str, instance: str, tokens: list[bytes], rows: list[list[Any]]
+    ) -> None:
+        """A run of ``RDATA`` lines of one stream, one row per token (the client's block parser)."""
+        consumer = self.consumers.get(stream)
+        if consumer is None:
+            return
+        self._rows_on_connection = True
+        consumer.rows_run(instance, list(map(int, tokens)), rows, client.rows_have_ts)
+        self._unchecked_rows += len(rows)
+        if self._unchecked_rows < self._check_every or self._reading_paused:
+            return
+        self._unchecked_rows = 0
+        if self._pending_rows() > self.config.max_pending_rows:
+            self._reading_paused = True
+            if client.transport is not None:
+                client.transport.pauseProducing()
+
     def on_options(self, client: ClientProtocol, acknowledged: frozenset[str]) -> None:
         if self.ordering is None:
             return
