@@ -83,6 +83,11 @@ class ReplicationHandler:
 
         With the ``ts`` option acknowledged (``client.rows_have_ts``) each row
         ends with its timestamp; otherwise rows are the stream's columns only.
+
+        A handler may also define ``on_rows_run(client, stream, instance,
+        tokens, rows)``: a run of lines parsed as one block whose tokens are
+        all single-row (no batch), ``tokens`` their digits as bytes, handed
+        over in one call instead of one ``on_rows`` per token.
         """
 
     def on_tick(self, client: ClientProtocol, command: TickCommand) -> None:
