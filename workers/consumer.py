@@ -248,7 +248,8 @@ class StreamConsumer:
             return
         if tokens[0] <= self.known:
             start = bisect.bisect_right(tokens, self.known)
-            logger.debug("%s: dropped %d stale rows (known %s)", self.stream, start, self.known)
+            stale = str(tokens[0]) if start == 1 else f"{tokens[0]}..{tokens[start - 1]}"
+            logger.debug("%s: dropped stale rows at token %s (known %s)", self.stream, stale, self.known)
             tokens, rows = tokens[start:], rows[start:]
             if not tokens:
                 return
