@@ -97,10 +97,17 @@ class PgDatabase:
         except psycopg2.Error as e:
             message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise DatabaseUnavailable(redact_url(f"cannot connect to PostgreSQL at {self.dsn}: {message}")) from None
-        if self._settings:
+        settings = dict(self._settings)
+        if conn.server_version >= 120000:
+            # Prepared statements (see ``prepared``) keep one generic plan: with
+            # the default, PostgreSQL plans range reads such as the master's lines
+            # anew on every call (a custom plan looked cheaper), which cost more
+            # than running them. Ad-hoc statements are not affected.
+            settings.setdefault("plan_cache_mode", "force_generic_plan")
+        if settings:
             conn.autocommit = True
             with conn.cursor() as cur:
-                for name, value in self._settings.items():
+                for name, value in settings.items():
                     cur.execute("SELECT set_config(%s, %s, false)", (name, value))
         conn.autocommit = autocommit
         with self._all_lock:
