@@ -51,6 +51,7 @@ from replication.limits import LIMIT_STATS, ConnectionSlot, InputWatch, LogBudge
 from replication.protocol import LineCommandProtocol, ProtocolConfig
 from replication.reactor_types import Clock, DelayedCall
 from replication.settings import LimitsConfig, MasterConfig
+from replication.stats import STATS as PROTOCOL_STATS
 from replication.subscriptions import StreamSource, Subscriptions
 from replication.timeticks import TICK_OPTION, replicate_at
 from storage.time_index import TokenAt
@@ -221,17 +222,29 @@ class ServerProtocol(LineCommandProtocol):
         return True
 
     def send(self, command: Command) -> None:
-        if self.paused and not self._closing and not self._replies_overflowed:
+        if self.paused and self._reply_overflows(len(command.encode())):
+            return
+        super().send(command)
+
+    def send_lines(self, name: str, data: bytes, count: int) -> None:
+        """``count`` encoded ``name`` lines in one write (the timeline's answers and leases)."""
+        if self.paused and self._reply_overflows(len(data)):
+            return
+        PROTOCOL_STATS.sent[name] += count
+        self.write(data)
+
+    def _reply_overflows(self, size: int) -> bool:
+        if not self._closing and not self._replies_overflowed:
             # The client does not read: replies wait in memory. Bounded.
-            self._queued_while_paused += len(command.encode())
+            self._queued_while_paused += size
             if self._queued_while_paused > self.limits.max_queued_bytes:
                 LIMIT_STATS.closed["queued_bytes"] += 1
                 self._replies_overflowed = True  # the ERROR below is the last reply
                 self.close_with_error(
                     f"client does not read: more than {self.limits.max_queued_bytes} bytes of replies queued"
                 )
-                return
-        super().send(command)
+                return True
+        return False
 
     def relay(self, data: bytes) -> bool:
         """Write a relayed line (REMOTE_SERVER_UP); dropped for a client that does not read."""

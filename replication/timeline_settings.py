@@ -20,11 +20,11 @@ class TimelineSettings:
     """The master's timeline; these defaults are the configuration's defaults."""
 
     topics: tuple[str, ...] = attr.ib(default=(DEFAULT_TOPIC,), converter=_with_default_topic)  # `jobs` always exists
-    batch: int = 64  # leases per consumer per reactor turn (paces bursts)
-    max_batch: int = 500  # changes committed together at most (group commit under load)
-    batch_flights: int = 2  # batches of changes in flight at once
+    batch: int = 64  # new leases per consumer per cycle, plus the credit its DELETEs free (paces bursts)
+    max_batch: int = 500  # changes in one cycle (one transaction, one commit) at most
+    batch_flights: int = 2  # cycles in flight at once (one gathers while one commits)
     max_pending: int = 1000  # timeline commands in flight per connection before reading pauses
     remove_interval: float = 5.0  # seconds between batch removals of deleted messages (and counts for metrics)
-    remove_batch: int = 5000  # deleted messages removed per pass
+    remove_batch: int = 5000  # deleted messages removed per transaction (more while full, 20 at most)
     buckets: int = 1  # buckets a topic's messages are spread over (chosen at random when scheduled)
     db_threads: int = 4  # the timeline's own database threads

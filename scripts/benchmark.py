@@ -747,7 +747,7 @@ def main(
         if "timeline" in chosen:
             from scripts import bench_timeline
 
-            bench_timeline.print_results(bench_timeline.run_timeline_bench(requested_rows, workdir))
+            bench_timeline.print_results(bench_timeline.run_timeline_bench(requested_rows, workdir, rounds=repeat))
     except BenchError as e:
         print(f"tickline bench: error: {e}", file=sys.stderr)
         return 1

@@ -58,10 +58,30 @@ class TimelineMessage:
 
 @attr.s(slots=True, frozen=True, auto_attribs=True)
 class Leased:
-    """A message the master just leased: the message after the lease, and when it was due."""
+    """A message the master just leased: the message after the lease, and when it was due.
+
+    ``tid`` is where the leased row version lives (PostgreSQL's ``ctid``), a
+    hint that lets the holder's ``DELETE`` find it without an index; every
+    change still checks its conditions, and a stale hint falls back to the
+    primary key.
+    """
 
     message: TimelineMessage
     due_ms: int
+    tid: str | None = None
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class PassResult:
+    """One topic's lease pass in a cycle: the leases per request, the next due time, more due or not.
+
+    ``more``: every request got all it asked (more messages may be due);
+    then ``next_due`` is the pass's now, not read from storage.
+    """
+
+    leased: list[list[Leased]]
+    next_due: int | None
+    more: bool
 
 
 @attr.s(slots=True, frozen=True, auto_attribs=True)
@@ -117,6 +137,13 @@ class TimelineStore(Protocol):
         self, topic: str, requests: Sequence[tuple[str, int, int]], now_ms: int
     ) -> tuple[list[list[Leased]], int | None]: ...
 
+    def cycle(
+        self,
+        calls: Sequence[tuple[str, tuple[Any, ...]]],
+        frees: Sequence[tuple[int, int] | None],
+        passes: Sequence[tuple[str, Sequence[tuple[str, int, int]], int]],
+    ) -> tuple[list[Any], list[PassResult]]: ...
+
     def extend(
         self, topic: str, message_id: str, consumer: str, version: int, lease_ms: int, now_ms: int
     ) -> Outcome: ...
@@ -125,7 +152,9 @@ class TimelineStore(Protocol):
         self, topic: str, message_id: str, consumer: str, version: int, delay_ms: int, now_ms: int
     ) -> Outcome: ...
 
-    def delete(self, topic: str, message_id: str, consumer: str, version: int, now_ms: int) -> Outcome: ...
+    def delete(
+        self, topic: str, message_id: str, consumer: str, version: int, now_ms: int, tid: str | None = None
+    ) -> Outcome: ...
 
     def get(self, topic: str, message_id: str) -> TimelineMessage | None: ...
 

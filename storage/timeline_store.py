@@ -33,6 +33,7 @@ from storage.timeline_contract import (
     Database,
     Leased,
     Outcome,
+    PassResult,
     TimelineMessage,
     new_message_id,
 )
@@ -44,6 +45,7 @@ BATCHABLE = frozenset(
     {"schedule", "move", "cancel", "lease", "lease_due", "extend", "release", "delete", "next_due", "active_leases"}
 )
 _COLUMNS = "topic, id, ts, body, producer_group, consumer, bucket, version, created_ms"
+_COLUMN_LIST = _COLUMNS.split(", ")
 
 
 def _message_key(call: tuple[str, tuple[Any, ...]]) -> tuple[str, str]:
@@ -54,6 +56,38 @@ def _message_key(call: tuple[str, tuple[Any, ...]]) -> tuple[str, str]:
     if name in ("lease", "extend", "release", "delete"):
         return args[0], args[1]
     return "\uffff", ""
+
+
+def _deal(due: list[Any], consumers: list[str], remaining: list[int]) -> list[int]:
+    """Deal due rows (earliest first; row[3] is the last holder) over requests in turn.
+
+    Returns the request index of each row. A row goes to the next request in
+    turn with room whose consumer was not its last holder (an expired lease
+    goes to someone else first), else to any with room. ``remaining`` is
+    used up in place; the rows are never more than the room.
+    """
+    assigned = []
+    n = len(consumers)
+    turn = 0
+    for row in due:
+        last = row[3]
+        pick = -1
+        for k in range(n):
+            j = (turn + k) % n
+            if remaining[j] > 0 and consumers[j] != last:
+                pick = j
+                break
+        if pick < 0:
+            pick = next(j for j in range(n) if remaining[j] > 0)
+        remaining[pick] -= 1
+        assigned.append(pick)
+        turn = pick + 1
+    return assigned
+
+
+def _pg_array(words: Sequence[str]) -> str:
+    """A PostgreSQL text array literal (one parameter, parsed once by the server, not a node per element)."""
+    return "{" + ",".join('"' + w.replace("\\", "\\\\").replace('"', '\\"') + '"' for w in words) + "}"
 
 
 def _message(row: Any) -> TimelineMessage:
@@ -93,43 +127,87 @@ class SqlTimelineStore:
         batch shares one commit, so nothing of it is acknowledged before all
         of it is durable. A database error rolls the whole batch back.
         """
-        for name, _ in calls:
-            if name not in BATCHABLE:
-                raise ValueError(f"{name!r} cannot run in a batch")
+        self._check_batchable(calls)
 
         def run(cur: Any) -> list[Any]:
             self._batch.cur = cur
             try:
-                results: list[Any] = [None] * len(calls)
-                # Deletes of distinct messages of one topic: one multi-row statement.
-                groups: dict[tuple[str, int], list[int]] = {}
-                for i, (name, args) in enumerate(calls):
-                    if name == "delete":
-                        groups.setdefault((args[0], args[4]), []).append(i)
-                done: set[int] = set()
-                for (topic, now_ms), positions in groups.items():
-                    first: dict[str, int] = {}
-                    for i in positions:
-                        first.setdefault(calls[i][1][1], i)
-                    unique = sorted(first.values())
-                    if len(unique) < 2:
-                        continue
-                    items = [(calls[i][1][1], calls[i][1][2], calls[i][1][3]) for i in unique]
-                    for i, outcome in zip(unique, self._delete_many(cur, topic, items, now_ms), strict=True):
-                        results[i] = outcome
-                        done.add(i)
-                # The rest one by one, in message order (concurrent batches lock
-                # rows in the same order; one message's changes keep their order).
-                rest = sorted((i for i in range(len(calls)) if i not in done), key=lambda i: _message_key(calls[i]))
-                for i in rest:
-                    name, args = calls[i]
-                    results[i] = getattr(self, name)(*args)
-                return results
+                return self._apply_calls(cur, calls)
             finally:
                 self._batch.cur = None
 
         result: list[Any] = self.db.write(run)
         return result
+
+    def cycle(
+        self,
+        calls: Sequence[tuple[str, tuple[Any, ...]]],
+        frees: Sequence[tuple[int, int] | None],
+        passes: Sequence[tuple[str, Sequence[tuple[str, int, int]], int]],
+    ) -> tuple[list[Any], list[PassResult]]:
+        """The master's cycle, in ONE transaction: the changes, then a lease pass per topic.
+
+        ``calls`` run as in :meth:`apply`. ``passes`` are (topic, requests,
+        now) with requests (consumer, lease_ms, how many); ``frees[i]`` names
+        the (pass, request) whose credit call ``i`` frees when it succeeds (a
+        ``DELETE`` or ``RELEASE`` of a lease the consumer held): the pass asks
+        that many more, so credit freed by a change is used again in the same
+        commit. One durable commit for the whole cycle; nothing of it is
+        acknowledged or sent before it.
+        """
+        self._check_batchable(calls)
+
+        def run(cur: Any) -> tuple[list[Any], list[PassResult]]:
+            self._batch.cur = cur
+            try:
+                results = self._apply_calls(cur, calls) if calls else []
+                asks = [[n for _, _, n in requests] for _, requests, _ in passes]
+                for result, free in zip(results, frees, strict=True):
+                    if free is not None and isinstance(result, Outcome) and result.ok:
+                        asks[free[0]][free[1]] += 1
+                out = []
+                for (topic, requests, now_ms), ask in zip(passes, asks, strict=True):
+                    reqs = [(c, lease, n) for (c, lease, _), n in zip(requests, ask, strict=True)]
+                    out.append(self._lease_round(cur, topic, reqs, now_ms, exact_next_due=False))
+                return results, out
+            finally:
+                self._batch.cur = None
+
+        result: tuple[list[Any], list[PassResult]] = self.db.write(run)
+        return result
+
+    @staticmethod
+    def _check_batchable(calls: Sequence[tuple[str, tuple[Any, ...]]]) -> None:
+        for name, _ in calls:
+            if name not in BATCHABLE:
+                raise ValueError(f"{name!r} cannot run in a batch")
+
+    def _apply_calls(self, cur: Any, calls: Sequence[tuple[str, tuple[Any, ...]]]) -> list[Any]:
+        results: list[Any] = [None] * len(calls)
+        done: set[int] = set()
+        if self._pg:
+            # Deletes that carry the leased row's tid: one statement per topic.
+            groups: dict[str, list[int]] = {}
+            for i, (name, args) in enumerate(calls):
+                if name == "delete" and len(args) > 5 and args[5] is not None:
+                    groups.setdefault(args[0], []).append(i)
+            for topic, positions in groups.items():
+                first: dict[str, int] = {}
+                for i in positions:
+                    first.setdefault(calls[i][1][1], i)
+                unique = sorted(first.values())
+                items = [(a[5], a[1], a[2], a[3], a[4]) for a in (calls[i][1] for i in unique)]
+                for i, outcome in zip(unique, self._delete_by_tid(cur, topic, items), strict=True):
+                    if outcome is not None:
+                        results[i] = outcome
+                        done.add(i)
+        # The rest one by one, in message order (concurrent batches lock rows
+        # in the same order; one message's changes keep their order).
+        rest = sorted((i for i in range(len(calls)) if i not in done), key=lambda i: _message_key(calls[i]))
+        for i in rest:
+            name, args = calls[i]
+            results[i] = getattr(self, name)(*args)
+        return results
 
     def _sql(self, text: str) -> str:
         return text.replace("?", "%s") if self._pg else text
@@ -325,40 +403,187 @@ class SqlTimelineStore:
     ) -> tuple[list[list[Leased]], int | None]:
         """The master's pass, in ONE transaction: leases for several consumers, then the next due time.
 
-        ``requests`` are (consumer, lease_ms, how many). A message whose lease
-        expired goes to another consumer first: each consumer first leases
-        messages it did not hold, then, if it still has room, the rest (a
-        lone consumer gets its expired messages back).
+        ``requests`` are (consumer, lease_ms, how many). See :meth:`_lease_round`.
         """
 
         def run(cur: Any) -> tuple[list[list[Leased]], int | None]:
             self._batch.cur = cur
             try:
-                results: list[list[Leased]] = [[] for _ in requests]
-                asked = 0
-                for i, (c, lease, n) in enumerate(requests):
-                    asked = i + 1
-                    results[i] = self.lease_due(topic, c, lease, n, now_ms, others_only=True)
-                    if len(results[i]) < n:
-                        break  # nothing more for others: the rest need not ask
-                next_due = self.next_due(topic)
-                if next_due is not None and next_due <= now_ms:
-                    # Due messages remain: expired leases that their holders
-                    # skipped. The consumers not asked yet take them first, then
-                    # anyone with room (a lone consumer gets its own back).
-                    for i in range(asked, len(requests)):
-                        c, lease, n = requests[i]
-                        results[i] = self.lease_due(topic, c, lease, n, now_ms, others_only=True)
-                    for (c, lease, n), got in zip(requests, results, strict=True):
-                        if len(got) < n:
-                            got.extend(self.lease_due(topic, c, lease, n - len(got), now_ms))
-                    next_due = self.next_due(topic)
-                return results, next_due
+                result = self._lease_round(cur, topic, requests, now_ms, exact_next_due=True)
+                return result.leased, result.next_due
             finally:
                 self._batch.cur = None
 
-        result: tuple[list[list[Leased]], int | None] = self.db.write(run)
-        return result
+        out: tuple[list[list[Leased]], int | None] = self.db.write(run)
+        return out
+
+    def _lease_round(
+        self, cur: Any, topic: str, requests: Sequence[tuple[str, int, int]], now_ms: int, exact_next_due: bool
+    ) -> PassResult:
+        """Lease the earliest due messages to several consumers at once, spread fairly.
+
+        Up to the total asked, earliest first (on PostgreSQL ``FOR UPDATE
+        SKIP LOCKED``: never a message another transaction holds), dealt out
+        in turn over the requests; a message whose lease expired goes to
+        another consumer than its last holder when one can take it (a lone
+        consumer gets its own back). On PostgreSQL this is ONE statement
+        (lock, deal, lease). The next due time is read only when fewer were
+        found than asked (else more may be due: ``more``), or always with
+        ``exact_next_due``.
+        """
+        leased: list[list[Leased]] = [[] for _ in requests]
+        total = sum(n for _, _, n in requests)
+        found_total = 0
+        if total > 0:
+            for bucket in self._bucket_order():
+                want = total - found_total
+                if want <= 0:
+                    break
+                remaining = [n - len(got) for (_, _, n), got in zip(requests, leased, strict=True)]
+                if self._pg:
+                    found_total += self._lease_pg(cur, topic, bucket, requests, remaining, now_ms, leased)
+                    continue
+                # SQLite: the write lock is held, the due rows read are the ones updated.
+                due = self._all(
+                    cur,
+                    f"SELECT rowid, id, ts, consumer FROM {TABLE} "
+                    "WHERE topic = ? AND bucket = ? AND deleted_ms IS NULL AND ts <= ? ORDER BY ts, id LIMIT ?",
+                    (topic, bucket, now_ms, want),
+                )
+                if due:
+                    found_total += len(due)
+                    assigned = _deal(due, [c for c, _, _ in requests], remaining)
+                    self._lease_rows(cur, topic, requests, due, assigned, now_ms, leased)
+        more = total > 0 and found_total >= total
+        next_due = self.next_due(topic) if exact_next_due or not more else now_ms
+        return PassResult(leased, next_due, more)
+
+    def _lease_pg(
+        self,
+        cur: Any,
+        topic: str,
+        bucket: int,
+        requests: Sequence[tuple[str, int, int]],
+        remaining: list[int],
+        now_ms: int,
+        leased: list[list[Leased]],
+    ) -> int:
+        """One statement: lock up to sum(remaining) due rows, deal them over the requests in turn, lease them.
+
+        The k-th row (in due order) goes to the k-th slot of a round-robin
+        over the requests with room. Rows that went back to their last holder
+        while another request could take them are then moved (rare: expired
+        leases). Returns how many rows were leased.
+        """
+        slots: list[int] = []
+        left = list(remaining)
+        while any(left):
+            for j, n in enumerate(left):
+                if n > 0:
+                    slots.append(j)
+                    left[j] = n - 1
+        rows = self._all(
+            cur,
+            # A materialized CTE: the LIMIT is applied once (a subquery in FROM
+            # may be rescanned, leasing more than asked). The rows are locked,
+            # so their ctid is stable: the update is a TID scan whatever the
+            # planner's statistics say.
+            f"WITH d AS MATERIALIZED (SELECT ctid, id, ts, consumer FROM {TABLE} "
+            "WHERE topic = ? AND bucket = ? AND deleted_ms IS NULL AND ts <= ? "
+            "ORDER BY ts, id LIMIT ? FOR UPDATE SKIP LOCKED), "
+            "n AS (SELECT ctid, ts, consumer, row_number() OVER (ORDER BY ts, id) AS k FROM d) "
+            f"UPDATE {TABLE} t SET consumer = (?::text[])[n.k], ts = (?::bigint[])[n.k], version = t.version + 1 "
+            f"FROM n WHERE t.ctid = n.ctid RETURNING {', '.join('t.' + c for c in _COLUMN_LIST)}, t.ctid, n.ts, n.consumer, n.k",
+            (
+                topic,
+                bucket,
+                now_ms,
+                len(slots),
+                _pg_array([requests[j][0] for j in slots]),
+                "{" + ",".join(str(now_ms + requests[j][1]) for j in slots) + "}",
+            ),
+        )
+        if not rows:
+            return 0
+        rows.sort(key=lambda r: r[12])
+        got = [(r, slots[r[12] - 1]) for r in rows]
+        used = [0] * len(requests)
+        for _, j in got:
+            used[j] += 1
+        if any(r[11] is not None and r[11] == requests[j][0] for r, j in got):
+            got = self._not_to_last_holder(cur, got, requests, remaining, used, now_ms)
+        for r, j in got:
+            leased[j].append(Leased(_message(r[:9]), int(r[10]), str(r[9])))
+        return len(rows)
+
+    def _not_to_last_holder(
+        self,
+        cur: Any,
+        got: list[tuple[Any, int]],
+        requests: Sequence[tuple[str, int, int]],
+        remaining: list[int],
+        used: list[int],
+        now_ms: int,
+    ) -> list[tuple[Any, int]]:
+        """Move expired leases that went back to their last holder to another request that can take them."""
+        out = list(got)
+        for i, (r, j) in enumerate(out):
+            last = r[11]
+            if last is None or last != requests[j][0]:
+                continue
+            target = next(
+                (k for k in range(len(requests)) if requests[k][0] != last and used[k] < remaining[k]),
+                None,
+            )
+            if target is not None:
+                used[j] -= 1
+                used[target] += 1
+                out[i] = (self._relet(cur, r, requests[target], now_ms), target)
+                continue
+            # Swap with a row dealt to another consumer that may take this one.
+            for m, (r2, j2) in enumerate(out):
+                if requests[j2][0] != last and r2[11] != requests[j][0]:
+                    out[i] = (self._relet(cur, r, requests[j2], now_ms), j2)
+                    out[m] = (self._relet(cur, r2, requests[j], now_ms), j)
+                    break
+        return out
+
+    def _relet(self, cur: Any, row: Any, request: tuple[str, int, int], now_ms: int) -> Any:
+        """Give a row leased in this transaction to another consumer (same change: same version)."""
+        new = self._one(
+            cur,
+            f"UPDATE {TABLE} SET consumer = ?, ts = ? WHERE ctid = ?::tid RETURNING {_COLUMNS}, ctid",
+            (request[0], now_ms + request[1], str(row[9])),
+        )
+        return (*new, row[10], row[11], row[12])
+
+    def _lease_rows(
+        self,
+        cur: Any,
+        topic: str,
+        requests: Sequence[tuple[str, int, int]],
+        due: list[Any],
+        assigned: list[int],
+        now_ms: int,
+        leased: list[list[Leased]],
+    ) -> None:
+        """SQLite: lease each due row (read under the write lock) to its request's consumer."""
+        due_of = {row[1]: int(row[2]) for row in due}
+        req_of = {row[1]: j for row, j in zip(due, assigned, strict=True)}
+        rows = []
+        for row, j in zip(due, assigned, strict=True):
+            consumer, lease_ms, _ = requests[j]
+            got = self._one(
+                cur,
+                f"UPDATE {TABLE} SET consumer = ?, ts = ?, version = version + 1 "
+                "WHERE topic = ? AND id = ? AND deleted_ms IS NULL AND ts <= ? "
+                f"RETURNING {_COLUMNS}",
+                (consumer, now_ms + lease_ms, topic, row[1], now_ms),
+            )
+            if got is not None:
+                rows.append(got)
+        for r in sorted(rows, key=lambda r: (due_of[r[1]], r[1])):
+            leased[req_of[r[1]]].append(Leased(_message(r), due_of[r[1]]))
 
     def _bucket_order(self) -> list[int]:
         if self.buckets == 1:
@@ -396,8 +621,14 @@ class SqlTimelineStore:
             (now_ms + delay_ms,),
         )
 
-    def delete(self, topic: str, message_id: str, consumer: str, version: int, now_ms: int) -> Outcome:
-        """The holder, with its version, while the lease is active: the message is deleted (marked)."""
+    def delete(
+        self, topic: str, message_id: str, consumer: str, version: int, now_ms: int, tid: str | None = None
+    ) -> Outcome:
+        """The holder, with its version, while the lease is active: the message is deleted (marked).
+
+        ``tid`` (where the leased row was, from :class:`Leased`) is only a
+        hint for batches (:meth:`apply`); alone, the message is found by id.
+        """
         return self._holder_change(
             topic,
             message_id,
@@ -410,37 +641,33 @@ class SqlTimelineStore:
             (now_ms,),
         )
 
-    def _delete_many(self, cur: Any, topic: str, items: list[tuple[str, str, int]], now_ms: int) -> list[Outcome]:
-        """Delete several distinct messages, each on its own holder/version/lease condition, in ONE statement."""
-        values = ", ".join(["(?, ?, ?)"] * len(items))
-        params: list[Any] = [p for item in items for p in item]
+    def _delete_by_tid(self, cur: Any, topic: str, items: list[tuple[str, str, str, int, int]]) -> list[Outcome | None]:
+        """Delete several distinct messages in ONE statement, found by their leased row's tid.
+
+        ``items`` are (tid, id, consumer, version, now_ms). Each row is still checked
+        on its own holder/version/lease condition. A message not deleted here
+        (refused, or its row moved since: the tid is stale) gets None: the
+        caller runs it through :meth:`delete` by primary key, which changes it
+        or names the failed condition.
+        """
         rows = self._all(
             cur,
-            f"WITH v (id, consumer, version) AS (VALUES {values}) "
-            f"UPDATE {TABLE} SET deleted_ms = ?, version = {TABLE}.version + 1 FROM v "
-            f"WHERE {TABLE}.topic = ? AND {TABLE}.id IN ({', '.join('?' * len(items))}) "
-            f"AND {TABLE}.id = v.id AND {TABLE}.deleted_ms IS NULL "
-            f"AND {TABLE}.consumer = v.consumer AND {TABLE}.version = v.version AND {TABLE}.ts > ? "
-            f"RETURNING {', '.join(f'{TABLE}.{c}' for c in _COLUMNS.split(', '))}",
-            (*params, now_ms, topic, *(item[0] for item in items), now_ms),
+            f"UPDATE {TABLE} t SET deleted_ms = v.now, version = t.version + 1 "
+            "FROM unnest(?::tid[], ?::text[], ?::text[], ?::bigint[], ?::bigint[]) AS v(tid, id, consumer, version, now) "
+            "WHERE t.ctid = v.tid AND t.topic = ? AND t.id = v.id AND t.deleted_ms IS NULL "
+            "AND t.consumer = v.consumer AND t.version = v.version AND t.ts > v.now "
+            f"RETURNING {', '.join('t.' + c for c in _COLUMN_LIST)}",
+            (
+                "{" + ",".join(f'"{item[0]}"' for item in items) + "}",
+                _pg_array([item[1] for item in items]),
+                _pg_array([item[2] for item in items]),
+                "{" + ",".join(str(item[3]) for item in items) + "}",
+                "{" + ",".join(str(item[4]) for item in items) + "}",
+                topic,
+            ),
         )
         deleted = {r[1]: _message(r) for r in rows}
-        outcomes = []
-        for mid, consumer, version in items:
-            message = deleted.get(mid)
-            if message is not None:
-                outcomes.append(Outcome(True, message))
-                continue
-            current = self._get(cur, topic, mid)
-            if current is None:
-                outcomes.append(Outcome.refused(UNKNOWN_MESSAGE))
-            elif current.consumer != consumer:
-                outcomes.append(Outcome.refused(NOT_HOLDER))
-            elif current.version != version:
-                outcomes.append(Outcome.refused(STALE_VERSION))
-            else:
-                outcomes.append(Outcome.refused(LEASE_EXPIRED))
-        return outcomes
+        return [None if (m := deleted.get(item[1])) is None else Outcome(True, m) for item in items]
 
     def _holder_change(
         self,

@@ -1,4 +1,4 @@
-"""The master's timeline service with an injected clock (task.Clock) and a real SQLite store.
+"""The master's timeline service with an injected clock (task.Clock) and a real store (both backends).
 
 Storage calls go through a runner the test drives, so the interleavings
 (a connection lost while a lease pass is out) are exact.
@@ -21,6 +21,7 @@ from replication.commands import (
     ReleaseCommand,
     ScheduleCommand,
     TimelineCommand,
+    parse_line,
 )
 from replication.timeline import TimelineService
 from replication.timeline_settings import TimelineSettings
@@ -64,6 +65,11 @@ class Conn:
     def send(self, command: Command) -> None:
         self.sent.append(command)
 
+    def send_lines(self, name: str, data: bytes, count: int) -> None:
+        lines = data.decode().splitlines()
+        assert len(lines) == count and all(line.startswith(name + " ") for line in lines)
+        self.sent.extend(parse_line(line) for line in lines)
+
     def finish_after_half_close(self) -> None:
         pass
 
@@ -75,11 +81,11 @@ class Conn:
 
 
 @pytest.fixture
-def env(tmp_path: Path):
+def env(db_url: str):
     clock = task.Clock()
     clock.advance(T0)
     runner = Runner()
-    store = open_timeline_store(f"sqlite:///{tmp_path}/t.db")
+    store = open_timeline_store(db_url)
     service = TimelineService(store, TimelineSettings(batch=4, remove_interval=3600), runner, clock)
 
     def settle(advance: float = 0.0) -> None:
@@ -182,13 +188,13 @@ def test_bursts_are_paced_and_spread_fairly(env) -> None:
         service.command(p, ScheduleCommand("jobs", "g", f"m{i:02}", 0, True, "{}"))
     settle()
     passes: list[list[int]] = []
-    lease_pass = service._lease_pass
+    cycle = service.store.cycle
 
-    def recording(topic: str, requests: list, now_ms: int) -> Any:
-        passes.append([n for _, _, n in requests])
-        return lease_pass(topic, requests, now_ms)
+    def recording(calls: list, frees: list, requests: list) -> Any:
+        passes.extend([n for _, _, n in reqs] for _, reqs, _ in requests)
+        return cycle(calls, frees, requests)
 
-    service._lease_pass = recording  # type: ignore[method-assign]
+    service.store.cycle = recording  # type: ignore[method-assign]
     workers = [Conn(f"w{i}") for i in range(3)]
     for i, w in enumerate(workers):
         service.command(w, TimelineCommand("jobs", f"w{i}", 100, 10_000))
@@ -217,12 +223,13 @@ def test_paused_connection_gets_nothing_until_it_resumes(env) -> None:
 
 
 def test_a_lease_taken_for_a_connection_that_went_away_is_released_at_once(env) -> None:
-    service, _, runner, settle = env
+    service, clock, runner, settle = env
     p, w, other = Conn("p"), Conn("w"), Conn("o")
     service.command(p, ScheduleCommand("jobs", "g", "a", 0, True, "{}"))
     settle()
     service.command(w, TimelineCommand("jobs", "w", 5, 60_000))
-    runner.step()  # w's active leases (none); the lease pass is queued now
+    runner.step()  # w's active leases (none); a cycle with the lease pass at the end of the turn
+    clock.advance(0)
     assert len(runner.queue) == 1
     service.connection_lost(w)  # ... and w goes away before the pass runs
     runner.step()  # the pass leases "a" for w in storage, finds w gone, queues the release
@@ -282,3 +289,121 @@ def test_a_body_whose_lease_line_would_not_fit_is_refused(tmp_path: Path) -> Non
     assert p.answers()[-1].startswith("ACK SCHEDULE jobs a 1 ")
     assert store.get("jobs", "b") is None
     store.close()
+
+
+def _record_cycles(service: TimelineService) -> list[tuple[list[str], list[list[tuple[str, int, int]]]]]:
+    """Each storage transaction of the service: the changes' names and the lease requests."""
+    seen: list[tuple[list[str], list[list[tuple[str, int, int]]]]] = []
+    cycle = service.store.cycle
+
+    def recording(calls: list, frees: list, passes: list) -> Any:
+        seen.append(([name for name, _ in calls], [list(reqs) for _, reqs, _ in passes]))
+        return cycle(calls, frees, passes)
+
+    service.store.cycle = recording  # type: ignore[method-assign]
+    return seen
+
+
+def test_a_delete_and_the_lease_it_frees_share_one_transaction_and_ack_waits_for_its_commit(env) -> None:
+    service, clock, runner, settle = env
+    p, w = Conn("p"), Conn("w")
+    for i in range(2):
+        service.command(p, ScheduleCommand("jobs", "g", f"m{i}", 0, True, "{}"))
+    service.command(w, TimelineCommand("jobs", "w", 1, 10_000))
+    settle()
+    assert [x.id for x in w.leases()] == ["m0"]
+    cycles = _record_cycles(service)
+    service.command(w, DeleteCommand("jobs", "m0", 2))
+    clock.advance(0)  # the cycle goes out at the end of the reactor turn
+    assert len(runner.queue) == 1 and w.answers() == []  # not committed yet: no ACK
+    runner.step()  # the one transaction commits
+    assert w.answers() == [f"ACK DELETE jobs m0 3 {ms(T0) + 10_000}"]
+    assert [x.id for x in w.leases()] == ["m0", "m1"]  # the credit it freed, in the same commit
+    assert cycles == [(["delete"], [[("w", 10_000, 0)]])]
+    settle()
+    assert len(w.leases()) == 2  # never more than the credit
+
+
+def test_a_refused_change_does_not_fail_the_others_in_its_transaction(env) -> None:
+    service, _clock, _runner, settle = env
+    p, a, b = Conn("p"), Conn("a"), Conn("b")
+    for i in range(3):
+        service.command(p, ScheduleCommand("jobs", "g", f"m{i}", 0, True, "{}"))
+    service.command(a, TimelineCommand("jobs", "A", 1, 10_000))
+    service.command(b, TimelineCommand("jobs", "B", 1, 10_000))
+    settle()
+    (la,), (lb,) = a.leases(), b.leases()
+    cycles = _record_cycles(service)
+    service.command(a, DeleteCommand("jobs", la.id, la.version - 1))  # stale version
+    service.command(b, DeleteCommand("jobs", lb.id, lb.version))
+    settle()
+    assert cycles[0][0] == ["delete", "delete"]  # one transaction
+    assert a.answers() == [f"NACK DELETE jobs {la.id} stale version"]
+    assert b.answers() == [f"ACK DELETE jobs {lb.id} {lb.version + 1} {lb.until_ms}"]
+    kept = service.store.get("jobs", la.id)
+    assert kept is not None and kept.consumer == "A" and kept.version == la.version  # unchanged
+    assert len(a.leases()) == 1 and [x.id for x in b.leases()] == [lb.id, "m2"]
+
+
+def test_a_failed_transaction_answers_error_and_sends_no_lease(env) -> None:
+    service, _clock, _runner, settle = env
+    p, w = Conn("p"), Conn("w")
+    for i in range(2):
+        service.command(p, ScheduleCommand("jobs", "g", f"m{i}", 0, True, "{}"))
+    service.command(w, TimelineCommand("jobs", "w", 1, 10_000))
+    settle()
+    (lease,) = w.leases()
+    cycle = service.store.cycle
+
+    def broken(calls: list, frees: list, passes: list) -> Any:
+        service.store.cycle = cycle  # type: ignore[method-assign]
+        raise RuntimeError("connection reset")
+
+    service.store.cycle = broken  # type: ignore[method-assign]
+    service.command(w, DeleteCommand("jobs", lease.id, lease.version))
+    settle()
+    assert w.answers() == ["ERROR DELETE failed: storage unavailable (connection reset); retry"]
+    assert len(w.leases()) == 1
+    stored = service.store.get("jobs", lease.id)
+    assert stored is not None and stored.consumer == "w"  # nothing changed
+    service.command(w, DeleteCommand("jobs", lease.id, lease.version))
+    settle()
+    assert w.answers()[-1].startswith(f"ACK DELETE jobs {lease.id} ")
+    assert [x.id for x in w.leases()] == [lease.id, "m1"]
+
+
+def test_the_remover_takes_batches_while_they_come_full(db_url: str) -> None:
+    clock = task.Clock()
+    clock.advance(T0)
+    store = open_timeline_store(db_url)
+    for i in range(5):
+        store.schedule("jobs", "g", f"m{i}", ms(T0), "{}", ms(T0))
+    for x in store.lease_due("jobs", "c", 1000, 5, ms(T0)):
+        assert store.delete("jobs", x.message.id, "c", x.message.version, ms(T0)).ok
+    assert store.deleted_count() == 5
+    runner = Runner()
+    service = TimelineService(store, TimelineSettings(remove_batch=2, remove_interval=3600), runner, clock)
+    service.start()
+    clock.advance(0)
+    while runner.step() or (
+        clock.getDelayedCalls() and min(c.getTime() for c in clock.getDelayedCalls()) <= clock.seconds()
+    ):
+        clock.advance(0)
+    assert store.deleted_count() == 0  # 2 + 2 + 1 in one run, each batch its own transaction
+    assert service.stats.counts["jobs"] == {"available": 0, "waiting": 0, "processing": 0}
+    service.stop()
+    store.close()
+
+
+def test_the_timer_fires_at_the_due_ms_not_a_fraction_later(env) -> None:
+    service, clock, _, settle = env
+    p, w = Conn("p"), Conn("w")
+    service.command(w, TimelineCommand("jobs", "w", 5, 10_000))
+    settle(0.0004)  # the clock is 0.4 ms into a millisecond
+    service.command(p, ScheduleCommand("jobs", "g", "a", ms(T0) + 5, False, "{}"))
+    settle()
+    settle(0.0045)  # T0 + 4.9 ms: not yet
+    assert w.leases() == []
+    settle((ms(T0) + 5) / 1000 - clock.seconds())  # T0 + 5.0 ms: due now, leased now (not at T0 + 5.4 ms)
+    assert [x.id for x in w.leases()] == ["a"]
+    assert service.stats.lateness_sum == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 
@@ -254,3 +255,132 @@ def test_an_expired_lease_goes_to_another_consumer_first(store: SqlTimelineStore
     # A lone consumer gets its own expired message back.
     results, _ = store.lease_pass("jobs", [("B", 100, 1)], T0 + 200)
     assert [x.message.consumer for x in results[0]] == ["B"]
+
+
+def test_expired_leases_are_swapped_off_their_last_holders(store: SqlTimelineStore) -> None:
+    store.schedule("jobs", "g", "a", T0, "{}", T0)
+    store.schedule("jobs", "g", "b", T0 + 1, "{}", T0)
+    (a,) = [x.message for x in store.lease_due("jobs", "A", 100, 1, T0 + 1)]
+    (b,) = [x.message for x in store.lease_due("jobs", "B", 100, 1, T0 + 1)]
+    assert (a.id, b.id) == ("a", "b")
+    # Dealt in turn, A would get "a" back and B "b": each goes to the other.
+    results, _ = store.lease_pass("jobs", [("A", 50, 1), ("B", 70, 1)], T0 + 200)
+    assert [[(x.message.id, x.message.consumer, x.message.ts) for x in r] for r in results] == [
+        [("b", "A", T0 + 250)],
+        [("a", "B", T0 + 270)],
+    ]
+    assert store.get("jobs", "a").version == a.version + 1  # one change: one version step
+
+
+def _lease_pass_one(store: SqlTimelineStore, consumer: str, n: int, now: int, lease: int = 1000) -> list[Any]:
+    results, _ = store.lease_pass("jobs", [(consumer, lease, n)], now)
+    return results[0]
+
+
+def test_a_cycle_deletes_and_leases_the_credit_it_frees_in_one_transaction(store: SqlTimelineStore) -> None:
+    for i in range(4):
+        store.schedule("jobs", "g", f"m{i}", T0, "{}", T0)
+    held = _lease_pass_one(store, "c", 2, T0)
+    assert [x.message.id for x in held] == ["m0", "m1"]
+    calls = [("delete", ("jobs", x.message.id, "c", x.message.version, T0 + 1, x.tid)) for x in held]
+    # The consumer has no free credit before the cycle (asks 0): each successful DELETE frees one.
+    results, passes = store.cycle(calls, [(0, 0), (0, 0)], [("jobs", [("c", 1000, 0)], T0 + 1)])
+    assert [r.ok for r in results] == [True, True]
+    assert [r.message.version for r in results] == [x.message.version + 1 for x in held]
+    (result,) = passes
+    assert [x.message.id for x in result.leased[0]] == ["m2", "m3"] and result.more
+    assert store.get("jobs", "m0") is None and store.get("jobs", "m1") is None
+    assert store.counts("jobs", T0 + 1)["processing"] == 2
+
+
+def test_a_refused_change_in_a_cycle_changes_nothing_and_frees_no_credit(store: SqlTimelineStore) -> None:
+    for i in range(5):
+        store.schedule("jobs", "g", f"m{i}", T0, "{}", T0)
+    held = {x.message.id: x for x in _lease_pass_one(store, "c", 3, T0)}
+    m0, m1, m2 = held["m0"], held["m1"], held["m2"]
+    calls = [
+        ("delete", ("jobs", "m0", "c", m0.message.version - 1, T0 + 1, m0.tid)),  # stale version
+        ("delete", ("jobs", "m1", "c", m1.message.version, T0 + 1, m1.tid)),  # ok
+        ("delete", ("jobs", "m2", "other", m2.message.version, T0 + 1, m2.tid)),  # not the holder
+        ("delete", ("jobs", "m0", "c", m0.message.version, T0 + 1, m0.tid)),  # the same message: done one by one
+        ("extend", ("jobs", "m2", "c", m2.message.version, 5000, T0 + 1)),
+    ]
+    results, (result,) = store.cycle(calls, [(0, 0), (0, 0), (0, 0), None, None], [("jobs", [("c", 1000, 0)], T0 + 1)])
+    assert [r.ok for r in results] == [False, True, False, True, True]
+    assert [results[0].reason, results[2].reason] == [STALE_VERSION, NOT_HOLDER]
+    # Only the one DELETE that counts as freeing and succeeded gave credit: one new lease.
+    assert [x.message.id for x in result.leased[0]] == ["m3"]
+    assert store.get("jobs", "m1") is None and store.get("jobs", "m0") is None
+    extended = store.get("jobs", "m2")
+    assert extended is not None and extended.consumer == "c" and extended.ts == T0 + 5001
+
+
+def test_a_stale_row_hint_falls_back_to_the_primary_key(store: SqlTimelineStore) -> None:
+    store.schedule("jobs", "g", "a", T0, "{}", T0)
+    (x,) = _lease_pass_one(store, "c", 1, T0)
+    moved = store.extend("jobs", "a", "c", x.message.version, 5000, T0 + 1)  # the row moves (a new version)
+    assert moved.ok and moved.message is not None
+    results, _ = store.cycle([("delete", ("jobs", "a", "c", moved.message.version, T0 + 2, x.tid))], [None], [])
+    assert results[0].ok and store.get("jobs", "a") is None
+
+
+def test_a_database_error_rolls_the_whole_cycle_back(store: SqlTimelineStore) -> None:
+    for i in range(3):
+        store.schedule("jobs", "g", f"m{i}", T0, "{}", T0)
+    (x,) = _lease_pass_one(store, "c", 1, T0)
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("disk on fire")
+
+    store.extend = broken  # type: ignore[method-assign]
+    calls = [
+        ("delete", ("jobs", x.message.id, "c", x.message.version, T0 + 1, None)),
+        ("schedule", ("jobs", "g", "new", T0, "{}", T0 + 1)),
+        ("extend", ("jobs", "m1", "c", 1, 1000, T0 + 1)),
+    ]
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        store.cycle(calls, [(0, 0), None, None], [("jobs", [("c", 1000, 2)], T0 + 1)])
+    # Nothing of it happened: the delete, the schedule and the leases are all rolled back.
+    assert store.get("jobs", x.message.id) == x.message
+    assert store.get("jobs", "new") is None
+    assert store.counts("jobs", T0 + 1) == {"available": 2, "waiting": 0, "processing": 1}
+
+
+@pytest.mark.parametrize("mid", ['q"uote', "back\\slash", "com,ma", "{brace}", "ünï"])
+def test_ids_with_array_syntax_go_through_a_cycle(store: SqlTimelineStore, mid: str) -> None:
+    store.schedule("jobs", "g", mid, T0, "{}", T0)
+    results, (result,) = store.cycle([], [], [("jobs", [('c"1\\', 1000, 1)], T0)])
+    (x,) = result.leased[0]
+    assert x.message.id == mid and x.message.consumer == 'c"1\\'
+    results, _ = store.cycle([("delete", ("jobs", mid, 'c"1\\', x.message.version, T0 + 1, x.tid))], [None], [])
+    assert results[0].ok and store.get("jobs", mid) is None
+
+
+def test_two_cycles_racing_never_lease_one_message_twice(db_url: str) -> None:
+    stores = [open_timeline_store(db_url), open_timeline_store(db_url)]
+    try:
+        for i in range(40):
+            stores[0].schedule("jobs", "g", f"m{i:02}", T0, "{}", T0)
+        barrier = threading.Barrier(2)
+        taken: dict[int, list[str]] = {0: [], 1: []}
+
+        def take(k: int) -> None:
+            barrier.wait()
+            for _ in range(10):
+                _, (result,) = stores[k].cycle([], [], [("jobs", [(f"a{k}", 60_000, 2), (f"b{k}", 60_000, 1)], T0 + 1)])
+                taken[k].extend(x.message.id for got in result.leased for x in got)
+
+        threads = [threading.Thread(target=take, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        ids = taken[0] + taken[1]
+        assert len(ids) == len(set(ids)) == 40, taken
+        for k in range(2):
+            for mid in taken[k]:
+                held = stores[0].get("jobs", mid)
+                assert held is not None and held.consumer in (f"a{k}", f"b{k}")
+    finally:
+        for s in stores:
+            s.close()
