@@ -121,6 +121,7 @@ class Master:
         self._following = False
         self._follow_again = False
         self._expire_writers = True
+        self._woken = False  # the next pass was asked for by a commit (notify)
         self._follow_waiters: list[defer.Deferred[None]] = []
         self._notifications: NotificationReader | None = None
         self._relistening = False
@@ -357,7 +358,8 @@ class Master:
         return encoded, json_rows[-1][TOKEN], len(json_rows)
 
     def notify(self) -> None:
-        """Rows were committed by this process: fan them out now."""
+        """Rows were committed (a database notification, or a write of this process): fan them out now."""
+        self._woken = True
         if self._poller is not None and self._poller.running:
             self.reactor.callLater(0, self._follow_heads)
 
@@ -427,8 +429,19 @@ class Master:
     async def _advance(self) -> None:
         # The safe position: every row up to it has committed (see storage).
         expire, self._expire_writers = self._expire_writers, False
+        # A pass woken by a commit reads the oracle's mark (the commit moved it);
+        # the durable allocation that keeps idle streams' safe time moving is
+        # left to the timer's passes, off the commit -> RDATA path.
+        woken, self._woken = self._woken, False
+        # Streams with live subscriptions: their first rows are read in the same
+        # database hop as the safe point (no second hop through the thread pool).
+        reads = {
+            stream: (self._live[stream], tuple(sorted({target.with_ts for target in subs})))
+            for stream, subs in self._live_subs.items()
+            if subs and stream in self._live
+        }
         # A time taken before the safe positions gives each stream a safe time (TICK).
-        safe_times, heads = await self.db.run(self.timeticks.safe_point, expire, self.timeticks.wanted())
+        safe_times, heads, first = await self.db.run(self._wake, expire, self.timeticks.wanted(not woken), reads)
         self._safe.update(heads)
         if any(stream not in self._schemas for stream in heads):
             self._learn(await self.db.run(self.store.catalog))
@@ -443,17 +456,38 @@ class Master:
                 if not subs and self.window.start(stream) is None:
                     self._live[stream] = head  # nobody live and nothing kept: no read
                     break
-                # A stream the window holds is read on even with nobody live at
-                # the moment (replays and catching-up connections take it from there).
-                variants = tuple(sorted({target.with_ts for target in subs})) or (False,)
-                encoded, last_token, count = await self.db.run(
-                    self._read_encoded, stream, self._live[stream], head, self.config.fanout_rows, variants
-                )
+                pre = first.pop(stream, None)
+                if pre is not None and pre[0] == self._live[stream]:
+                    encoded, last_token, count = pre[1]
+                else:
+                    variants = tuple(sorted({target.with_ts for target in subs})) or (False,)
+                    encoded, last_token, count = await self.db.run(
+                        self._read_encoded, stream, self._live[stream], head, self.config.fanout_rows, variants
+                    )
                 if count == 0:
                     self._timetick(stream, head)
                     break
                 self._fan_out(stream, encoded, last_token, count)
         self.timeticks.passed(safe_times, heads)
+
+    def _wake(
+        self, expire: bool, take_time: str | None, reads: dict[str, tuple[int, tuple[bool, ...]]]
+    ) -> tuple[dict[str, int] | None, dict[str, int], dict[str, tuple[int, tuple[dict[bool, bytes], int, int]]]]:
+        """Runs on a database thread: the safe point, then the first rows of each stream read live.
+
+        ``reads``: per stream, the token fanned out so far and the variants
+        its live subscriptions take. Returns the safe times, the safe
+        positions and, per stream that moved, ``(after, encoded rows)``.
+        A subscription of another variant that joins meanwhile takes these
+        rows from storage (``send_live`` with None).
+        """
+        times, heads = self.timeticks.safe_point(expire, take_time)
+        first = {}
+        for stream, (after, variants) in reads.items():
+            head = heads.get(stream)
+            if head is not None and head > after:
+                first[stream] = (after, self._read_encoded(stream, after, head, self.config.fanout_rows, variants))
+        return times, heads, first
 
     def _timetick(self, stream: str, safe: int) -> None:
         """No rows in (live, safe]: tell live subscriptions they may move to ``safe``."""

@@ -67,15 +67,20 @@ class TimeTicker:
         # While streams are idle nothing else makes the master look: do it.
         self.master.followed()
 
-    def wanted(self) -> str | None:
+    def wanted(self, allocate: bool = True) -> str | None:
         """How the next pass takes its time (on the reactor thread).
 
         ``"allocate"``: a fresh oracle timestamp, so the safe time advances
         while streams are idle; about every ``tick_interval``.
         ``"read"``: the oracle's high-water mark (no commit), which covers every
-        row written meanwhile. ``None``: no time at all.
+        row written meanwhile. ``None``: no time at all. Without ``allocate``
+        (a pass woken by a commit: the oracle moved, and a durable allocation
+        would delay the fan-out) never ``"allocate"``.
         """
         now = self.master.reactor.seconds()
+        if not allocate:
+            due = now - self._allocated_at >= self.interval * 0.9
+            return "read" if due or any(conn.subscriptions.ticks for conn in self.master.connections) else None
         if now - self._allocated_at >= self.interval * 0.9:
             self._allocated_at = now
             return "allocate"

@@ -21,7 +21,9 @@ latency     single-row commits paced at a requested rate (default 1,000/s)
             for a few seconds; commit -> applied on the target (seen by a
             ``LISTEN`` of a trigger's ``NOTIFY`` on the target table, for
             both); the line compares p99 (ratio = baseline p99 / tickline
-            p99), followed by p50/p99 of both and the rate each reached.
+            p99), followed by p50/p99 of both and the rate each reached, and
+            tickline's commit -> RDATA at a bare TCP client of the master
+            (the master's part alone).
 writer      the writer alone on the durable source: single-row appends
             against a plain INSERT + COMMIT of the same row (commits/s),
             and 1000-row appends against the same rows by COPY without
@@ -377,6 +379,58 @@ def writer_once(clusters: Clusters, rows: int, single: int, which: str) -> dict[
 
 
 @contextmanager
+def _rdata_listener(port: int, stream: str = "events") -> Iterator[dict[int, float]]:
+    """token -> when an ``RDATA`` line of it reached a bare TCP client of the master (read by a thread).
+
+    The client speaks the seed protocol (``NAME``, ``REPLICATE``): it is live on
+    every stream from the master's current positions and records the first
+    arrival of each token, so commit -> RDATA is the master's part alone.
+    """
+    import socket
+
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.sendall(b"NAME bench-rdata\nREPLICATE\n")
+    seen: dict[int, float] = {}
+    positioned = threading.Event()
+    stop = threading.Event()
+    prefix = f"RDATA {stream} ".encode()
+    ready = f"POSITION {stream} ".encode()
+
+    def run() -> None:
+        buffer = b""
+        while not stop.is_set():
+            if not select.select([sock], [], [], 0.05)[0]:
+                continue
+            data = sock.recv(1 << 16)
+            if not data:
+                return
+            now = time.perf_counter()
+            buffer += data
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                if line.startswith(prefix):
+                    token = line[len(prefix) :].split(b" ", 2)[1]
+                    if token != b"batch":
+                        seen.setdefault(int(token), now)
+                elif line.startswith(ready):
+                    positioned.set()
+                elif line.startswith(b"PING"):
+                    sock.sendall(b"PING 0\n")
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        if not positioned.wait(30):
+            raise BenchError("the bare client got no POSITION from the master")
+        yield seen
+    finally:
+        stop.set()
+        thread.join(5)
+        sock.close()
+
+
+@contextmanager
 def _applied_listener(url: str) -> Iterator[dict[int, float]]:
     """token -> when the target said it was applied (a trigger's NOTIFY, read by a thread)."""
     conn = _connect(url)
@@ -432,7 +486,7 @@ def latency_once(clusters: Clusters, workdir: str, rate: int, seconds: float, wh
                 _wait(lambda: bool(_scalar(t.dst, "SELECT to_regclass('replicated_events') IS NOT NULL")), "table")
                 _add_applied_trigger(cur, "replicated_events")
             t.store.append("events", make_rows(0, 1), "bench-latency")  # warm up
-            with _applied_listener(t.dst_url) as seen:
+            with _applied_listener(t.dst_url) as seen, _rdata_listener(t.port) as sent:
 
                 def commit(n: int) -> int:
                     return t.store.append("events", make_rows(n, 1), "bench-latency")[0]
@@ -440,7 +494,11 @@ def latency_once(clusters: Clusters, workdir: str, rate: int, seconds: float, wh
                 committed, reached = _paced(commit, rate, seconds)
                 last = max(committed)
                 _wait(lambda: last in seen, "the last row to be applied", 60)
-            return _delays(committed, seen, reached)
+                _wait(lambda: last in sent, "the last row's RDATA at the bare client", 60)
+            result = _delays(committed, seen, reached)
+            rdata = _delays(committed, sent, reached)
+            result["rdata_p50"], result["rdata_p99"] = rdata["p50"], rdata["p99"]
+            return result
         finally:
             t.close()
     b = Baseline(clusters, applied_trigger=True)
@@ -565,6 +623,11 @@ def run(
                     f"{rate:,} single-row commits/s requested, {_fmt(a['reached'])}/s reached ({held})",
                     flush=True,
                 )
+            print(
+                f"  tickline master alone: commit -> RDATA at a bare TCP client p50 {t['rdata_p50']:.2f} ms, "
+                f"p99 {t['rdata_p99']:.2f} ms",
+                flush=True,
+            )
         if "catch-up" in chosen:
             n = catch_up_rows or rows
             cu: dict[str, list[float]] = {"tickline": [], "baseline": []}
@@ -589,14 +652,18 @@ def run(
 
 
 def plot(results: dict[str, dict[str, Any]], path: str) -> None:
-    """A PNG: throughput ratios (left) and commit -> applied percentiles (right)."""
+    """A PNG: throughput ratios (left) and commit -> applied / RDATA percentiles (right)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     names, ratios = [], []
+    if "writer" in results:
+        w = results["writer"]
+        names += ["writer\nsingle row", "writer\nbulk (COPY)"]
+        ratios += [w["tickline"]["single"] / w["plain"]["single"], w["tickline"]["bulk"] / w["plain"]["bulk"]]
     if "end-to-end" in results:
         r = results["end-to-end"]
         names += ["end-to-end\nvs COPY", "end-to-end\nvs execute_values"]
@@ -609,15 +676,18 @@ def plot(results: dict[str, dict[str, Any]], path: str) -> None:
         t, b = results["latency"]["tickline"], results["latency"]["baseline"]
         names.append("latency\n(p99 ratio)")
         ratios.append(b["p99"] / t["p99"])
-        width = 0.35
+        width = 0.27
         xs = range(2)
-        right.bar([x - width / 2 for x in xs], [t["p50"], t["p99"]], width, label="tickline")
-        right.bar([x + width / 2 for x in xs], [b["p50"], b["p99"]], width, label="logical replication")
+        right.bar([x - width for x in xs], [t["p50"], t["p99"]], width, label="tickline, commit -> applied")
+        if "rdata_p50" in t:
+            right.bar(xs, [t["rdata_p50"], t["rdata_p99"]], width, label="tickline, commit -> RDATA (master)")
+        right.bar([x + width for x in xs], [b["p50"], b["p99"]], width, label="logical replication")
         right.set_xticks(list(xs), ["p50", "p99"])
         right.set_ylabel("commit -> applied (ms)")
         right.set_title("single-row commits, paced")
         right.legend()
     left.bar(names, ratios, color=["tab:green" if r >= 1.0 else "tab:red" for r in ratios])
+    left.tick_params(axis="x", labelsize=8)
     left.axhline(1.0, color="black", linewidth=0.8)
     left.set_ylabel("tickline / logical replication (>1: tickline better)")
     left.set_title("ratios, same run")

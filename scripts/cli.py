@@ -134,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeat", type=int, default=3, help="runs per measurement (interleaved)")
     bench.add_argument("--rate", type=int, default=1000, help="latency: single-row commits per second")
     bench.add_argument("--seconds", type=float, default=10.0, help="latency: seconds of paced commits")
+    bench.add_argument(
+        "--plot", metavar="PNG", help="end-to-end, latency, catch-up, writer: plot ratios and percentiles"
+    )
+    bench.add_argument("-v", "--verbose", action="store_true", help="print every run")
     return parser
 
 
@@ -166,7 +170,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "bench":
             from scripts import benchmark
 
-            return benchmark.main(args.scenarios, args.rows, args.repeat, rate=args.rate, seconds=args.seconds)
+            return benchmark.main(
+                args.scenarios,
+                args.rows,
+                args.repeat,
+                verbose=args.verbose,
+                rate=args.rate,
+                seconds=args.seconds,
+                plot_path=args.plot,
+            )
         config = load_config(args.config)
         setup_logging(config.log_level)
         if args.command == "master":

@@ -39,6 +39,9 @@ JsonRow = tuple[int, int, bytes, int, bytes]
 Row = Sequence[Any] | Mapping[str, Any]
 # A row for ``replicated_<stream>``: (token, instance_name, ts, *checked column values).
 ReplicatedValues = tuple[Any, ...]
+# The rows of one token as a worker received them: (token, instance_name, rows), each row
+# the stream's values followed by the row's timestamp (``OPTIONS ts``).
+ReceivedRows = tuple[int, str, list[list[Any]]]
 
 T = TypeVar("T")
 
@@ -176,6 +179,17 @@ class WorkerStore(Protocol):
         """Run ``effects`` and move the stream's applied token to ``token``, in one transaction.
 
         :class:`~storage.store.StaleApply` if ``token`` is not above the applied token.
+        """
+        ...
+
+    def apply_replicated(
+        self, stream: str, token: int, schema: StreamSchema, received: Sequence[ReceivedRows], effects: Effects
+    ) -> None:
+        """As :meth:`apply` where ``effects`` only copies ``received`` into ``replicated_<stream>``.
+
+        A store may take the rows as they came (PostgreSQL: one statement, the
+        rows expanded by the server); where they do not fit that form, it runs
+        ``effects`` (which checks each row and names a bad one).
         """
         ...
 

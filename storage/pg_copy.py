@@ -59,7 +59,7 @@ def copy_rows(cursor: Any, table: str, schema: StreamSchema, rows: Sequence[tupl
 _MIN_INT, _MAX_INT = -(2**63), 2**63 - 1
 
 
-def column_formatter(schema: StreamSchema, checked: bool = False) -> Callable[[Any], str | None]:
+def column_formatter(schema: StreamSchema, checked: bool = False, with_ts: bool = False) -> Callable[[Any], str | None]:
     """A function checking one row's values and returning its columns as COPY text, or None.
 
     Generated once per schema (one unrolled function, no per-value dispatch):
@@ -67,12 +67,16 @@ def column_formatter(schema: StreamSchema, checked: bool = False) -> Callable[[A
     list or tuple of exactly typed values; JSON values are encoded). Anything
     else, a wrong value included, gives None: the caller then checks the row
     with ``check_row``, which names the problem. With ``checked``, the values
-    were checked already (JSON values are JSON text).
+    were checked already (JSON values are JSON text). With ``with_ts``, a row
+    as a worker receives it: the values and then the row's timestamp (a
+    non-negative 64-bit integer), the text ending in a column for it.
     """
     lines = ["def fmt(row):", "    if type(row) is not list and type(row) is not tuple:", "        return None"]
-    lines += [f"    if len(row) != {len(schema.columns)}:", "        return None"]
-    names = [f"v{i}" for i in range(len(schema.columns))]
+    lines += [f"    if len(row) != {len(schema.columns) + (1 if with_ts else 0)}:", "        return None"]
+    names = [f"v{i}" for i in range(len(schema.columns))] + (["ts"] if with_ts else [])
     lines.append(f"    {', '.join(names)}{',' if len(names) == 1 else ''} = row")
+    if with_ts:
+        lines += ["    if type(ts) is not int or not 0 <= ts <= MAX:", "        return None"]
     for i, column in enumerate(schema.columns):
         v, s = f"v{i}", f"s{i}"
         lines.append(f"    if {v} is None:")
@@ -95,7 +99,8 @@ def column_formatter(schema: StreamSchema, checked: bool = False) -> Callable[[A
             lines += ["        except Exception:", "            return None"]
         if kind != "json" or checked:
             lines += ["    else:", "        return None"]
-    lines.append("    return " + ' + "\\t" + '.join(f"s{i}" for i in range(len(schema.columns))))
+    texts = [f"s{i}" for i in range(len(schema.columns))] + (["str(ts)"] if with_ts else [])
+    lines.append("    return " + ' + "\\t" + '.join(texts))
     namespace: dict[str, Any] = {
         "NULL": NULL_COPY,
         "NUL": "\x00",
@@ -110,11 +115,11 @@ def column_formatter(schema: StreamSchema, checked: bool = False) -> Callable[[A
     return fmt
 
 
-_FORMATTERS: dict[tuple[StreamSchema, bool], Callable[[Any], str | None]] = {}
+_FORMATTERS: dict[tuple[StreamSchema, bool, bool], Callable[[Any], str | None]] = {}
 
 
-def formatter(schema: StreamSchema, checked: bool = False) -> Callable[[Any], str | None]:
-    found = _FORMATTERS.get((schema, checked))
+def formatter(schema: StreamSchema, checked: bool = False, with_ts: bool = False) -> Callable[[Any], str | None]:
+    found = _FORMATTERS.get((schema, checked, with_ts))
     if found is None:
-        found = _FORMATTERS[(schema, checked)] = column_formatter(schema, checked)
+        found = _FORMATTERS[(schema, checked, with_ts)] = column_formatter(schema, checked, with_ts)
     return found

@@ -8,6 +8,7 @@ processes starting together apply each migration once.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,6 +50,34 @@ class Cursor:
         return self.cursor.rowcount
 
 
+# Per connection: statement text -> its EXECUTE (a prepared statement lives as long as its connection).
+_PREPARED: weakref.WeakKeyDictionary[Any, dict[str, str]] = weakref.WeakKeyDictionary()
+
+
+def prepared(cursor: Any, sql: str) -> str:
+    """``sql`` (with ``%s`` parameters) prepared once on the cursor's connection; its ``EXECUTE`` text.
+
+    Statements run often (the master's wake-up, small appends, applies) are
+    parsed and planned once per connection instead of on every call: for the
+    short statements of a wake-up the plan costs more than the execution.
+    Parameters are typed by their use in ``sql`` (cast where that is ambiguous).
+    """
+    conn = cursor.connection
+    known = _PREPARED.get(conn)
+    if known is None:
+        known = _PREPARED[conn] = {}
+    execute = known.get(sql)
+    if execute is None:
+        name = f"tickline_{len(known)}"
+        parts = sql.split("%s")
+        numbered = "".join(f"{part}${i}" for i, part in enumerate(parts[:-1], 1)) + parts[-1]
+        cursor.execute(f"PREPARE {name} AS {numbered}")
+        execute = known[sql] = f"EXECUTE {name}" + (
+            f" ({', '.join(['%s'] * (len(parts) - 1))})" if len(parts) > 1 else ""
+        )
+    return execute
+
+
 class PgDatabase:
     dialect = "postgresql"
     placeholder = "%s"
@@ -68,10 +97,17 @@ class PgDatabase:
         except psycopg2.Error as e:
             message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise DatabaseUnavailable(redact_url(f"cannot connect to PostgreSQL at {self.dsn}: {message}")) from None
-        if self._settings:
+        settings = dict(self._settings)
+        if conn.server_version >= 120000:
+            # Prepared statements (see ``prepared``) keep one generic plan: with
+            # the default, PostgreSQL plans range reads such as the master's lines
+            # anew on every call (a custom plan looked cheaper), which cost more
+            # than running them. Ad-hoc statements are not affected.
+            settings.setdefault("plan_cache_mode", "force_generic_plan")
+        if settings:
             conn.autocommit = True
             with conn.cursor() as cur:
-                for name, value in self._settings.items():
+                for name, value in settings.items():
                     cur.execute("SELECT set_config(%s, %s, false)", (name, value))
         conn.autocommit = autocommit
         with self._all_lock:
@@ -118,18 +154,19 @@ class PgDatabase:
             pass
         self._local.conn = None
 
-    def query(self, sql: str, params: Any = ()) -> list[Any]:
+    def query(self, sql: str, params: Any = (), prepare: bool = False) -> list[Any]:
         """One statement's rows on this thread's autocommit connection: its own transaction, one round trip.
 
         The same snapshot semantics as :meth:`read` of a single statement,
-        without ``BEGIN`` and ``COMMIT`` round trips.
+        without ``BEGIN`` and ``COMMIT`` round trips. With ``prepare``, the
+        statement is prepared once per connection (see :func:`prepared`).
         """
         conn = getattr(self._local, "auto", None)
         if conn is None or conn.closed:
             conn = self._local.auto = self.connect(autocommit=True)
         try:
             with conn.cursor() as cur:
-                cur.execute(sql, params)
+                cur.execute(prepared(cur, sql) if prepare else sql, params)
                 rows: list[Any] = cur.fetchall()
                 return rows
         except psycopg2.OperationalError as e:

@@ -42,7 +42,7 @@ from storage import time_index
 from storage.contracts import JsonRow, Row, StoredRow
 from storage.limits import DEFAULT_MAX_LINE_BYTES, check_rows, max_row_json_bytes
 from storage.pg_copy import _COPY_FORMATS, NULL_COPY, _copy_text, formatter
-from storage.pg_db import Cursor, PgDatabase
+from storage.pg_db import Cursor, PgDatabase, prepared
 from storage.schema import COLUMN_TYPES, RowError, StreamSchema, check_instance_name
 from storage.store import FIRST_VALUE, DatabaseUnavailable, StreamCatalog
 from storage.urls import redact_url
@@ -116,6 +116,8 @@ $fn$
 """
 
 
+# time_index.oracle_last on PostgreSQL: the sequence holds what appends took, the table what the master took.
+_ORACLE_LAST_SQL = f"SELECT GREATEST(t.last_ts, s.last_value) FROM tickline_tso t, {ORACLE_SEQUENCE} s WHERE t.id = 1"
 FENCED_CODE = "TK001"
 FENCED_FUNCTION = "tickline_fenced_v1"
 _FENCED_SQL = f"""
@@ -195,6 +197,7 @@ class PgStreamStore:
         self.writer_timeout = writer_timeout
         self._lock = threading.Lock()
         self._json_encoders: dict[str, Callable[[StoredRow], bytes]] = {}
+        self._lines_sql: dict[tuple[str, bool], str] = {}
         self._writers: dict[tuple[str, str], _WriterState] = {}
         self._next_txn = 0
         self._reporter: threading.Thread | None = None
@@ -224,33 +227,40 @@ class PgStreamStore:
         """As :func:`storage.time_index.safe_point`, in two round trips on a wake-up.
 
         Without the dead-writer sweep, after the oracle's time ``t``, one
-        statement reads per stream the safe position, the allocated head and
-        whether a live writer exists: the positions and the live writers from
-        one snapshot (so the writers are read no later than the positions),
-        the heads (sequences) after it, as the proof in docs/time.md needs.
+        prepared statement reads per stream the safe position, the allocated
+        head, whether a live writer exists and the last timestamp at or below
+        the position: the positions and the live writers from one snapshot (so
+        the writers are read no later than the positions), the heads
+        (sequences) after it, as the proof in docs/time.md needs.
         """
         known = self._catalog.known()
         if expire_writers or not known:
             return time_index.safe_point(self, expire_writers, allocate)
-        t = time_index.oracle_time(self) if allocate else time_index.oracle_last(self)
+        if allocate:
+            t = time_index.oracle_time(self)
+        else:  # time_index.oracle_last, prepared
+            t = int(self.database.query(_ORACLE_LAST_SQL, prepare=True)[0][0])
+        # Per stream also the timestamp of the last row at or below the safe
+        # position (time_index.last_ts_upto), read in the same statement (and
+        # snapshot: every row up to the position has committed in it).
         parts = [
-            "SELECT %s, COALESCE((SELECT MIN(position) FROM tickline_writers WHERE alive AND stream = %s), "
-            f"(SELECT MAX(token) FROM {schema.table}), 0), "
-            f"(SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {_seq(schema)}), "
-            "EXISTS (SELECT 1 FROM tickline_writers WHERE alive AND stream = %s)"
+            "SELECT name, position, head, live, "
+            f"(SELECT ts FROM {schema.table} WHERE token <= p.position ORDER BY token DESC LIMIT 1) FROM "
+            "(SELECT %s::text AS name, COALESCE((SELECT MIN(position) FROM tickline_writers "
+            f"WHERE alive AND stream = %s), (SELECT MAX(token) FROM {schema.table}), 0) AS position, "
+            f"(SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {_seq(schema)}) AS head, "
+            "EXISTS (SELECT 1 FROM tickline_writers WHERE alive AND stream = %s) AS live) AS p"
             for schema in known
         ]
         params = [value for schema in known for value in (schema.name, schema.name, schema.name)]
         times: dict[str, int] = {}
         positions: dict[str, int] = {}
-        for name, position, head, live in self.database.query(" UNION ALL ".join(parts), params):
+        for name, position, head, live, last_ts in self.database.query(" UNION ALL ".join(parts), params, prepare=True):
             positions[name] = int(position)
             if int(head) <= position or not live:
                 times[name] = t
-            else:
-                last = time_index.last_ts_upto(self, name, int(position))
-                if last is not None:
-                    times[name] = last
+            elif last_ts is not None:
+                times[name] = int(last_ts)
         return times, positions
 
     def schema(self, stream: str) -> StreamSchema:
@@ -546,13 +556,13 @@ class PgStreamStore:
         token; ``COALESCE`` evaluates that only where it is needed.
         """
         parts = [
-            f"SELECT %s, COALESCE((SELECT MIN(position) FROM tickline_writers WHERE alive AND stream = %s), "
+            f"SELECT %s::text, COALESCE((SELECT MIN(position) FROM tickline_writers WHERE alive AND stream = %s), "
             f"(SELECT MAX(token) FROM {schema.table}), 0)"
             for schema in schemas
         ]
         params = [value for schema in schemas for value in (schema.name, schema.name)]
         with self._side_cursor() as cur:
-            cur.execute(" UNION ALL ".join(parts), params)
+            cur.execute(prepared(cur, " UNION ALL ".join(parts)), params)
             return {name: int(position) for name, position in cur.fetchall()}
 
     def heads(self) -> dict[str, int]:
@@ -583,47 +593,28 @@ class PgStreamStore:
     def read_lines_json(
         self, stream: str, after: int, upto: int, limit: int, prefix: str, with_ts: bool
     ) -> tuple[bytes, int, int] | None:
-        """Whole lines built by PostgreSQL (``string_agg``, one text value); None if a batch is in range.
+        """Whole ``RDATA`` lines for rows in ``(after, upto]``, built by PostgreSQL: ``(lines, last token, rows)``.
 
-        Reads the tokens ``(after, min(upto, after + limit)]`` (over a gap in
-        the tokens it first moves to the next row's token), as the SQLite
-        store does. Each value is written as the Python encoder writes it
-        (``to_json``; JSON columns as their text; integral doubles with
-        ``.0``); other doubles in PostgreSQL's shortest exact form, which may
-        write an exponent differently (``1e+300``) but reads as the same number.
+        About ``limit`` rows, never part of a token: the range ends at the
+        token of the ``limit``-th row, all of whose rows are included (rows
+        sharing a token are sent as ``batch`` lines, then the last with the
+        token). One prepared statement, no Python object per row or value:
+        each value is JSON by ``to_json`` (JSON columns as stored), the same
+        JSON the row's line-limit check at write counted. None (the caller
+        builds the lines) if a line came out over ``max_line_bytes``.
         """
         schema = self.schema(stream)
-        values = [_pg_json_value(c.name, c.type) for c in schema.columns]
-        if with_ts:
-            values.append("ts::text")
-        row = " || ',' || ".join(values)
-        table = schema.table
-        span = f"SELECT count(*), count(DISTINCT token), max(token) FROM {table} WHERE token > %s AND token <= %s"
-        first = f"SELECT min(token) FROM {table} WHERE token > %s AND token <= %s"
-        lines = (
-            f"SELECT string_agg(%s || instance_name || ' ' || token || ' [' || {row} || E']\\n', '' ORDER BY token, seq)"
-            f" FROM {table} WHERE token > %s AND token <= %s"
-        )
-        step = max(limit, 1)
+        sql = self._lines_sql.get((stream, with_ts))
+        if sql is None:
+            sql = self._lines_sql[(stream, with_ts)] = _lines_sql(schema, with_ts)
         with self._side_cursor() as cur:
-            end = min(upto, after + step)
-            cur.execute(span, (after, end))
-            count, tokens, last = cur.fetchone()
-            if not count and end < upto:
-                cur.execute(first, (after, upto))
-                (nxt,) = cur.fetchone()
-                if nxt is None:
-                    return b"", after, 0
-                end = min(upto, nxt - 1 + step)
-                cur.execute(span, (after, end))
-                count, tokens, last = cur.fetchone()
-            if not count:
-                return b"", after, 0
-            if tokens != count:
-                return None  # rows sharing a token: batch lines, built by the caller
-            cur.execute(lines, (prefix, after, last))
-            (text,) = cur.fetchone()
-            return text.encode("utf-8"), last, count
+            cur.execute(prepared(cur, sql), (after, upto, limit, prefix, after))
+            text, last, count, longest = cur.fetchone()
+        if not count:
+            return b"", after, 0
+        if self.max_line_bytes is not None and longest > self.max_line_bytes:
+            return None
+        return text.encode(), int(last), int(count)
 
     def read_rows_json(self, stream: str, after: int, upto: int, limit: int) -> list[JsonRow]:
         """Like :meth:`read_rows`, each row ``(seq, token, instance_name bytes, ts, JSON array bytes)``.
@@ -773,7 +764,9 @@ class _Statements:
 
     def __init__(self, schema: StreamSchema) -> None:
         self.schema = schema
-        names = ", ".join(("token", "instance_name", "ts", *schema.column_names))
+        # ``seq`` is each row's timestamp (unique and increasing with the oracle, so it
+        # orders a token's rows as inserted): given, not drawn from its sequence row by row.
+        names = ", ".join(("seq", "token", "instance_name", "ts", *schema.column_names))
         self.copy = f"COPY {schema.table} ({names}) FROM STDIN"
         self._small: dict[tuple[int, bool, bool], str] = {}
         self._formats = [_COPY_FORMATS[c.type] for c in schema.columns]
@@ -791,18 +784,7 @@ class _Statements:
             sql = self._small[key] = self._build_small(count, batch, shared)
         if count > PREPARED_ROWS:
             return sql
-        conn = cursor.connection
-        prepared = _PREPARED.get(conn)
-        if prepared is None:
-            prepared = _PREPARED[conn] = {}
-        execute = prepared.get(sql)
-        if execute is None:
-            name = f"tickline_{len(prepared)}"
-            parts = sql.split("%s")
-            numbered = "".join(f"{part}${i}" for i, part in enumerate(parts[:-1], 1)) + parts[-1]
-            cursor.execute(f"PREPARE {name} AS {numbered}")
-            execute = prepared[sql] = f"EXECUTE {name} ({', '.join(['%s'] * (len(parts) - 1))})"
-        return execute
+        return prepared(cursor, sql)
 
     def _build_small(self, count: int, batch: bool, shared: bool) -> str:
         schema = self.schema
@@ -820,10 +802,11 @@ class _Statements:
             if shared
             else ("a.first_token" if batch else f"a.first_token + {count - 1}")
         )
-        names = ", ".join(("token", "instance_name", "ts", *schema.column_names))
+        names = ", ".join(("seq", "token", "instance_name", "ts", *schema.column_names))
         return (
             f"WITH a AS (SELECT first_token, first_ts FROM {ORACLE_FUNCTION}(%s::regclass, %s, %s, %s)), "
-            f"ins AS (INSERT INTO {schema.table} ({names}) SELECT {token}, %s, a.first_ts + v._i - 1, {aliases} "
+            f"ins AS (INSERT INTO {schema.table} ({names}) "
+            f"SELECT a.first_ts + v._i - 1, {token}, %s, a.first_ts + v._i - 1, {aliases} "
             f"FROM a, (VALUES {rows}) AS v(_i, {', '.join(schema.column_names)})), "
             f"u AS (UPDATE tickline_writers SET position = GREATEST(position, LEAST({last}, %s)), "
             f"heartbeat_ms = {NOW_MS} FROM a "
@@ -859,12 +842,14 @@ class _Statements:
         return out
 
     def copy_text(self, columns: list[str], instance: str, first_token: int, step: int, first_ts: int) -> str:
-        """The rows as COPY text: token, instance, ts, then the columns."""
+        """The rows as COPY text: seq (the row's timestamp), token, instance, ts, then the columns."""
         name = _copy_text(instance)
         if step:
-            lines = [f"{first_token + i}\t{name}\t{first_ts + i}\t{text}" for i, text in enumerate(columns)]
+            lines = [
+                f"{first_ts + i}\t{first_token + i}\t{name}\t{first_ts + i}\t{text}" for i, text in enumerate(columns)
+            ]
         else:
-            lines = [f"{first_token}\t{name}\t{first_ts + i}\t{text}" for i, text in enumerate(columns)]
+            lines = [f"{first_ts + i}\t{first_token}\t{name}\t{first_ts + i}\t{text}" for i, text in enumerate(columns)]
         lines.append("")
         return "\n".join(lines)
 
@@ -877,8 +862,6 @@ def _statements(schema: StreamSchema) -> _Statements:
 
 
 _STATEMENTS: dict[StreamSchema, _Statements] = {}
-# Per connection: statement text -> its EXECUTE (prepared statements live as long as their connection).
-_PREPARED: weakref.WeakKeyDictionary[Any, dict[str, str]] = weakref.WeakKeyDictionary()
 PREPARED_ROWS = 8  # appends of up to this many rows use prepared statements
 
 
@@ -947,6 +930,27 @@ def _json_encoder(schema: StreamSchema) -> Callable[[StoredRow], bytes]:
         return dumps(values)
 
     return encode
+
+
+def _lines_sql(schema: StreamSchema, with_ts: bool) -> str:
+    """The statement of :meth:`PgStreamStore.read_lines_json`: (after, upto, limit, prefix, after) -> one row."""
+    values = [
+        f"COALESCE({c.name}::text, 'null')" if c.type == "json" else f"COALESCE(to_json({c.name})::text, 'null')"
+        for c in schema.columns
+    ]
+    if with_ts:
+        values.append("ts::text")
+    row_json = " || ',' || ".join(values)
+    table = schema.table
+    return (
+        "WITH lim AS (SELECT max(token) AS last FROM "
+        f"(SELECT token FROM {table} WHERE token > %s::bigint AND token <= %s::bigint ORDER BY token LIMIT %s) AS x), "
+        "lines AS (SELECT token, seq, %s::text || instance_name || ' ' || "
+        "CASE WHEN lead(token) OVER (ORDER BY token, seq) = token THEN 'batch' ELSE token::text END "
+        f"|| ' [' || {row_json} || ']' AS line FROM {table}, lim WHERE token > %s::bigint AND token <= lim.last) "
+        "SELECT string_agg(line, E'\\n' ORDER BY token, seq) || E'\\n', max(token), count(*), "
+        "COALESCE(max(octet_length(line)), 0) FROM lines"
+    )
 
 
 def _first_line(e: BaseException) -> str:

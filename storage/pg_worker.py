@@ -5,22 +5,75 @@ Imported only for PostgreSQL URLs (it imports psycopg2).
 
 from __future__ import annotations
 
+import io
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import orjson
 import psycopg2
 import psycopg2.extensions
 
-from storage.contracts import Effects, ReplicatedValues, SnapshotView
-from storage.pg_copy import copy_rows
+from storage.contracts import Effects, ReceivedRows, ReplicatedValues, SnapshotView
+from storage.pg_copy import _COPY_FORMATS, NULL_COPY, _copy_text, copy_rows, formatter
 from storage.pg_db import Cursor, PgDatabase
-from storage.schema import StreamSchema
-from storage.store import DatabaseUnavailable
+from storage.schema import COLUMN_TYPES, StreamSchema
+from storage.store import DatabaseUnavailable, StaleApply
 from storage.urls import redact_url
 from storage.worker_store import move_applied_token, token_bounds
 
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 COPY_ROWS = 50  # applies of at least this many rows go by COPY
+MISFIT_FUNCTION = "tickline_misfit_v1"
+_MISFIT_SQL = f"""
+CREATE FUNCTION {MISFIT_FUNCTION}(what text) RETURNS boolean LANGUAGE plpgsql AS $fn$
+BEGIN
+    RAISE EXCEPTION 'a received row does not fit the declared stream: %', what USING ERRCODE = '22023';
+END
+$fn$
+"""
+# jsonb types a column's received value may have (besides null where nullable).
+_JSON_TYPES = {"text": "string", "bigint": "number", "double": "number", "boolean": "boolean"}
+
+
+def replicate_json_sql(schema: StreamSchema) -> str:
+    """One statement: move the applied token and insert received rows given as one JSON parameter.
+
+    Parameters: stream, token, then ``[[token, instance, [[*values, ts], ...]], ...]``
+    as JSON text. PostgreSQL expands the rows (no Python object per row or value
+    here); each value's JSON type is checked against the column's (a value of
+    another type, a row of another width, a null where the column may not
+    hold one fail the statement, and the caller applies the rows the general
+    way, which names the row). The rows are inserted only if the token moved;
+    the statement returns whether it did. Atomic as any single statement.
+    """
+    width = len(schema.columns)
+    values = []
+    for k, column in enumerate(schema.columns):
+        value = f"r->{k}"
+        kind, sql_type = column.type, COLUMN_TYPES[column.type][1]
+        if kind == "json":
+            expr = f"CASE WHEN jsonb_typeof({value}) = 'null' THEN NULL ELSE {value} END"
+        else:
+            text = f"r->>{k}" if kind == "text" else f"(r->>{k})::{sql_type}"
+            expected = _JSON_TYPES[kind]
+            expr = (
+                f"CASE jsonb_typeof({value}) WHEN '{expected}' THEN {text} WHEN 'null' THEN NULL "
+                f"ELSE {MISFIT_FUNCTION}('column {column.name}')::text::{sql_type} END"
+            )
+        values.append(expr)
+    names = ", ".join(("token", "instance_name", "ts", *schema.column_names))
+    return (
+        "WITH moved AS (INSERT INTO tickline_applied (stream, token) VALUES (%s, %s) "
+        "ON CONFLICT (stream) DO UPDATE SET token = excluded.token "
+        "WHERE tickline_applied.token < excluded.token RETURNING 1), "
+        f"ins AS (INSERT INTO {schema.replicated_table} ({names}) "
+        f"SELECT (i->>0)::bigint, i->>1, (r->>{width})::bigint, {', '.join(values)} "
+        "FROM moved, jsonb_array_elements(%s::jsonb) AS i, jsonb_array_elements(i->2) AS r "
+        f"WHERE jsonb_array_length(r) = {width + 1} OR {MISFIT_FUNCTION}('row width')) "
+        "SELECT count(*) FROM moved"
+    )
 
 
 class PgApplyTransaction:
@@ -50,9 +103,12 @@ class PgWorkerStore:
         # effects; a crash of the server may lose the last applies, token and
         # effects together, and the worker fetches those rows again.
         self.database = PgDatabase(dsn, settings={"synchronous_commit": "on" if synchronous_commit else "off"})
+        self._replicate_sql: dict[StreamSchema, str] = {}
 
     def migrate(self) -> list[int]:
-        return self.database.migrate()
+        applied = self.database.migrate()
+        self.database.write(_create_misfit)
+        return applied
 
     def close(self) -> None:
         self.database.close()
@@ -74,6 +130,84 @@ class PgWorkerStore:
             effects(PgApplyTransaction(cur))
 
         self.database.write(run)
+
+    def apply_replicated(
+        self, stream: str, token: int, schema: StreamSchema, received: Sequence[ReceivedRows], effects: Effects
+    ) -> None:
+        """The rows as received, with no Python object per row.
+
+        Few rows (fewer than ``COPY_ROWS``): one statement, one round trip
+        (:func:`replicate_json_sql`); rows the statement refuses are applied by
+        ``effects`` in a transaction of their own, which checks each row and
+        names the bad one (nothing of the refused statement committed). More
+        rows: ``COPY`` text made by one generated function per row
+        (``storage.pg_copy``), which the server parses faster than JSON; a
+        row that function does not take (non-ASCII text, say) is checked by
+        ``check_row``.
+        """
+        if sum(len(rows) for _, _, rows in received) >= COPY_ROWS:
+            text = self._copy_text(schema, received)
+            if text is None:
+                self.apply(stream, token, effects)
+                return
+
+            def run(cur: Cursor) -> None:
+                move_applied_token(cur.execute, "%s", stream, token)
+                names = ", ".join(("token", "instance_name", *schema.column_names, "ts"))
+                cur.cursor.copy_expert(
+                    f"COPY {schema.replicated_table} ({names}) FROM STDIN", io.BytesIO(text.encode()), size=1 << 20
+                )
+
+            self.database.write(run)
+            return
+        sql = self._replicate_sql.get(schema)
+        if sql is None:
+            sql = self._replicate_sql[schema] = replicate_json_sql(schema)
+        payload = orjson.dumps(received).decode()
+        try:
+            ((moved,),) = self.database.query(sql, (stream, token, payload), prepare=True)
+        except DatabaseUnavailable:
+            raise
+        except psycopg2.Error as e:
+            logger.debug("%s: rows up to token %s applied the general way: %s", stream, token, e)
+            self.apply(stream, token, effects)
+            return
+        if moved != 1:
+            raise StaleApply(f"stream {stream!r}: token {token} is not above the applied token")
+
+    @staticmethod
+    def _copy_text(schema: StreamSchema, received: Sequence[ReceivedRows]) -> str | None:
+        """COPY lines ``token, instance, *values, ts``; None if a row is not ``[*values, ts]`` (the general way)."""
+        fmt = formatter(schema, with_ts=True)
+        width = len(schema.columns)
+        lines = []
+        for token, instance, rows in received:
+            prefix = f"{token}\t{_copy_text(instance)}\t"
+            for row in rows:
+                text = fmt(row)
+                if text is None:
+                    ts = row[-1] if type(row) is list and len(row) == width + 1 else None
+                    if type(ts) is not int or not 0 <= ts < 2**63:
+                        return None
+                    text = _checked_copy_text(schema, row[:-1]) + f"\t{ts}"
+                lines.append(prefix + text)
+        lines.append("")
+        return "\n".join(lines)
+
+
+def _checked_copy_text(schema: StreamSchema, values: list[Any]) -> str:
+    """One row's columns as COPY text after ``check_row`` (RowError names a bad value)."""
+    checked = schema.check_row(values)
+    return formatter(schema, checked=True)(checked) or "\t".join(
+        NULL_COPY if v is None else _COPY_FORMATS[c.type](v) for c, v in zip(schema.columns, checked, strict=True)
+    )
+
+
+def _create_misfit(cur: Cursor) -> None:
+    """The function the one-statement apply raises its error with (created once per database)."""
+    cur.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (MISFIT_FUNCTION,))
+    if cur.execute("SELECT 1 FROM pg_proc WHERE proname = %s", (MISFIT_FUNCTION,)).fetchone() is None:
+        cur.cursor.execute(_MISFIT_SQL)  # no parameters: the % in it is literal
 
 
 class _PgView:

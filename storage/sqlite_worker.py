@@ -7,7 +7,7 @@ import sqlite3
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from storage.contracts import Effects, ReplicatedValues, SnapshotView
+from storage.contracts import Effects, ReceivedRows, ReplicatedValues, SnapshotView
 from storage.schema import StreamSchema
 from storage.sqlite_db import SqliteDatabase
 from storage.store import DatabaseUnavailable
@@ -58,6 +58,11 @@ class SqliteWorkerStore:
             effects(SqliteApplyTransaction(conn))
 
         self.database.write(run)
+
+    def apply_replicated(
+        self, stream: str, token: int, schema: StreamSchema, received: Sequence[ReceivedRows], effects: Effects
+    ) -> None:
+        self.apply(stream, token, effects)  # the rows go through the handlers' checks and executemany
 
 
 class _SqliteView:

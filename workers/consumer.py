@@ -23,8 +23,10 @@ measures only how long rows wait to be applied here.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import logging
+import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +35,7 @@ from twisted.internet import defer
 from twisted.python.failure import Failure
 
 from replication.reactor_types import Clock
-from storage.contracts import ApplyTransaction, Effects
+from storage.contracts import ApplyTransaction, Effects, ReceivedRows
 from storage.schema import StreamSchema
 from storage.tso import compose, physical_ms
 from workers.handlers import ApplyContext, Handler, ReplicatedRow
@@ -43,6 +45,13 @@ if TYPE_CHECKING:
     from workers.ordering import OrderedDelivery
 
 logger = logging.getLogger(__name__)
+# (stream, token, schema, rows as received, the same apply as effects) -> applied
+ReplicateInDb = Callable[[str, int, StreamSchema, list[ReceivedRows], Effects], defer.Deferred[None]]
+
+
+def _replicator_only(handlers: list[Handler], schema: StreamSchema) -> bool:
+    """The stream's only handler copies its rows into ``replicated_<stream>`` (``workers.replicator``)."""
+    return len(handlers) == 1 and getattr(handlers[0], "replicates", None) == schema
 
 
 @attr.s(slots=True, frozen=True, auto_attribs=True)
@@ -63,11 +72,97 @@ class ConsumerStats:
     released_rows: int = 0  # handed on in timestamp order
 
 
-@attr.s(slots=True, auto_attribs=True)
 class _Item:
-    token: int
-    rows: list[ReplicatedRow]  # empty: a POSITION moved the token without rows
-    seq: int = 0  # ordered delivery: the release order across streams (workers.ordering)
+    """One token's rows as received (``raw``), made :class:`ReplicatedRow` s only when something needs them.
+
+    The table replicator on PostgreSQL takes the received lists as they are
+    (``apply_replicated``): no object per row on that path.
+    """
+
+    __slots__ = (
+        "_rows",
+        "arrived",
+        "count",
+        "instance",
+        "raw",
+        "seq",
+        "stream",
+        "token",
+        "tokens",
+        "width",
+        "with_ts",
+    )
+
+    def __init__(
+        self,
+        token: int,
+        raw: list[list[Any]] | None = None,
+        stream: str = "",
+        instance: str = "",
+        width: int = 0,
+        with_ts: bool = True,
+        arrived: float = 0.0,
+        tokens: list[int] | None = None,
+    ) -> None:
+        self.token = token  # the last token
+        # Several single-row tokens (a run from the connection): each row's token; None: all rows are ``token``'s.
+        self.tokens = tokens
+        self.raw: list[list[Any]] = raw or []  # empty: a POSITION moved the token without rows
+        self.count = len(self.raw)
+        self.stream = stream
+        self.instance = instance
+        self.width = width  # the stream's columns
+        self.with_ts = with_ts  # the master acknowledged OPTIONS ts
+        self.arrived = arrived  # arrival (seconds), the ts of rows that carry none
+        self.seq = 0  # ordered delivery: the release order across streams (workers.ordering)
+        self._rows: list[ReplicatedRow] | None = None
+
+    @property
+    def rows(self) -> list[ReplicatedRow]:
+        if self._rows is None:
+            if self.tokens is None:
+                self._rows = [self._row(row, self.token) for row in self.raw]
+            else:
+                self._rows = [self._row(row, token) for row, token in zip(self.raw, self.tokens, strict=True)]
+        return self._rows
+
+    def split(self) -> list[_Item]:
+        """One item per token (a failed apply is retried one token at a time)."""
+        if self.tokens is None:
+            return [self]
+        return [
+            _Item(token, [row], self.stream, self.instance, self.width, self.with_ts, self.arrived)
+            for token, row in zip(self.tokens, self.raw, strict=True)
+        ]
+
+    def _split(self, row: list[Any]) -> tuple[int, tuple[Any, ...]]:
+        """A row's timestamp and values. A row exactly one value longer than the
+        stream's columns, ending in an integer, carries its timestamp (it fits
+        no other reading), and a row of exactly the stream's columns carries
+        none (stamped with its arrival time); a row of neither width is split
+        as acknowledged, so the check names the misfit."""
+        width = self.width
+        if len(row) == width + 1 and (self.with_ts or (type(row[-1]) is int and row[-1] >= 0)):
+            return row[-1], tuple(row[:-1])
+        if len(row) != width and self.with_ts and row:
+            return row[-1], tuple(row[:-1])
+        return compose(int(self.arrived * 1000)), tuple(row)
+
+    def _row(self, row: list[Any], token: int) -> ReplicatedRow:
+        ts, values = self._split(row)
+        return ReplicatedRow(self.stream, token, self.instance, ts, values)
+
+    def first_ts(self) -> int | None:
+        return self._split(self.raw[0])[0] if self.raw else None
+
+    def last_ts(self) -> int | None:
+        return self._split(self.raw[-1])[0] if self.raw else None
+
+    def received(self) -> list[ReceivedRows]:
+        if self.tokens is None:
+            return [(self.token, self.instance, self.raw)]
+        instance = self.instance
+        return [(token, instance, [row]) for token, row in zip(self.tokens, self.raw, strict=True)]
 
 
 class StreamConsumer:
@@ -82,6 +177,7 @@ class StreamConsumer:
         clock: Clock,
         settings: ApplySettings = ApplySettings(),
         on_progress: Callable[[StreamConsumer], None] | None = None,
+        replicate_in_db: ReplicateInDb | None = None,
     ) -> None:
         self.stream = stream
         self.schema = schema
@@ -90,6 +186,8 @@ class StreamConsumer:
         self.known = applied
         self.handlers = handlers
         self._apply_in_db = apply_in_db
+        # The table replicator alone: received rows go to the store as they are.
+        self._replicate_in_db = replicate_in_db if _replicator_only(handlers, schema) else None
         self._worker_name = worker_name
         self._clock = clock
         self.settings = settings
@@ -126,31 +224,39 @@ class StreamConsumer:
         """Rows of one token: each ``[*values, ts]`` with ``with_ts`` (the ``ts``
         option acknowledged), else ``[*values]`` stamped with their arrival time.
 
-        A row's length settles what the acknowledgment cannot: a row exactly
-        one value longer than the stream's columns, ending in an integer,
-        carries its timestamp (it fits no other reading), and a row of exactly
-        the stream's columns carries none.
+        A row's length settles what the acknowledgment cannot (see ``_Item``).
+        The rows are kept as received; nothing per row is done here.
         """
         if token <= self.known:
             logger.debug("%s: dropped stale rows at token %s (known %s)", self.stream, token, self.known)
             return
-        width = self._width
-        arrived: int | None = None
-        replicated = []
-        for row in rows:
-            if len(row) == width + 1 and (with_ts or (type(row[-1]) is int and row[-1] >= 0)):
-                replicated.append(ReplicatedRow(self.stream, token, instance, row[-1], tuple(row[:-1])))
-                continue
-            if len(row) != width and with_ts and row:
-                # Neither form: split as acknowledged, so the check names the misfit.
-                replicated.append(ReplicatedRow(self.stream, token, instance, row[-1], tuple(row[:-1])))
-                continue
-            if arrived is None:
-                arrived = compose(int(self._clock.seconds() * 1000))
-            replicated.append(ReplicatedRow(self.stream, token, instance, arrived, tuple(row)))
-        self.queued_rows += len(replicated)
+        item = _Item(token, rows, self.stream, instance, self._width, with_ts, self._clock.seconds())
+        self.queued_rows += item.count
         self.known = token
-        self._enqueue(_Item(token, replicated))
+        self._enqueue(item)
+
+    def rows_run(self, instance: str, tokens: list[int], rows: list[list[Any]], with_ts: bool = True) -> None:
+        """Single rows of consecutive tokens, as :meth:`rows_received` of each, queued as one item.
+
+        Stale tokens (at or below ``known``) are dropped. Tokens out of order,
+        or a stream delivered in timestamp order across streams (the gate
+        orders tokens one by one), go token by token.
+        """
+        if self.gate is not None or not all(map(operator.lt, tokens, tokens[1:])):
+            for token, row in zip(tokens, rows, strict=True):
+                self.rows_received(instance, token, [row], with_ts)
+            return
+        if tokens[0] <= self.known:
+            start = bisect.bisect_right(tokens, self.known)
+            stale = str(tokens[0]) if start == 1 else f"{tokens[0]}..{tokens[start - 1]}"
+            logger.debug("%s: dropped stale rows at token %s (known %s)", self.stream, stale, self.known)
+            tokens, rows = tokens[start:], rows[start:]
+            if not tokens:
+                return
+        item = _Item(tokens[-1], rows, self.stream, instance, self._width, with_ts, self._clock.seconds(), tokens)
+        self.queued_rows += item.count
+        self.known = item.token
+        self._enqueue(item)
 
     def position(self, prev_token: int, new_token: int) -> int | None:
         """Handle ``POSITION``; returns the token to replay after if rows were missed."""
@@ -186,9 +292,11 @@ class StreamConsumer:
         if self.tick_ts is not None and self.tick_token is not None and self.applied >= self.tick_token:
             best = self.tick_ts if best is None else max(best, self.tick_ts)
         for item in self._queue:
-            if item.token > self.applied and item.rows and item.rows[0].ts is not None:
-                waiting = item.rows[0].ts - 1
-                best = waiting if best is None else max(best, waiting)
+            if item.token > self.applied and item.raw:
+                first = item.first_ts()
+                if first is not None:
+                    waiting = first - 1
+                    best = waiting if best is None else max(best, waiting)
                 break
         return best
 
@@ -229,7 +337,7 @@ class StreamConsumer:
         if self._retry_call is not None and self._retry_call.active():
             return
         while self._queue and self._queue[0].token <= self.applied:
-            self.queued_rows -= len(self._queue.popleft().rows)
+            self.queued_rows -= self._queue.popleft().count
         if not self._queue:
             return
         limit = None
@@ -238,57 +346,74 @@ class StreamConsumer:
             limit = self.gate.apply_limit(self)
             if limit is None:
                 return
+        if self._failures and self._queue[0].tokens is not None and len(self._queue[0].tokens) > 1:
+            # Retried one token at a time, so the next failure names the row.
+            self._queue.extendleft(reversed(self._queue.popleft().split()))
         group = [self._queue[0]]
+        count = group[0].count
         if self._failures == 0:
-            count = len(group[0].rows)
-            for item in list(self._queue)[1:]:
-                if count + len(item.rows) > self.settings.apply_rows:
+            queue = self._queue
+            for index in range(1, len(queue)):
+                item = queue[index]
+                if count + item.count > self.settings.apply_rows:
                     break
                 if limit is not None and item.seq >= limit:
                     break
                 group.append(item)
-                count += len(item.rows)
+                count += item.count
         token = group[-1].token
-        rows = [row for item in group for row in item.rows]
         generation = self._generation
         self._applying = True
-        d = self._apply_in_db(self.stream, token, lambda txn: self._run_handlers(txn, rows))
+
+        def effects(txn: ApplyTransaction) -> None:
+            self._run_handlers(txn, group)
+
+        if self._replicate_in_db is not None and count and self._failures == 0 and all(i.with_ts for i in group):
+            # One statement with the rows as received (PostgreSQL); retries go the general way.
+            received = [rows for item in group if item.count for rows in item.received()]
+            d = self._replicate_in_db(self.stream, token, self.schema, received, effects)
+        else:
+            d = self._apply_in_db(self.stream, token, effects)
         d.addCallbacks(
-            self._applied, self._failed, callbackArgs=(group, token, rows, generation), errbackArgs=(group, rows)
+            self._applied, self._failed, callbackArgs=(group, token, count, generation), errbackArgs=(group,)
         )
 
-    def _run_handlers(self, transaction: ApplyTransaction, rows: list[ReplicatedRow]) -> None:
+    def _run_handlers(self, transaction: ApplyTransaction, group: list[_Item]) -> None:
         """On the database thread, inside the apply transaction."""
+        rows = [row for item in group for row in item.rows]
         if not rows:
             return
         ctx = ApplyContext(transaction, self.stream, self.schema, self._worker_name)
         for handler in self.handlers:
             handler(ctx, rows)
 
-    def _applied(self, _: None, group: list[_Item], token: int, rows: list[ReplicatedRow], generation: int) -> None:
+    def _applied(self, _: None, group: list[_Item], token: int, count: int, generation: int) -> None:
         self._applying = False
         self.applied = token
         self.known = max(self.known, token)
-        self.rows_applied += len(rows)
-        if rows and rows[-1].ts is not None:
-            self.applied_ts = rows[-1].ts
+        self.rows_applied += count
+        last = next((item for item in reversed(group) if item.count), None)
+        if last is not None:
+            last_ts = last.last_ts()
+            if last_ts is not None:
+                self.applied_ts = last_ts
         if self._failures:
             logger.info("%s: applied token %s after %d failed attempts", self.stream, token, self._failures)
         self._failures = 0
         if generation == self._generation:
             for _item in group:
-                self.queued_rows -= len(self._queue.popleft().rows)
+                self.queued_rows -= self._queue.popleft().count
         if self._on_progress is not None:
             self._on_progress(self)
         self.kick()
         if self.gate is not None:
             self.gate.applied(self)
 
-    def _failed(self, failure: Failure, group: list[_Item], rows: list[ReplicatedRow]) -> None:
+    def _failed(self, failure: Failure, group: list[_Item]) -> None:
         self._applying = False
         self._failures += 1
         delay = min(self.settings.retry_max, self.settings.retry_initial * 2 ** (self._failures - 1))
-        if len(group) == 1:
+        if len(group) == 1 and (group[0].tokens is None or len(group[0].tokens) == 1):
             logger.error(
                 "%s: applying token %s failed (attempt %d), retrying in %.1f s: %s; rows: %s",
                 self.stream,
@@ -296,7 +421,7 @@ class StreamConsumer:
                 self._failures,
                 delay,
                 failure.getErrorMessage() or getattr(failure.type, "__name__", "error"),
-                [list(r.values) for r in rows][:20],
+                [list(r.values) for r in group[0].rows[:20]],
             )
         else:
             # Retried one token at a time, so the next failure names the row.

@@ -22,6 +22,9 @@ def table_replicator(schema: StreamSchema) -> Handler:
         ctx.transaction.replicate(schema, [(r.token, r.instance_name, r.ts, *check(r.values)) for r in rows])
 
     replicate.__name__ = f"replicate_{schema.name}"
+    # Marks the replicator: a stream with no other handler may give the store
+    # its rows as received (WorkerStore.apply_replicated), the same effect.
+    replicate.replicates = schema  # type: ignore[attr-defined]
     return replicate
 
 

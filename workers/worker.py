@@ -41,7 +41,7 @@ from replication.protocol import ProtocolConfig
 from replication.settings import TLSConfig
 from replication.stats import STATS, ConnectionStats, ProtocolCounters
 from replication.tls import connect as tls_connect
-from storage.contracts import Effects, WorkerStore
+from storage.contracts import Effects, ReceivedRows, WorkerStore
 from storage.schema import StreamSchema
 from workers.caches import CacheRegistry
 from workers.consumer import ConsumerStats, StreamConsumer
@@ -94,6 +94,8 @@ class Worker(ReplicationHandler):
         self.syncing_users: dict[str, int] = {}
         self._federation_ack: int | None = None
         self._reading_paused = False
+        self._unchecked_rows = 0  # received since the pending rows were last summed
+        self._check_every = max(1, config.max_pending_rows // 100)
         self._retry_calls: dict[str, Any] = {}
         self._caught_up_waiters: list[defer.Deferred] = []
         # Per stream on this connection: the REPLICATE was answered, and the
@@ -143,6 +145,7 @@ class Worker(ReplicationHandler):
                 self.reactor,
                 self.config.apply,
                 on_progress=self._progress,
+                replicate_in_db=self._replicate_in_db,
             )
         for stream, consumer in self.consumers.items():
             if self.config.start_at_ms is not None and stream not in applied:
@@ -217,6 +220,11 @@ class Worker(ReplicationHandler):
     def _apply_in_db(self, stream: str, token: int, effects: Effects) -> defer.Deferred[None]:
         return self.db.run(self.store.apply, stream, token, effects)
 
+    def _replicate_in_db(
+        self, stream: str, token: int, schema: StreamSchema, received: list[ReceivedRows], effects: Effects
+    ) -> defer.Deferred[None]:
+        return self.db.run(self.store.apply_replicated, stream, token, schema, received, effects)
+
     # -- connection events --------------------------------------------------------------
 
     def connected(self, client: ClientProtocol) -> None:
@@ -274,7 +282,30 @@ class Worker(ReplicationHandler):
             return
         self._rows_on_connection = True
         consumer.rows_received(instance, token, rows, client.rows_have_ts)
-        if not self._reading_paused and self._pending_rows() > self.config.max_pending_rows:
+        # The sum over streams is taken about every 1% of the limit, not per token.
+        self._unchecked_rows += len(rows)
+        if self._unchecked_rows < self._check_every or self._reading_paused:
+            return
+        self._unchecked_rows = 0
+        if self._pending_rows() > self.config.max_pending_rows:
+            self._reading_paused = True
+            if client.transport is not None:
+                client.transport.pauseProducing()
+
+    def on_rows_run(
+        self, client: ClientProtocol, stream: str, instance: str, tokens: list[bytes], rows: list[list[Any]]
+    ) -> None:
+        """A run of ``RDATA`` lines of one stream, one row per token (the client's block parser)."""
+        consumer = self.consumers.get(stream)
+        if consumer is None:
+            return
+        self._rows_on_connection = True
+        consumer.rows_run(instance, list(map(int, tokens)), rows, client.rows_have_ts)
+        self._unchecked_rows += len(rows)
+        if self._unchecked_rows < self._check_every or self._reading_paused:
+            return
+        self._unchecked_rows = 0
+        if self._pending_rows() > self.config.max_pending_rows:
             self._reading_paused = True
             if client.transport is not None:
                 client.transport.pauseProducing()

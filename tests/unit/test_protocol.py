@@ -797,7 +797,9 @@ def test_variant_joining_during_a_fan_out_read_still_gets_every_row(env: Env) ->
     plain.send("REPLICATE events 0")
     plain.lines()
     env.write("events", [event(1), event(2)])
-    env.db.hold = "_read_encoded"
+    # The fan-out reads a stream's first rows in the wake-up's own database hop
+    # (Master._wake: safe point, then rows): hold that hop.
+    env.db.hold = "_wake"
     env.follow()  # the fan-out read for (0, 2] is in flight, for plain rows only
     assert len(env.db.held) == 1
     late = env.connected()
@@ -811,6 +813,29 @@ def test_variant_joining_during_a_fan_out_read_still_gets_every_row(env: Env) ->
     assert tokens(plain.commands()) == [3]
     late_rows = rdata(late.commands())
     assert [t for _, _, t, _ in late_rows] == [3]
+    assert len(late_rows[0][3]) == len(EVENT) + 1  # with its timestamp
+
+
+def test_variant_joining_during_a_later_fan_out_read_still_gets_every_row(make_env: Callable[..., Env]) -> None:
+    """Rows beyond the wake-up's first read are read in hops of their own: the same holds there."""
+    env = make_env()
+    env.master.config = attr.evolve(env.master.config, fanout_rows=1)
+    plain = env.connected()
+    plain.send("REPLICATE events 0")
+    plain.lines()
+    env.write("events", [event(1)])
+    env.write("events", [event(2)])
+    env.db.hold = "_read_encoded"
+    env.follow()  # token 1 came with the wake-up; the read of (1, 2] is in flight
+    assert len(env.db.held) == 1
+    assert tokens(plain.commands()) == [1]
+    late = env.connected()
+    late.send("OPTIONS ts", "REPLICATE events 1")
+    assert late.commands() == ["OPTIONS ts", "POSITION events master 1 1"]
+    env.db.release()
+    assert tokens(plain.commands()) == [2]
+    late_rows = rdata(late.commands())
+    assert [t for _, _, t, _ in late_rows] == [2]
     assert len(late_rows[0][3]) == len(EVENT) + 1  # with its timestamp
 
 

@@ -419,3 +419,30 @@ def test_row_length_settles_what_the_acknowledgment_cannot(url) -> None:
     acked.clock.advance(1_700_000_001)
     acked.send("SERVER s", "POSITION events m 2 2", f"RDATA events m 3 {seed_ev(3)}")
     assert acked.rows()[-1] == (3, "m", 1_700_000_001_000 << 18, "$e3")
+
+
+def test_a_run_of_rows_with_a_stale_start_applies_only_the_new_tokens(h) -> None:
+    """Rows arriving as one run (one read, parsed as a block) after some were applied."""
+    h.send("SERVER s", "POSITION events m 0 0", *(f"RDATA events m {n} {ev(n)}" for n in (1, 2, 3)))
+    h.send(*(f"RDATA events m {n} {ev(n)}" for n in range(2, 80)))  # 2, 3 again, then 76 new ones
+    assert h.applied() == 79
+    assert [r[0] for r in h.rows()] == list(range(1, 80))
+
+
+@pytest.mark.parametrize("count", [3, 70])  # one statement; COPY (PostgreSQL)
+def test_a_mistyped_row_in_a_run_stops_the_stream_at_its_token_named(url, caplog, count) -> None:
+    """The table replicator alone: rows go to the store as received; a row that does not fit
+    the declared columns is named, nothing after it is applied, and nothing is skipped."""
+    h = Harness(url)
+    bad = count // 2 + 1
+    lines = [f"RDATA events m {n} {ev(n)}" for n in range(1, count + 1)]
+    lines[bad - 1] = f'RDATA events m {bad} [12345, "!r", "m.t", null, null, {TS + bad}]'
+    with caplog.at_level(logging.WARNING):
+        h.send("SERVER s", "POSITION events m 0 0", *lines)
+        h.clock.advance(0)  # the grouped apply failed: retried token by token
+        h.clock.advance(0)
+    assert h.applied() == bad - 1
+    assert [r[0] for r in h.rows()] == list(range(1, bad))
+    assert "'event_id' expects text" in caplog.text
+    h.clock.advance(1.0)
+    assert h.applied() == bad - 1  # still stopped there, never skipped

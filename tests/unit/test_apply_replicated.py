@@ -1,0 +1,134 @@
+"""``WorkerStore.apply_replicated``: received rows copied into ``replicated_<stream>`` with the token.
+
+On PostgreSQL one statement takes the rows as JSON and the server expands
+them; rows that do not fit (a value of another type, a row of another width)
+are applied the general way, which names the bad row; nothing is half applied.
+"""
+
+from __future__ import annotations
+
+import math
+
+import orjson
+import pytest
+
+from storage.schema import Column, RowError, StreamSchema
+from storage.store import StaleApply
+from storage.worker_store import open_worker_store
+
+MIXED = StreamSchema(
+    "mixed",
+    (
+        Column("t", "text", True),
+        Column("n", "bigint", True),
+        Column("x", "double", True),
+        Column("ok", "boolean"),
+        Column("j", "json", True),
+    ),
+)
+TEXTS = ["tab\there", "new\nline\r", "back\\slash \\N", "ünïcode ☃ 'q' \"dq\"", "", "%s %(x)s"]
+
+
+def _effects(schema: StreamSchema, received):
+    """The general form of the same apply (as the table replicator does it)."""
+
+    def run(txn) -> None:
+        rows = [
+            (token, instance, row[-1], *schema.check_row(row[:-1])) for token, instance, rs in received for row in rs
+        ]
+        txn.replicate(schema, rows)
+
+    return run
+
+
+def _not_called(txn) -> None:
+    raise AssertionError("PostgreSQL took these rows in one statement: the general way is not needed")
+
+
+def _back(store):
+    return store.database.read(
+        lambda c: c.execute(
+            "SELECT token, instance_name, ts, t, n, x, ok, j FROM replicated_mixed ORDER BY ts"
+        ).fetchall()
+    )
+
+
+@pytest.mark.parametrize("count", [1, 3, 120])
+def test_received_rows_round_trip_every_value(db_url, count) -> None:
+    store = open_worker_store(db_url)
+    store.create_replicated_table(MIXED)
+    values = [
+        [
+            TEXTS[i % len(TEXTS)] if i % 4 else None,
+            [None, 0, -(2**63), 2**63 - 1, 12345678901234][i % 5],
+            [None, 0.1, 1 / 3, 1e300, -5e-324, 7][i % 6],
+            i % 2 == 0,
+            [None, {"k": TEXTS[i % len(TEXTS)], "n": [1, 2.5, None]}, "s", 3][i % 4],
+        ]
+        for i in range(count)
+    ]
+    received = [(10 + i, "w\\1 x", [[*v, 1000 + i]]) for i, v in enumerate(values)]
+    effects = _effects(MIXED, received) if db_url.startswith("sqlite") else _not_called
+    store.apply_replicated("mixed", 10 + count - 1, MIXED, received, effects)
+    assert store.applied_tokens() == {"mixed": 10 + count - 1}
+    back = _back(store)
+    assert len(back) == count
+    for i, (v, got) in enumerate(zip(values, back, strict=True)):
+        assert tuple(got[:3]) == (10 + i, "w\\1 x", 1000 + i)
+        assert got[3] == v[0] and got[4] == v[1] and bool(got[6]) is v[3]
+        assert got[5] == v[2] if v[2] is None else math.isclose(got[5], float(v[2]), rel_tol=0) or got[5] == v[2]
+        j = got[7]
+        assert (orjson.loads(j) if j is not None and db_url.startswith("sqlite") else j) == v[4]
+    store.close()
+
+
+def test_a_batch_token_keeps_all_its_rows(db_url) -> None:
+    store = open_worker_store(db_url)
+    store.create_replicated_table(MIXED)
+    received = [
+        (5, "w", [["a", 1, 1.0, True, None, 1], ["b", 2, 2.0, False, None, 2]]),
+        (6, "v", [["c", 3, 3.0, True, None, 3]]),
+    ]
+    store.apply_replicated("mixed", 6, MIXED, received, _effects(MIXED, received))
+    assert [(r[0], r[1], r[3]) for r in _back(store)] == [(5, "w", "a"), (5, "w", "b"), (6, "v", "c")]
+    store.close()
+
+
+def test_the_token_moves_only_forwards_and_a_stale_apply_writes_nothing(db_url) -> None:
+    store = open_worker_store(db_url)
+    store.create_replicated_table(MIXED)
+    received = [(5, "w", [["a", 1, 1.0, True, None, 1]])]
+    store.apply_replicated("mixed", 5, MIXED, received, _effects(MIXED, received))
+    with pytest.raises(StaleApply):
+        store.apply_replicated("mixed", 5, MIXED, received, _effects(MIXED, received))
+    with pytest.raises(StaleApply):
+        store.apply_replicated("mixed", 4, MIXED, [(4, "w", received[0][2])], _effects(MIXED, received))
+    assert store.applied_tokens() == {"mixed": 5}
+    assert len(_back(store)) == 1
+    store.close()
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ([7, 1, 1.0, True, None, 1], "'t' expects text"),
+        (["a", "1", 1.0, True, None, 1], "'n' expects bigint"),
+        (["a", 1.5, 1.0, True, None, 1], "'n' expects bigint"),
+        (["a", 1, "x", True, None, 1], "'x' expects double"),
+        (["a", 1, 1.0, 1, None, 1], "'ok' expects boolean"),
+        (["a", 1, 1.0, None, None, 1], "'ok' may not be null"),
+        (["a", 1, 1.0, True, 1], "expects 5 values"),
+        (["a\x00b", 1, 1.0, True, None, 1], "NUL"),
+    ],
+)
+@pytest.mark.parametrize("pad", [0, 60])  # one statement; COPY
+def test_a_row_that_does_not_fit_is_named_and_nothing_is_applied(db_url, row, message, pad) -> None:
+    store = open_worker_store(db_url)
+    store.create_replicated_table(MIXED)
+    good = ["a", 1, 1.0, True, None, 1]
+    received = [(5, "w", [good] * (pad + 1)), (6, "w", [row]), (7, "w", [good])]
+    with pytest.raises(RowError, match=message):
+        store.apply_replicated("mixed", 7, MIXED, received, _effects(MIXED, received))
+    assert store.applied_tokens() == {}
+    assert _back(store) == []
+    store.close()
