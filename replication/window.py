@@ -388,7 +388,14 @@ class WindowFiller:
             if result is None:
                 self._gave_up[stream] = top
                 return
-            data, _, count = result
+            data, last, count = result
+            if last != top and count >= tokens:
+                # The read may have been cut short of ``top`` by its limit
+                # (PostgreSQL counts rows, and a batch holds several rows per
+                # token): prepending would leave a hole in the window, so the
+                # fill stops here. Fewer rows than the limit: none are left out.
+                self._gave_up[stream] = top
+                return
             if data:
                 self._learned[stream] = len(data) / tokens
             if len(data) + CHUNK_OVERHEAD > budget:

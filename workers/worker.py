@@ -282,15 +282,7 @@ class Worker(ReplicationHandler):
             return
         self._rows_on_connection = True
         consumer.rows_received(instance, token, rows, client.rows_have_ts)
-        # The sum over streams is taken about every 1% of the limit, not per token.
-        self._unchecked_rows += len(rows)
-        if self._unchecked_rows < self._check_every or self._reading_paused:
-            return
-        self._unchecked_rows = 0
-        if self._pending_rows() > self.config.max_pending_rows:
-            self._reading_paused = True
-            if client.transport is not None:
-                client.transport.pauseProducing()
+        self._count_received(client, len(rows))
 
     def on_rows_run(
         self, client: ClientProtocol, stream: str, instance: str, tokens: list[bytes], rows: list[list[Any]]
@@ -301,7 +293,14 @@ class Worker(ReplicationHandler):
             return
         self._rows_on_connection = True
         consumer.rows_run(instance, list(map(int, tokens)), rows, client.rows_have_ts)
-        self._unchecked_rows += len(rows)
+        self._count_received(client, len(rows))
+
+    def _count_received(self, client: ClientProtocol, rows: int) -> None:
+        """Pause reading once the rows waiting to be applied pass ``max_pending_rows``.
+
+        The sum over streams is taken about every 1% of the limit, not per token.
+        """
+        self._unchecked_rows += rows
         if self._unchecked_rows < self._check_every or self._reading_paused:
             return
         self._unchecked_rows = 0

@@ -14,7 +14,7 @@ from twisted.internet import defer
 from replication.master import MasterConfig
 from replication.protocol import ProtocolConfig
 from replication.rows import encode_json_rows
-from replication.window import CHUNK_OVERHEAD, RecentWindow, SharedReads
+from replication.window import CHUNK_OVERHEAD, RecentWindow, SharedReads, WindowFiller
 from tests.unit.test_protocol import Env, event, rdata, tokens
 
 
@@ -322,3 +322,41 @@ def test_a_stream_nobody_reads_and_the_window_does_not_hold_is_not_read(window_e
     env.write("events", [event(1), event(2)])
     env.follow()
     assert reads(env) == 0 and env.master.live_token("events") == 2
+
+
+def test_a_fill_read_cut_short_of_its_range_leaves_no_hole_in_the_window() -> None:
+    """A store that ends a read at a row count (PostgreSQL, batches of several rows per token)
+    may answer fewer tokens than asked: the fill must not claim the tokens it did not get."""
+    w = RecentWindow(1 << 20)
+    w.append("s", 20, 30, 10, {False: rows_bytes(21, 30)})
+    asked: list[tuple[int, int]] = []
+
+    def read_range(stream: str, after: int, upto: int, with_ts: bool) -> defer.Deferred[Any]:
+        asked.append((after, upto))
+        # Every token holds two rows; the store stops at ``upto - after`` rows, half the range.
+        last = after + (upto - after) // 2
+        return defer.succeed((rows_bytes(after + 1, last, batch_of=2), last, 2 * (last - after)))
+
+    filler = WindowFiller(w, read_range, live_token=lambda stream: 30)
+    filler.first_tokens = 10
+    done = filler.fill("s", 10, False)
+    assert done is not None and done.called
+    assert asked == [(10, 20)]
+    assert w.start("s") == 20  # nothing prepended: rows 16..20 were not read
+    assert w.read("s", 20, 30, 100, False) == (rows_bytes(21, 30), 30, 10)
+
+
+def test_a_fill_read_with_fewer_rows_than_its_limit_covers_its_range() -> None:
+    """Tokens without rows at the end of a read (a rolled-back write's) are not a hole."""
+    w = RecentWindow(1 << 20)
+    w.append("s", 20, 30, 10, {False: rows_bytes(21, 30)})
+
+    def read_range(stream: str, after: int, upto: int, with_ts: bool) -> defer.Deferred[Any]:
+        return defer.succeed((rows_bytes(after + 1, upto - 3), upto - 3, upto - 3 - after))
+
+    filler = WindowFiller(w, read_range, live_token=lambda stream: 30)
+    filler.first_tokens = 10
+    done = filler.fill("s", 10, False)
+    assert done is not None and done.called
+    assert w.start("s") == 10
+    assert w.read("s", 10, 30, 100, False) == (rows_bytes(11, 17) + rows_bytes(21, 30), 30, 17)
