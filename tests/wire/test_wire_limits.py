@@ -230,6 +230,7 @@ def test_refusals_are_logged_at_most_once_a_second(master) -> None:
     m = master("master:\n  max_connections_per_address: 1\n")
     connect_handshaken(m)
     before = log_size(m)
+    started = time.monotonic()
     for _ in range(200):
         s = socket.create_connection((m.host, m.port))
         s.close()
@@ -237,8 +238,11 @@ def test_refusals_are_logged_at_most_once_a_second(master) -> None:
     s = socket.create_connection((m.host, m.port))
     s.close()
     log = m.wait_for_log("more refused in the last second")
-    assert log_size(m) - before < 2_000
-    assert log.count("refused a connection") <= 4
+    # At most one line a second (plus the windows at either end): on a loaded
+    # machine the 200 connections may take several seconds.
+    seconds = time.monotonic() - started
+    assert log.count("refused a connection") <= int(seconds) + 3
+    assert log_size(m) - before < 2_000 + 300 * int(seconds)
 
 
 def test_idle_connection_is_closed_but_a_pinging_one_is_kept(master) -> None:
