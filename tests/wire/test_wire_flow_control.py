@@ -14,6 +14,11 @@ streams:
   blobs:
     columns:
       - {name: body, type: text}
+master:
+  # The window of recent rows is bounded by recent_bytes on its own (tests in
+  # test_wire_window.py); kept small here so that what is measured is what a
+  # stalled connection costs.
+  recent_bytes: 2097152
 protocol:
   max_pause: 1.0
   close_grace: 0.5
