@@ -83,12 +83,17 @@ class ReplicationHandler:
 
         With the ``ts`` option acknowledged (``client.rows_have_ts``) each row
         ends with its timestamp; otherwise rows are the stream's columns only.
-
-        A handler may also define ``on_rows_run(client, stream, instance,
-        tokens, rows)``: a run of lines parsed as one block whose tokens are
-        all single-row (no batch), ``tokens`` their digits as bytes, handed
-        over in one call instead of one ``on_rows`` per token.
         """
+
+    def on_rows_run(
+        self, client: ClientProtocol, stream: str, instance: str, tokens: list[bytes], rows: list[list[Any]]
+    ) -> bool:
+        """A run of lines parsed as one block, one row per token (no batch); ``tokens`` as digits.
+
+        Return True when taken here in one call; False (this default) hands
+        them over as one :meth:`on_rows` per token.
+        """
+        return False
 
     def on_tick(self, client: ClientProtocol, command: TickCommand) -> None:
         """The stream's safe time (``OPTIONS tick``); only for streams positioned on this connection."""
@@ -232,11 +237,12 @@ class ClientProtocol(LineCommandProtocol):
             logger.debug("[%s] dropped %d RDATA for %s before its POSITION", self.conn_name, len(entries), stream)
             return
         pending = self._pending_batch.pop(stream, None)
-        on_run = getattr(self.handler, "on_rows_run", None)
-        if on_run is not None and pending is None and _BATCH not in tokens:
-            # A handler that takes a run of single-row tokens in one call (the worker).
-            on_run(self, stream, instance, tokens, entries)
-            return
+        if (
+            pending is None
+            and _BATCH not in tokens
+            and self.handler.on_rows_run(self, stream, instance, tokens, entries)
+        ):
+            return  # a handler that takes a run of single-row tokens in one call (the worker)
         on_rows = self.handler.on_rows
         for position, row in zip(tokens, entries, strict=True):
             if position == _BATCH:

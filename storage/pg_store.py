@@ -599,8 +599,9 @@ class PgStreamStore:
         token of the ``limit``-th row, all of whose rows are included (rows
         sharing a token are sent as ``batch`` lines, then the last with the
         token). One prepared statement, no Python object per row or value:
-        each value is JSON by ``to_json`` (JSON columns as stored), the same
-        JSON the row's line-limit check at write counted. None (the caller
+        each value is JSON by ``to_json`` (JSON columns as stored, integral
+        doubles with ``.0`` as the Python encoder writes them; other doubles
+        may print their exponent differently, ``1e+300``, and read the same). None (the caller
         builds the lines) if a line came out over ``max_line_bytes``.
         """
         schema = self.schema(stream)
@@ -934,10 +935,7 @@ def _json_encoder(schema: StreamSchema) -> Callable[[StoredRow], bytes]:
 
 def _lines_sql(schema: StreamSchema, with_ts: bool) -> str:
     """The statement of :meth:`PgStreamStore.read_lines_json`: (after, upto, limit, prefix, after) -> one row."""
-    values = [
-        f"COALESCE({c.name}::text, 'null')" if c.type == "json" else f"COALESCE(to_json({c.name})::text, 'null')"
-        for c in schema.columns
-    ]
+    values = [_pg_json_value(c.name, c.type) for c in schema.columns]
     if with_ts:
         values.append("ts::text")
     row_json = " || ',' || ".join(values)

@@ -39,6 +39,7 @@ from storage.contracts import ApplyTransaction, Effects, ReceivedRows
 from storage.schema import StreamSchema
 from storage.tso import compose, physical_ms
 from workers.handlers import ApplyContext, Handler, ReplicatedRow
+from workers.replicator import TableReplicator
 from workers.settings import ApplySettings
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ ReplicateInDb = Callable[[str, int, StreamSchema, list[ReceivedRows], Effects], 
 
 def _replicator_only(handlers: list[Handler], schema: StreamSchema) -> bool:
     """The stream's only handler copies its rows into ``replicated_<stream>`` (``workers.replicator``)."""
-    return len(handlers) == 1 and getattr(handlers[0], "replicates", None) == schema
+    return len(handlers) == 1 and isinstance(handlers[0], TableReplicator) and handlers[0].schema == schema
 
 
 @attr.s(slots=True, frozen=True, auto_attribs=True)

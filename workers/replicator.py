@@ -7,25 +7,29 @@ from workers.caches import CacheRegistry
 from workers.handlers import ApplyContext, Handler, ReplicatedRow
 
 
-def table_replicator(schema: StreamSchema) -> Handler:
+class TableReplicator:
     """Copy rows into ``replicated_<stream>``: the columns plus token, instance_name, ts.
 
-    The worker store writes them (many rows per statement on PostgreSQL).
+    The worker store writes them (many rows per statement on PostgreSQL). A
+    stream whose only handler is this one may give the store its rows as
+    received instead (``WorkerStore.apply_replicated``): the same effect.
 
     Each row is checked against the stream's columns first, so a worker whose
     declaration differs from the master's stops (and says why) instead of
     storing wrong data.
     """
-    check = schema.check_row
 
-    def replicate(ctx: ApplyContext, rows: list[ReplicatedRow]) -> None:
-        ctx.transaction.replicate(schema, [(r.token, r.instance_name, r.ts, *check(r.values)) for r in rows])
+    def __init__(self, schema: StreamSchema) -> None:
+        self.schema = schema
 
-    replicate.__name__ = f"replicate_{schema.name}"
-    # Marks the replicator: a stream with no other handler may give the store
-    # its rows as received (WorkerStore.apply_replicated), the same effect.
-    replicate.replicates = schema  # type: ignore[attr-defined]
-    return replicate
+    def __call__(self, ctx: ApplyContext, rows: list[ReplicatedRow]) -> None:
+        check = self.schema.check_row
+        ctx.transaction.replicate(self.schema, [(r.token, r.instance_name, r.ts, *check(r.values)) for r in rows])
+
+
+def table_replicator(schema: StreamSchema) -> Handler:
+    """The :class:`TableReplicator` of ``schema``."""
+    return TableReplicator(schema)
 
 
 def cache_invalidator(registry: CacheRegistry) -> Handler:

@@ -286,14 +286,15 @@ class Worker(ReplicationHandler):
 
     def on_rows_run(
         self, client: ClientProtocol, stream: str, instance: str, tokens: list[bytes], rows: list[list[Any]]
-    ) -> None:
+    ) -> bool:
         """A run of ``RDATA`` lines of one stream, one row per token (the client's block parser)."""
         consumer = self.consumers.get(stream)
         if consumer is None:
-            return
+            return True  # not a stream of ours: nothing to do per token either
         self._rows_on_connection = True
         consumer.rows_run(instance, list(map(int, tokens)), rows, client.rows_have_ts)
         self._count_received(client, len(rows))
+        return True
 
     def _count_received(self, client: ClientProtocol, rows: int) -> None:
         """Pause reading once the rows waiting to be applied pass ``max_pending_rows``.

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tests.conftest import ROOT, free_port, sqlite_url, tickline_command
 
-__all__ = ["Proc", "free_port", "peak_rss_kb", "query_one", "sqlite_url", "wait_for"]
+__all__ = ["Proc", "free_port", "peak_rss_kb", "query_one", "query_pg", "sqlite_url", "wait_for"]
 
 
 def _env() -> dict[str, str]:
@@ -85,6 +85,19 @@ def query_one(db: Path, sql: str, default=None):
     except sqlite3.OperationalError:
         return default  # table not created yet
     return default if row is None or row[0] is None else row[0]
+
+
+def query_pg(url: str, sql: str) -> list[tuple]:
+    """All rows of one query on a PostgreSQL database that other processes write."""
+    import psycopg2  # the postgres extra: only tests that use PostgreSQL need it
+
+    conn = psycopg2.connect(url)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(sql)
+            return cur.fetchall()
+    finally:
+        conn.close()
 
 
 def peak_rss_kb(pid: int) -> int | None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import psycopg2
 
 from tests.conftest import run_tickline
-from tests.integration.procs import Proc, accepts, free_port, wait_for
+from tests.integration.procs import Proc, accepts, free_port, query_pg, wait_for
 
 COLUMNS = "token, instance_name, ts, event_id, room_id, type, state_key, redacts"
 
@@ -31,19 +31,9 @@ def _rows(n: int, count: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _query(url: str, sql: str) -> list[tuple]:
-    conn = psycopg2.connect(url)
-    try:
-        with conn.cursor() as cur:
-            cur.execute(sql)
-            return cur.fetchall()
-    finally:
-        conn.close()
-
-
 def _applied(url: str) -> int:
     try:
-        found = _query(url, "SELECT token FROM tickline_applied WHERE stream = 'events'")
+        found = query_pg(url, "SELECT token FROM tickline_applied WHERE stream = 'events'")
     except psycopg2.Error:
         return 0
     return int(found[0][0]) if found else 0
@@ -97,15 +87,15 @@ def test_postgresql_pipeline_replicates_exactly_once_through_worker_kills(pg_ser
         writer.stop_event.set()
         writer.join(timeout=60)
     assert writer.error is None, writer.error
-    head = _query(source, "SELECT max(token) FROM stream_events")[0][0]
+    head = query_pg(source, "SELECT max(token) FROM stream_events")[0][0]
     try:
         wait_for(lambda: _applied(target) == head, 60, f"the worker to reach the head {head}")
     finally:
         worker_code = worker.stop()
         master_code = master.stop()
-    expected = _query(source, f"SELECT {COLUMNS} FROM stream_events ORDER BY token, seq")
-    got = _query(target, f"SELECT {COLUMNS} FROM replicated_events ORDER BY token, ts")
+    expected = query_pg(source, f"SELECT {COLUMNS} FROM stream_events ORDER BY token, seq")
+    got = query_pg(target, f"SELECT {COLUMNS} FROM replicated_events ORDER BY token, ts")
     assert len(got) == len(expected), f"{len(got)} replicated rows, {len(expected)} written"
     assert got == expected
-    assert any(count > 1 for (count,) in _query(source, "SELECT count(*) FROM stream_events GROUP BY token"))
+    assert any(count > 1 for (count,) in query_pg(source, "SELECT count(*) FROM stream_events GROUP BY token"))
     assert worker_code == 0 and master_code == 0, (worker.output()[-2000:], master.output()[-2000:])

@@ -13,7 +13,7 @@ from collections import Counter
 import orjson
 
 from tests.conftest import ROOT, _env
-from tests.integration.procs import Proc, wait_for
+from tests.integration.procs import Proc, query_pg, wait_for
 
 WRITER_TIMEOUT = 2.0
 CONFIG = f"master:\n  writer_timeout: {WRITER_TIMEOUT}\n"
@@ -193,17 +193,11 @@ def test_four_writers_5000_rows_each_reach_a_worker_and_a_tail_once_in_order(
 def query_one_pg(url: str, sql: str):
     import psycopg2
 
-    conn = psycopg2.connect(url)
     try:
-        with conn.cursor() as cur:
-            try:
-                cur.execute(sql)
-            except psycopg2.errors.UndefinedTable:
-                return None
-            row = cur.fetchone()
-            return None if row is None else row[0]
-    finally:
-        conn.close()
+        rows = query_pg(url, sql)
+    except psycopg2.errors.UndefinedTable:
+        return None
+    return rows[0][0] if rows else None
 
 
 def test_two_processes_with_one_instance_name_do_not_fence_each_other(pg_url, caplog) -> None:
