@@ -160,6 +160,14 @@ def _create_oracle(cur: Cursor) -> None:
         cur.execute(_FENCED_SQL)
 
 
+def _upgrade_stream_tables(cur: Cursor) -> None:
+    """Bring stream tables made by earlier versions to today's shape (``StreamSchema.upgrade_table_sql``)."""
+    cur.execute("SELECT pg_advisory_xact_lock(hashtext('tickline:upgrade streams'))")
+    for name, columns in cur.execute("SELECT name, columns FROM tickline_streams").fetchall():
+        for statement in StreamSchema.from_columns_json(name, columns).upgrade_table_sql("postgresql"):
+            cur.execute(statement)
+
+
 class Fenced(Exception):
     """This writer was declared dead: its transaction may not commit."""
 
@@ -213,6 +221,7 @@ class PgStreamStore:
         """
         applied = self.database.migrate()
         self.database.write(_create_oracle)
+        self.database.write(_upgrade_stream_tables)
         return applied
 
     def catalog(self) -> dict[str, StreamSchema]:
