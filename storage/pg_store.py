@@ -41,7 +41,7 @@ import psycopg2.extensions
 from storage import time_index
 from storage.contracts import JsonRow, Row, StoredRow
 from storage.limits import DEFAULT_MAX_LINE_BYTES, check_rows, max_row_json_bytes
-from storage.pg_copy import _COPY_FORMATS, NULL_COPY, _copy_text, formatter
+from storage.pg_copy import _COPY_FORMATS, NULL_COPY, _copy_text, chunk_formatter, formatter, lines_need_escapes
 from storage.pg_db import Cursor, PgDatabase, prepared
 from storage.schema import COLUMN_TYPES, RowError, StreamSchema, check_instance_name
 from storage.store import FIRST_VALUE, DatabaseUnavailable, StreamCatalog
@@ -677,7 +677,7 @@ class WriteTransaction:
             return []
         limit = self._store.max_line_bytes
         if count >= COPY_ROWS:
-            first_token, _ = self._append_copy(self._statements.columns_text(rows, limit), count, batch)
+            first_token, _ = self._append_copy(rows, count, batch, limit)
         else:
             first_token, _ = self._append_small(check_rows(self._schema, rows, limit), batch)
         tokens = [first_token] * count if batch else list(range(first_token, first_token + count))
@@ -733,7 +733,12 @@ class WriteTransaction:
         self._position_sent = first if batch else first + count - 1
         return first, first_ts
 
-    def _append_copy(self, columns: list[str], count: int, batch: bool) -> tuple[int, int]:
+    def _append_copy(self, rows: list[Row], count: int, batch: bool, limit: int | None) -> tuple[int, int]:
+        """Allocate, then check and send the rows by ``COPY``; a bad row raises before anything is sent.
+
+        The transaction then rolls back: the tokens and timestamps allocated
+        are skipped, as for any rolled-back write.
+        """
         store, schema = self._store, self._schema
         token_count = self._token_count(count, batch)
         with store._lock:
@@ -742,13 +747,8 @@ class WriteTransaction:
                 (_seq(schema), count, token_count, store._now_ms()),
             ).fetchone()
             first = self._allocated(first_token, batch)
-        self._cur.cursor.copy_expert(
-            self._statements.copy,
-            io.BytesIO(
-                self._statements.copy_text(columns, self._instance, first, 0 if batch else 1, first_ts).encode()
-            ),
-            size=1 << 20,
-        )
+        text = self._statements.copy_lines(rows, self._instance, first, 0 if batch else 1, first_ts, limit)
+        self._cur.cursor.copy_expert(self._statements.copy, io.BytesIO(text), size=1 << 20)
         return first, first_ts
 
     def finish(self) -> None:
@@ -780,6 +780,7 @@ class _Statements:
         self.copy = f"COPY {schema.table} ({names}) FROM STDIN"
         self._small: dict[tuple[int, bool, bool], str] = {}
         self._formats = [_COPY_FORMATS[c.type] for c in schema.columns]
+        self._chunk = chunk_formatter(schema)
         # JSON bytes a row can have beyond 6x its COPY text: brackets, per value quotes and a
         # separator, "null" for "\\N", "false" for "f", a double printed at its longest.
         self._fixed_json_bytes = 2 + sum(
@@ -824,6 +825,33 @@ class _Statements:
             "SELECT a.first_token, a.first_ts, pg_notify(%s, %s) FROM a "
             f"WHERE (SELECT count(*) FROM u) = 1 OR {FENCED_FUNCTION}()"
         )
+
+    def copy_lines(
+        self, rows: list[Row], instance: str, first_token: int, step: int, first_ts: int, max_line_bytes: int | None
+    ) -> bytes:
+        """The rows checked, as the ``COPY`` data (RowError names the first bad row).
+
+        The quick way (:func:`storage.pg_copy.chunk_formatter`: one generated
+        loop, one check of the whole text for anything that would need an
+        escape, a bound of every line's JSON) serves rows of exactly typed
+        values; anything else, any doubt, and the rows are made the careful
+        way (:meth:`columns_text`, which names the row that is wrong).
+        """
+        name = _copy_text(instance)
+        lines, nulls = (None, 0) if self._chunk is None else self._chunk(rows, first_ts, first_token, step, name)
+        if lines is not None and lines:
+            text = "\n".join(lines)
+            room = None if max_line_bytes is None else max_row_json_bytes(self.schema.name, max_line_bytes)
+            width = 4 + len(self.schema.columns)
+            if not lines_need_escapes(text, len(lines), width, nulls + len(lines) * name.count("\\")) and (
+                room is None or 6 * max(map(len, lines)) + self._fixed_json_bytes <= room
+            ):
+                try:
+                    return (text + "\n").encode()
+                except UnicodeEncodeError:  # a lone surrogate: named by the careful way
+                    pass
+        columns = self.columns_text(rows, max_line_bytes)
+        return self.copy_text(columns, instance, first_token, step, first_ts).encode()
 
     def columns_text(self, rows: list[Row], max_line_bytes: int | None) -> list[str]:
         """Check every row and give its columns as COPY text (RowError names a bad row; nothing is sent).

@@ -133,6 +133,7 @@ def first_token_at(store: TimedStore, stream: str, since_ts: int) -> TokenAt:
     table = schema.table
     before = f"SELECT token, ts FROM {table} WHERE token < {p} ORDER BY token DESC LIMIT 1"
     if store.database.dialect == "postgresql":
+        params: Any
         by_ts, params = pg_search_sql(table), {"t": since_ts}
     else:
         by_ts, params = f"SELECT token, ts FROM {table} WHERE ts >= {p} ORDER BY ts LIMIT 1", (since_ts,)
