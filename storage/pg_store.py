@@ -23,7 +23,6 @@ master listens to instead of polling.
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import os
 import socket
@@ -747,8 +746,13 @@ class WriteTransaction:
                 (_seq(schema), count, token_count, store._now_ms()),
             ).fetchone()
             first = self._allocated(first_token, batch)
-        text = self._statements.copy_lines(rows, self._instance, first, 0 if batch else 1, first_ts, limit)
-        self._cur.cursor.copy_expert(self._statements.copy, io.BytesIO(text), size=1 << 20)
+        source = _CopySource(self._statements, rows, self._instance, first, 0 if batch else 1, first_ts, limit)
+        try:
+            self._cur.cursor.copy_expert(self._statements.copy, source, size=1 << 20)
+        except psycopg2.Error:
+            if source.error is not None:  # psycopg2 ended the COPY with our error as its text
+                raise source.error from None
+            raise
         return first, first_ts
 
     def finish(self) -> None:
@@ -890,6 +894,56 @@ class _Statements:
             lines = [f"{first_ts + i}\t{first_token}\t{name}\t{first_ts + i}\t{text}" for i, text in enumerate(columns)]
         lines.append("")
         return "\n".join(lines)
+
+
+COPY_PIECE_ROWS = 128  # rows made into COPY text per read: PostgreSQL parses a piece while the next is made
+
+
+class _CopySource:
+    """The ``COPY`` data of one append, made a piece at a time as psycopg2 reads it.
+
+    PostgreSQL takes in each piece as it arrives, so the rows are checked and
+    formatted here while the server parses and stores the previous ones (two
+    processes at work, not one after the other). A bad row raises from
+    :meth:`read`: psycopg2 then ends the ``COPY`` with an error, PostgreSQL
+    discards it, and the transaction rolls back (nothing of it is stored).
+    """
+
+    __slots__ = ("_at", "_first_token", "_first_ts", "_instance", "_limit", "_rows", "_statements", "_step", "error")
+
+    def __init__(
+        self,
+        statements: _Statements,
+        rows: list[Row],
+        instance: str,
+        first_token: int,
+        step: int,
+        first_ts: int,
+        limit: int | None,
+    ) -> None:
+        self._statements, self._rows, self._instance = statements, rows, instance
+        self._first_token, self._step, self._first_ts, self._limit = first_token, step, first_ts, limit
+        self._at = 0
+        self.error: Exception | None = None  # what read raised (psycopg2 reports it as a failed COPY)
+
+    def read(self, size: int = -1) -> bytes:
+        at = self._at
+        rows = self._rows
+        if at >= len(rows):
+            return b""
+        end = len(rows) if len(rows) - at < 2 * COPY_PIECE_ROWS else at + COPY_PIECE_ROWS
+        self._at = end
+        token = self._first_token + at * self._step
+        try:
+            return self._statements.copy_lines(
+                rows[at:end], self._instance, token, self._step, self._first_ts + at, self._limit
+            )
+        except RowError as e:
+            self.error = RowError(e.reason, None if e.index is None else e.index + at)
+            raise self.error from None
+        except Exception as e:
+            self.error = e
+            raise
 
 
 def _statements(schema: StreamSchema) -> _Statements:
