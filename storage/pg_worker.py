@@ -15,7 +15,15 @@ import psycopg2
 import psycopg2.extensions
 
 from storage.contracts import Effects, ReceivedRows, ReplicatedValues, SnapshotView
-from storage.pg_copy import _COPY_FORMATS, NULL_COPY, _copy_text, copy_rows, formatter
+from storage.pg_copy import (
+    _COPY_FORMATS,
+    NULL_COPY,
+    _copy_text,
+    copy_rows,
+    formatter,
+    lines_need_escapes,
+    received_chunk_formatter,
+)
 from storage.pg_db import Cursor, PgDatabase
 from storage.schema import COLUMN_TYPES, StreamSchema
 from storage.store import DatabaseUnavailable, StaleApply
@@ -155,7 +163,7 @@ class PgWorkerStore:
                 move_applied_token(cur.execute, "%s", stream, token)
                 names = ", ".join(("token", "instance_name", *schema.column_names, "ts"))
                 cur.cursor.copy_expert(
-                    f"COPY {schema.replicated_table} ({names}) FROM STDIN", io.BytesIO(text.encode()), size=1 << 20
+                    f"COPY {schema.replicated_table} ({names}) FROM STDIN", io.BytesIO(text), size=1 << 20
                 )
 
             self.database.write(run)
@@ -176,8 +184,23 @@ class PgWorkerStore:
             raise StaleApply(f"stream {stream!r}: token {token} is not above the applied token")
 
     @staticmethod
-    def _copy_text(schema: StreamSchema, received: Sequence[ReceivedRows]) -> str | None:
-        """COPY lines ``token, instance, *values, ts``; None if a row is not ``[*values, ts]`` (the general way)."""
+    def _copy_text(schema: StreamSchema, received: Sequence[ReceivedRows]) -> bytes | None:
+        """COPY lines ``token, instance, *values, ts``; None if a row is not ``[*values, ts]`` (the general way).
+
+        Rows of exactly typed values whose text needs no escape (checked once
+        over the whole text) are made by one generated loop
+        (``storage.pg_copy.received_chunk_formatter``); otherwise row by row.
+        """
+        chunk = _received_chunk(schema)
+        if chunk is not None:
+            quick, nulls = chunk(received)
+            if quick:
+                joined = "\n".join(quick)
+                if not lines_need_escapes(joined, len(quick), len(schema.columns) + 3, nulls):
+                    try:
+                        return (joined + "\n").encode()
+                    except UnicodeEncodeError:  # a lone surrogate: refused row by row
+                        pass
         fmt = formatter(schema, with_ts=True)
         width = len(schema.columns)
         lines = []
@@ -192,7 +215,16 @@ class PgWorkerStore:
                     text = _checked_copy_text(schema, row[:-1]) + f"\t{ts}"
                 lines.append(prefix + text)
         lines.append("")
-        return "\n".join(lines)
+        return "\n".join(lines).encode()
+
+
+_RECEIVED_CHUNKS: dict[StreamSchema, Callable[..., tuple[list[str] | None, int]] | None] = {}
+
+
+def _received_chunk(schema: StreamSchema) -> Callable[..., tuple[list[str] | None, int]] | None:
+    if schema not in _RECEIVED_CHUNKS:
+        _RECEIVED_CHUNKS[schema] = received_chunk_formatter(schema)
+    return _RECEIVED_CHUNKS[schema]
 
 
 def _checked_copy_text(schema: StreamSchema, values: list[Any]) -> str:

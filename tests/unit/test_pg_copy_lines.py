@@ -109,3 +109,68 @@ def test_copy_appends_store_exactly_what_was_given(pg_url) -> None:
         assert again[0] > tokens[-1]
     finally:
         store.close()
+
+
+def test_the_workers_quick_lines_are_the_careful_ones() -> None:
+    from storage.pg_copy import received_chunk_formatter
+    from storage.pg_worker import PgWorkerStore
+
+    received = [(10 + i, "w", [[*row, 1000 + i]]) for i, row in enumerate([list(r) for r in GOOD] * 20)]
+    chunk = received_chunk_formatter(MIXED)
+    assert chunk is not None and chunk(received)[0] is not None
+    quick = PgWorkerStore._copy_text(MIXED, received)
+    careful_lines = [
+        f"{token}\tw\t" + _statements(MIXED).columns_text([row[:-1]], None)[0] + f"\t{row[-1]}"
+        for token, _, rows in received
+        for row in rows
+    ]
+    assert quick == ("\n".join(careful_lines) + "\n").encode()
+    odd = [(token, "w\\x", rows) for token, _, rows in received]  # an instance name with a backslash
+    assert PgWorkerStore._copy_text(MIXED, odd) == quick.replace(b"\tw\t", b"\tw\\\\x\t")
+
+
+@pytest.mark.parametrize("value", [*NEEDS_ESCAPES, "ünï ☃"])
+def test_the_worker_applies_rows_that_need_escapes_exactly(pg_url, value: str) -> None:
+    from storage.worker_store import open_worker_store
+
+    store = open_worker_store(pg_url)
+    try:
+        store.create_replicated_table(MIXED)
+        rows = [[value if i % 7 == 3 else f"r{i}", i, 0.5, i % 2 == 0, value] for i in range(120)]
+        received = [(1 + i, "w", [[*row, 1000 + i]]) for i, row in enumerate(rows)]
+        store.apply_replicated("mixed", 120, MIXED, received, lambda txn: None)
+        back = store.database.read(
+            lambda c: c.execute("SELECT token, ts, t, n, d, b, s FROM replicated_mixed ORDER BY token").fetchall()
+        )
+        assert [list(r[2:]) for r in back] == rows
+        assert [(r[0], r[1]) for r in back] == [(1 + i, 1000 + i) for i in range(120)]
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ([7, None, None, None, None], "'t' expects text"),
+        (["a", 2**63, None, None, None], "does not fit in 64 bits"),
+        (["a\x00", None, None, None, None], "NUL"),
+        (["a", None, None, 1, None], "'b' expects boolean"),
+    ],
+)
+def test_the_worker_names_a_bad_row_and_applies_nothing(pg_url, bad, message) -> None:
+    from storage.worker_store import open_worker_store
+
+    store = open_worker_store(pg_url)
+    try:
+        store.create_replicated_table(MIXED)
+        good = [[f"r{i}", i, 0.5, True, None, 1000 + i] for i in range(60)]
+        received = [(1, "w", good), (2, "w", [[*bad, 2000]]), (3, "w", good)]
+
+        def effects(txn) -> None:
+            txn.replicate(MIXED, [(t, i, r[-1], *MIXED.check_row(r[:-1])) for t, i, rs in received for r in rs])
+
+        with pytest.raises(RowError, match=message):
+            store.apply_replicated("mixed", 3, MIXED, received, effects)
+        assert store.applied_tokens() == {}
+    finally:
+        store.close()
