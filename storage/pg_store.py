@@ -159,6 +159,19 @@ def _create_oracle(cur: Cursor) -> None:
         cur.execute(_FENCED_SQL)
 
 
+def _rollback(conn: Any) -> None:
+    """End an explicit transaction on an autocommit connection (psycopg2's ``rollback`` would not)."""
+    try:
+        if not conn.closed and conn.get_transaction_status() != psycopg2.extensions.TRANSACTION_STATUS_IDLE:
+            with conn.cursor() as cur:
+                cur.execute("ROLLBACK")
+    except psycopg2.Error:
+        try:
+            conn.close()
+        except psycopg2.Error:
+            pass
+
+
 def _upgrade_stream_tables(cur: Cursor) -> None:
     """Bring stream tables made by earlier versions to today's shape (``StreamSchema.upgrade_table_sql``)."""
     cur.execute("SELECT pg_advisory_xact_lock(hashtext('tickline:upgrade streams'))")
@@ -210,6 +223,9 @@ class PgStreamStore:
         self._reporter: threading.Thread | None = None
         self._stop_reporting = threading.Event()
         self._side = threading.local()
+        # Per thread, the autocommit connection of write transactions (``writing``): BEGIN goes
+        # with the transaction's first statement and COMMIT with its last, no round trip of their own.
+        self._writes = threading.local()
         self._process_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"  # autocommit connections for the oracle and reports
 
     def migrate(self) -> list[int]:
@@ -432,26 +448,30 @@ class PgStreamStore:
         with self._lock:
             self._next_txn += 1
             txn_id = self._next_txn
-        conn = self.database.connection()
+        conn = getattr(self._writes, "conn", None)
+        if conn is None or conn.closed:
+            conn = self._writes.conn = self.database.connect(autocommit=True)
         try:
-            conn.set_session(isolation_level=psycopg2.extensions.ISOLATION_LEVEL_READ_COMMITTED)
             with conn.cursor() as raw:
-                txn = WriteTransaction(self, schema, instance_name, state, txn_id, Cursor(raw))
+                txn = WriteTransaction(self, schema, instance_name, state, txn_id, Cursor(raw), explicit=True)
                 yield txn
-                txn.finish()
-            conn.commit()
+                txn.commit()
         except psycopg2.OperationalError as e:
-            self.database.drop_broken(conn)
+            self._writes.conn = None
+            try:
+                conn.close()
+            except psycopg2.Error:
+                pass
             raise DatabaseUnavailable(redact_url(f"PostgreSQL at {self.database.dsn}: {str(e).strip()}")) from None
         except Fenced:
-            conn.rollback()
+            _rollback(conn)
             with self._lock:
                 if self._writers.get((stream, instance_name)) is state:
                     del self._writers[(stream, instance_name)]
             raise
         except BaseException:
             if not conn.closed:
-                conn.rollback()
+                _rollback(conn)
                 _release_oracle_lock(conn)
             raise
         finally:
@@ -645,19 +665,43 @@ class PgStreamStore:
         return PgNotifier(self.database)
 
 
+# A large append's allocation, and a write transaction's last statement (prepared once per connection).
+BEGIN = "BEGIN ISOLATION LEVEL READ COMMITTED; "
+_ALLOCATE_SQL = (
+    f"SELECT first_token, first_ts FROM {ORACLE_FUNCTION}(%s::regclass, %s::integer, %s::integer, %s::bigint)"
+)
+# The writer's position and its NOTIFY, or the fenced error if this epoch is no longer live.
+_FINISH_SQL = (
+    "WITH u AS (UPDATE tickline_writers SET position = GREATEST(position, %s::bigint), "
+    f"heartbeat_ms = {NOW_MS} WHERE stream = %s::text AND instance_name = %s::text AND epoch = %s::bigint AND alive "
+    f"RETURNING 1) SELECT pg_notify(%s::text, %s::text) WHERE (SELECT count(*) FROM u) = 1 OR {FENCED_FUNCTION}()"
+)
+
+
 class WriteTransaction:
     """Rows appended by one writer in one open transaction (see ``PgStreamStore.writing``).
 
     A small append is one statement: the oracle's allocation (tokens and
     timestamps), the ``INSERT`` and the writer's position with its ``NOTIFY``
     (committed by the transaction's single commit). A large one allocates,
-    then sends the rows by ``COPY``; its position moves in :meth:`finish`.
+    then sends the rows by ``COPY``; its position moves with the commit (:meth:`commit`).
     With ``batch``, every batch append of the transaction shares one token.
     """
 
     def __init__(
-        self, store: PgStreamStore, schema: StreamSchema, instance: str, state: _WriterState, txn_id: int, cur: Cursor
+        self,
+        store: PgStreamStore,
+        schema: StreamSchema,
+        instance: str,
+        state: _WriterState,
+        txn_id: int,
+        cur: Cursor,
+        explicit: bool = False,
     ) -> None:
+        # explicit: cur's connection is in autocommit and this transaction sends its own BEGIN (with
+        # its first statement) and COMMIT (with its last, in :meth:`commit`).
+        self._begin = BEGIN if explicit else ""
+        self._begun = False
         self._store = store
         self._schema = schema
         self._instance = instance
@@ -723,7 +767,7 @@ class WriteTransaction:
                 params.append(self._batch_token)
             params += [cap, schema.name, state.writer_id, state.epoch, CHANNEL, schema.name]
             try:
-                first_token, first_ts, _ = self._cur.execute(sql, params).fetchone()
+                first_token, first_ts, _ = self._cur.execute(self._first(sql), params).fetchone()
             except psycopg2.Error as e:
                 if e.pgcode == FENCED_CODE:
                     raise Fenced(self._instance) from None
@@ -742,7 +786,7 @@ class WriteTransaction:
         token_count = self._token_count(count, batch)
         with store._lock:
             first_token, first_ts = self._cur.execute(
-                f"SELECT first_token, first_ts FROM {ORACLE_FUNCTION}(%s::regclass, %s, %s, %s)",
+                self._first(prepared(self._cur.cursor, _ALLOCATE_SQL)),
                 (_seq(schema), count, token_count, store._now_ms()),
             ).fetchone()
             first = self._allocated(first_token, batch)
@@ -755,22 +799,38 @@ class WriteTransaction:
             raise
         return first, first_ts
 
-    def finish(self) -> None:
-        """Move the writer's position with the commit, or refuse if it was fenced off."""
+    def _first(self, sql: str) -> str:
+        """``sql``, led by ``BEGIN`` if it is the transaction's first statement (explicit transactions)."""
+        if self._begun:
+            return sql
+        self._begun = True
+        return self._begin + sql
+
+    def commit(self) -> None:
+        """The writer's position moved and the transaction committed, in one round trip.
+
+        Refuses (:class:`Fenced`, nothing committed) if the writer was
+        declared dead meanwhile: the position's update then finds no live row
+        of this epoch and the statement raises before the ``COMMIT``.
+        """
+        if not self._begun:
+            return
         if not self._last_token or self._last_token <= self._position_sent:
+            self._cur.execute("COMMIT")
             return
         store = self._store
         with store._lock:
             cap = self._cap()
         position = min(self._last_token, cap)
-        found = self._cur.execute(
-            "WITH u AS (UPDATE tickline_writers SET position = GREATEST(position, %s), "
-            f"heartbeat_ms = {NOW_MS} WHERE stream = %s AND instance_name = %s AND epoch = %s AND alive RETURNING 1) "
-            "SELECT pg_notify(%s, %s) FROM u",
-            (position, self._schema.name, self._state.writer_id, self._state.epoch, CHANNEL, self._schema.name),
-        ).fetchall()
-        if len(found) != 1:
-            raise Fenced(self._instance)
+        try:
+            self._cur.execute(
+                prepared(self._cur.cursor, _FINISH_SQL) + "; COMMIT",
+                (position, self._schema.name, self._state.writer_id, self._state.epoch, CHANNEL, self._schema.name),
+            )
+        except psycopg2.Error as e:
+            if e.pgcode == FENCED_CODE:
+                raise Fenced(self._instance) from None
+            raise
 
 
 class _Statements:

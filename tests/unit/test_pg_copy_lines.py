@@ -174,3 +174,27 @@ def test_the_worker_names_a_bad_row_and_applies_nothing(pg_url, bad, message) ->
         assert store.applied_tokens() == {}
     finally:
         store.close()
+
+
+def test_a_fenced_bulk_write_commits_nothing_and_append_retries_with_new_tokens(pg_url) -> None:
+    """A writer declared dead while its COPY transaction is open: the commit refuses, nothing is stored."""
+    from storage.pg_store import Fenced
+
+    store = open_store(pg_url)
+    other = open_store(pg_url)
+    try:
+        store.register_stream(MIXED)
+        rows = [list(r) for r in GOOD * 40]
+        first = store.append("mixed", rows, "w")
+        with pytest.raises(Fenced), store.writing("mixed", "w") as txn:
+            doomed = txn.append(rows)
+            store.database.query("UPDATE tickline_writers SET heartbeat_ms = 0 RETURNING 1")
+            other.safe_positions(expire_writers=True)  # the master's sweep: this writer is dead
+        assert store.read_rows("mixed", first[-1], 10**9, 10) == []
+        again = store.append("mixed", rows, "w")  # registers again: new epoch, new tokens
+        assert again[0] > doomed[-1]
+        stored = store.read_rows("mixed", 0, 10**9, 10_000)
+        assert [r[1] for r in stored] == first + again
+    finally:
+        other.close()
+        store.close()
