@@ -131,7 +131,7 @@ class StreamStore(Protocol):
         ...
 
     def first_token_at(self, stream: str, since_ts: int) -> TokenAt:
-        """The first token whose row has ``ts >= since_ts``, from the ``ts`` index (``storage.time_index``)."""
+        """The first token whose row has ``ts >= since_ts``, by a bounded search (``storage.time_index``)."""
         ...
 
     def safe_point(self, expire_writers: bool = True, allocate: bool = True) -> tuple[dict[str, int], dict[str, int]]:
