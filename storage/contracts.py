@@ -43,6 +43,13 @@ ReplicatedValues = tuple[Any, ...]
 # the stream's values followed by the row's timestamp (``OPTIONS ts``).
 ReceivedRows = tuple[int, str, list[list[Any]]]
 
+# The master's wake-up (WakeQuery): per stream read, the token fanned out so far and the
+# variants (with ``ts`` or not) its live subscriptions take.
+WakeReads = Mapping[str, tuple[int, tuple[bool, ...]]]
+# Per stream the safe time (None: no time was read), the safe positions, and per stream
+# read that moved: ``(after, (lines per variant, last token, rows))``.
+WakeResult = tuple[dict[str, int] | None, dict[str, int], dict[str, tuple[int, tuple[dict[bool, bytes], int, int]]]]
+
 T = TypeVar("T")
 
 
@@ -55,6 +62,33 @@ class Notifier(Protocol):
 
     def drain(self) -> set[str]:
         """The streams named by the notifications that arrived; never blocks."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class WakeQuery(Protocol):
+    """The master's wake-up in one round trip on a non-blocking connection (``storage.pg_wake``).
+
+    One call at a time: :meth:`start`, then :meth:`poll` whenever the
+    descriptor is ready until it says ``"done"``, then :meth:`result`. None
+    of them blocks (opening it does: ``StreamStore.open_wake``). A lost connection raises
+    :class:`~storage.store.DatabaseUnavailable` from :meth:`start` or
+    :meth:`poll`; the query is then unusable (nothing was moved: read again).
+    """
+
+    def fileno(self) -> int: ...
+
+    def start(self, read_mark: bool, reads: WakeReads, limit: int) -> None:
+        """Send the wake-up (never blocks)."""
+        ...
+
+    def poll(self) -> str:
+        """Read what arrived: ``"read"`` or ``"write"`` (wait for that), or ``"done"``."""
+        ...
+
+    def result(self) -> WakeResult:
+        """The mark's safe times (None without ``read_mark``), the safe positions, the first lines."""
         ...
 
     def close(self) -> None: ...
@@ -140,6 +174,10 @@ class StreamStore(Protocol):
 
     def notifier(self) -> Notifier | None:
         """A new change-notification listener, or None if the backend has none (poll)."""
+        ...
+
+    def open_wake(self) -> WakeQuery | None:
+        """Blocking: a new non-blocking connection for the master's wake-up, or None (the backend has none)."""
         ...
 
     def close(self) -> None: ...
