@@ -269,7 +269,7 @@ def open_wake(store: PgStreamStore) -> PgWake:
     """Blocking (off the reactor): a new asynchronous connection with the wake-up function."""
     dsn = store.database.dsn
     try:
-        conn = psycopg2.connect(dsn, async_=1, connect_timeout=5, application_name="tickline")
+        conn = psycopg2.connect(dsn, async_=1, connect_timeout=5, application_name="tickline-wake")
         _wait(conn)
         # READ COMMITTED whatever the server's default: each statement of the
         # function then takes its own snapshot (the order the proof needs).
