@@ -56,7 +56,7 @@ from replication.limits import (
     ensure_file_limit,
     watch_accept_errors,
 )
-from replication.pg_async import AsyncWake
+from replication.pg_async import AsyncQuery
 from replication.protocol import ProtocolConfig
 from replication.reactor_types import Reactor
 from replication.rows import encode_json_rows
@@ -128,7 +128,8 @@ class Master:
         self._relistening = False
         # PostgreSQL: the wake-up in one round trip on the reactor (replication.pg_async);
         # None (SQLite, or not open yet) or broken: the database threads read instead.
-        self._wake_query: AsyncWake | None = None
+        self._wake_query: AsyncQuery[WakeResult] | None = None
+        self._wake_call: WakeQuery | None = None  # what _wake_query drives
         self._reopening_wake = False
         self._db_error: str | None = None
         self.port: Any = None  # the reactor's listening port
@@ -402,7 +403,8 @@ class Master:
             query.close()
             return
         again = self._wake_query is not None
-        self._wake_query = AsyncWake(self.reactor, query)
+        self._wake_call = query
+        self._wake_query = AsyncQuery(self.reactor, query, "tickline-wake")
         if again:
             logger.info("wake-ups run on the reactor again")
 
@@ -411,9 +413,13 @@ class Master:
     ) -> WakeResult | None:
         """The wake-up in one round trip on the reactor; None when it cannot run (read on the threads)."""
         wake = self._wake_query
-        if wake is None or wake.broken or wake.busy or take_time == "allocate":
+        if wake is None or not wake.usable or take_time == "allocate":
             return None
-        d = wake.run(take_time == "read", reads, self.config.fanout_rows)
+        query = self._wake_call
+        assert query is not None
+        d = wake.run(lambda: query.start(take_time == "read", reads, self.config.fanout_rows))
+        if d is None:
+            return None
         try:
             return await d
         except StorageError as e:

@@ -1,24 +1,27 @@
-"""A storage query on a non-blocking connection, driven by the reactor (no thread hop).
+"""Storage calls on a non-blocking connection, driven by the reactor (no thread hop).
 
-:class:`AsyncWake` watches the descriptor of a :class:`~storage.contracts.WakeQuery`
-(``storage.pg_wake`` on PostgreSQL) while a call is in flight: it sends the
+:class:`AsyncQuery` watches the descriptor of a storage object that speaks
+SQL without blocking (:class:`~storage.contracts.NonBlockingCall`: the
+master's wake-up ``storage.pg_wake.PgWake``, a worker's small apply
+``storage.pg_worker.PgAsyncApply``) while a call is in flight: it sends the
 call, polls the connection whenever the reactor says it is readable or
 writable, and fires a Deferred with the answer. Nothing here blocks: the
 connection is non-blocking and only the storage object speaks SQL. Opening
-and preparing the connection blocks, so the master does that on its
+the connection blocks, so the master and the worker do that on their
 database threads.
 
 A lost connection fails the call's Deferred with
-:class:`~storage.store.DatabaseUnavailable` and marks this object
-:attr:`~AsyncWake.broken`: the master then reads on its database threads
-(the same reads, nothing having moved) and opens a new connection later.
+:class:`~storage.store.DatabaseUnavailable` and marks the object
+:attr:`~AsyncQuery.broken`: the caller then uses its database threads and
+opens a new connection later.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 from twisted.internet import defer
 from twisted.internet.interfaces import IReadDescriptor, IWriteDescriptor
@@ -26,23 +29,25 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from replication.reactor_types import Reactor
-from storage.contracts import WakeQuery, WakeReads, WakeResult
+from storage.contracts import NonBlockingCall
 from storage.store import DatabaseUnavailable
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @implementer(IReadDescriptor, IWriteDescriptor)
-class AsyncWake:
-    """Runs the master's wake-up query on the reactor, one call at a time."""
+class AsyncQuery(Generic[T]):
+    """Runs calls of one non-blocking storage connection on the reactor, one at a time."""
 
-    def __init__(self, reactor: Reactor, query: WakeQuery) -> None:
+    def __init__(self, reactor: Reactor, query: NonBlockingCall[T], name: str = "tickline-db-async") -> None:
         self._reactor = reactor
         self.query = query
+        self._name = name
         # A descriptor of our own: psycopg2 closes its own when the server goes
         # away, and the reactor must still be able to unregister ours.
         self._fd = os.dup(query.fileno())
-        self._call: defer.Deferred[WakeResult] | None = None
+        self._call: defer.Deferred[T] | None = None
         self._reading = self._writing = False
         self.broken = False
 
@@ -50,17 +55,26 @@ class AsyncWake:
     def busy(self) -> bool:
         return self._call is not None
 
-    def run(self, read_mark: bool, reads: WakeReads, limit: int) -> defer.Deferred[WakeResult]:
-        """Send the wake-up; the Deferred fires with its answer."""
-        assert self._call is None, "one wake-up at a time"
+    @property
+    def usable(self) -> bool:
+        return not self.broken and self._call is None
+
+    def run(self, send: Callable[[], bool | None]) -> defer.Deferred[T] | None:
+        """``send()`` sends a call (never blocks); the Deferred fires with its answer.
+
+        None, nothing sent, when ``send`` returns False (the call does not
+        suit this connection: the caller uses its threads).
+        """
+        assert self._call is None, "one call at a time"
         if self.broken:
-            return defer.fail(DatabaseUnavailable("the wake-up connection is closed"))
+            return defer.fail(DatabaseUnavailable("the connection is closed"))
         try:
-            self.query.start(read_mark, reads, limit)
+            if send() is False:
+                return None
         except DatabaseUnavailable as e:
             self._break()
             return defer.fail(e)
-        d: defer.Deferred[WakeResult] = defer.Deferred()
+        d: defer.Deferred[T] = defer.Deferred()
         self._call = d
         self._poll()
         return d
@@ -80,13 +94,16 @@ class AsyncWake:
             self._watch(read=False, write=False)
             try:
                 result = self.query.result()
-            except Exception as e:  # a decoding error: the call failed, the connection is suspect
+            except DatabaseUnavailable as e:
                 self._finish(Failure(e))
                 self._break()
                 return
+            except Exception as e:  # an answer the caller handles (a refused apply, a stale token)
+                self._finish(Failure(e))
+                return
             self._finish(result)
 
-    def _finish(self, result: WakeResult | Failure) -> None:
+    def _finish(self, result: T | Failure) -> None:
         d, self._call = self._call, None
         if d is not None:
             if isinstance(result, Failure):
@@ -114,7 +131,7 @@ class AsyncWake:
 
     def close(self) -> None:
         """Stop: a call in flight fails, the connection closes."""
-        self._finish(Failure(DatabaseUnavailable("the wake-up connection was closed")))
+        self._finish(Failure(DatabaseUnavailable("the connection was closed")))
         self._break()
 
     # -- IReadDescriptor / IWriteDescriptor -------------------------------------------------
@@ -133,8 +150,8 @@ class AsyncWake:
     def connectionLost(self, reason: Any) -> None:
         # The reactor dropped the descriptor (an error on it): the call fails.
         self._reading = self._writing = False
-        self._finish(Failure(DatabaseUnavailable(f"the wake-up connection was lost: {reason.getErrorMessage()}")))
+        self._finish(Failure(DatabaseUnavailable(f"the connection was lost: {reason.getErrorMessage()}")))
         self._break()
 
     def logPrefix(self) -> str:
-        return "tickline-wake"
+        return self._name

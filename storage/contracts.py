@@ -51,6 +51,7 @@ WakeReads = Mapping[str, tuple[int, tuple[bool, ...]]]
 WakeResult = tuple[dict[str, int] | None, dict[str, int], dict[str, tuple[int, tuple[dict[bool, bytes], int, int]]]]
 
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 
 
 class Notifier(Protocol):
@@ -67,31 +68,51 @@ class Notifier(Protocol):
     def close(self) -> None: ...
 
 
-class WakeQuery(Protocol):
-    """The master's wake-up in one round trip on a non-blocking connection (``storage.pg_wake``).
+class NonBlockingCall(Protocol[T_co]):
+    """A storage call on a non-blocking connection (PostgreSQL), driven by the caller's reactor.
 
-    One call at a time: :meth:`start`, then :meth:`poll` whenever the
-    descriptor is ready until it says ``"done"``, then :meth:`result`. None
-    of them blocks (opening it does: ``StreamStore.open_wake``). A lost connection raises
-    :class:`~storage.store.DatabaseUnavailable` from :meth:`start` or
-    :meth:`poll`; the query is then unusable (nothing was moved: read again).
+    One call at a time: the subclass's ``start`` sends it, then :meth:`poll`
+    whenever the descriptor is ready until it says ``"done"``, then
+    :meth:`result`. None of them blocks (opening the connection does). A
+    lost connection raises :class:`~storage.store.DatabaseUnavailable` from
+    ``start``, :meth:`poll` or :meth:`result`, and the object is then
+    unusable (closed).
     """
 
     def fileno(self) -> int: ...
-
-    def start(self, read_mark: bool, reads: WakeReads, limit: int) -> None:
-        """Send the wake-up (never blocks)."""
-        ...
 
     def poll(self) -> str:
         """Read what arrived: ``"read"`` or ``"write"`` (wait for that), or ``"done"``."""
         ...
 
-    def result(self) -> WakeResult:
-        """The mark's safe times (None without ``read_mark``), the safe positions, the first lines."""
+    def result(self) -> T_co:
+        """The answer of the call, once :meth:`poll` said ``"done"``."""
         ...
 
     def close(self) -> None: ...
+
+
+class WakeQuery(NonBlockingCall[WakeResult], Protocol):
+    """The master's wake-up in one round trip (``storage.pg_wake``): safe times, positions, first lines."""
+
+    def start(self, read_mark: bool, reads: WakeReads, limit: int) -> None:
+        """Send the wake-up (never blocks); without ``read_mark`` the result has no safe times."""
+        ...
+
+
+class AsyncApply(NonBlockingCall[None], Protocol):
+    """A worker's small apply as one statement on a non-blocking connection (``storage.pg_worker``).
+
+    :meth:`result` raises :class:`~storage.store.StaleApply` as
+    :meth:`WorkerStore.apply_replicated` does, and
+    :class:`~storage.store.ApplyRefused` when the statement refused the rows
+    (the caller then applies them with ``apply_replicated``, which names a
+    bad row; nothing of the refused statement committed).
+    """
+
+    def start(self, stream: str, token: int, schema: StreamSchema, received: Sequence[ReceivedRows]) -> bool:
+        """Send the apply (never blocks); False, nothing sent, for applies this path does not take (many rows)."""
+        ...
 
 
 class WriteTransaction(Protocol):
@@ -218,6 +239,10 @@ class WorkerStore(Protocol):
 
         :class:`~storage.store.StaleApply` if ``token`` is not above the applied token.
         """
+        ...
+
+    def open_async_apply(self) -> AsyncApply | None:
+        """Blocking: a non-blocking connection for small applies (PostgreSQL), or None."""
         ...
 
     def apply_replicated(

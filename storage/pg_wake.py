@@ -265,24 +265,36 @@ def _run_blocking(conn: Any, sql: str) -> None:
         _wait(conn)
 
 
-def open_wake(store: PgStreamStore) -> PgWake:
-    """Blocking (off the reactor): a new asynchronous connection with the wake-up function."""
-    dsn = store.database.dsn
+def open_nonblocking(dsn: str, application_name: str, settings: dict[str, str] | None = None) -> Any:
+    """Blocking (off the reactor): a new asynchronous psycopg2 connection, set up.
+
+    ``READ COMMITTED`` whatever the server's default (each statement of the
+    wake-up function then takes its own snapshot: the order its proof
+    needs), one generic plan per prepared statement (as ``PgDatabase``'s
+    connections), and ``settings`` (``SET`` for the session).
+    """
     try:
-        conn = psycopg2.connect(dsn, async_=1, connect_timeout=5, application_name="tickline-wake")
+        conn = psycopg2.connect(dsn, async_=1, connect_timeout=5, application_name=application_name)
         _wait(conn)
-        # READ COMMITTED whatever the server's default: each statement of the
-        # function then takes its own snapshot (the order the proof needs).
-        _run_blocking(
-            conn,
-            "SET default_transaction_isolation = 'read committed'"
-            + ("; SET plan_cache_mode = force_generic_plan" if conn.server_version >= 120000 else ""),
-        )
-        return PgWake(store, conn)
+        values = {"default_transaction_isolation": "read committed", **(settings or {})}
+        if conn.server_version >= 120000:
+            values.setdefault("plan_cache_mode", "force_generic_plan")
+        with conn.cursor() as cur:
+            cur.execute(
+                "; ".join(["SELECT set_config(%s, %s, false)"] * len(values)), [x for kv in values.items() for x in kv]
+            )
+            _wait(conn)
+        return conn
     except psycopg2.Error as e:
         text = str(e).strip()
         raise DatabaseUnavailable(
             redact_url(
-                f"cannot open the wake-up connection to PostgreSQL at {dsn}: {text.splitlines()[0] if text else type(e).__name__}"
+                f"cannot open a non-blocking connection to PostgreSQL at {dsn}: "
+                f"{text.splitlines()[0] if text else type(e).__name__}"
             )
         ) from None
+
+
+def open_wake(store: PgStreamStore) -> PgWake:
+    """Blocking (off the reactor): a new asynchronous connection for the master's wake-up."""
+    return PgWake(store, open_nonblocking(store.database.dsn, "tickline-wake"))
