@@ -58,32 +58,40 @@ def _literal(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
-def _lines_cte(index: int, schema: StreamSchema, with_ts: bool) -> str:
-    """The lines of stream ``index`` (1-based in the arrays) and one variant, up to its position."""
-    values = [_pg_json_value(c.name, c.type) for c in schema.columns]
-    if with_ts:
-        values.append("ts::text")
-    row_json = " || ',' || ".join(values)
+def _lines_cte(index: int, schema: StreamSchema, variants: tuple[bool, ...]) -> str:
+    """The lines of stream ``index`` (1-based in the arrays) up to its position, in each variant asked.
+
+    Each row's JSON values are built once; the lines without and with ``ts``
+    are two aggregates over the same rows.
+    """
+    row_json = " || ',' || ".join(_pg_json_value(c.name, c.type) for c in schema.columns)
     table = schema.table
     prefix = _literal(f"RDATA {schema.name} ")
     name = _literal(schema.name)
+    plain = "string_agg(head || ' [' || vals || ']', E'\\n' ORDER BY token, seq) || E'\\n'"
+    timed = "string_agg(head || ' [' || vals || ',' || ts::text || ']', E'\\n' ORDER BY token, seq) || E'\\n'"
+    # The longest line: the variant with ts where it is asked (the longer one).
+    extra = "3 + 1 + octet_length(ts::text)" if True in variants else "3"
     return (
-        f"l{index}{'t' if with_ts else 'f'} AS (SELECT string_agg(line, E'\\n' ORDER BY token, seq) || E'\\n' AS lines, "
-        "max(token) AS last, count(*) AS cnt, COALESCE(max(octet_length(line)), 0)::integer AS longest FROM "
-        f"(SELECT token, seq, {prefix} || instance_name || ' ' || "
-        "CASE WHEN lead(token) OVER (ORDER BY token, seq) = token THEN 'batch' ELSE token::text END "
-        f"|| ' [' || {row_json} || ']' AS line FROM {table}, "
-        f"(SELECT max(token) AS upper_token FROM (SELECT token FROM {table} WHERE token > afters[{index}] AND token <= (SELECT pos.position FROM pos WHERE pos.name = {name}) "
+        f"l{index} AS (SELECT {plain if False in variants else 'NULL::text'} AS lines, "
+        f"{timed if True in variants else 'NULL::text'} AS lines_ts, "
+        "max(token) AS last, count(*) AS cnt, "
+        f"COALESCE(max(octet_length(head) + octet_length(vals) + {extra}), 0)::integer AS longest FROM "
+        f"(SELECT token, seq, ts, {prefix} || instance_name || ' ' || "
+        "CASE WHEN lead(token) OVER (ORDER BY token, seq) = token THEN 'batch' ELSE token::text END AS head, "
+        f"{row_json} AS vals FROM {table}, "
+        f"(SELECT max(token) AS upper_token FROM (SELECT token FROM {table} WHERE token > afters[{index}] "
+        f"AND token <= (SELECT pos.position FROM pos WHERE pos.name = {name}) "
         "ORDER BY token LIMIT max_rows) AS x) AS u "
         f"WHERE token > afters[{index}] AND token <= u.upper_token) AS lines_{index})"
     )
 
 
-def wake_function_sql(function: str, schemas: list[StreamSchema], reads: list[tuple[int, bool]]) -> str:
+def wake_function_sql(function: str, schemas: list[StreamSchema], reads: list[tuple[int, tuple[bool, ...]]]) -> str:
     """``CREATE FUNCTION`` of the wake-up for these streams (see the module doc).
 
-    ``reads``: the (1-based stream index, variant) pairs whose lines the
-    function reads; only those are in its plan (a plan's start-up costs in
+    ``reads``: the (1-based stream index, variants) of the streams whose
+    lines the function reads; only those are in its plan (a plan's start-up costs in
     proportion to its nodes, read or not).
     """
     positions = " UNION ALL ".join(
@@ -97,23 +105,22 @@ def wake_function_sql(function: str, schemas: list[StreamSchema], reads: list[tu
     )
     ctes = [f"pos AS MATERIALIZED ({positions})"]
     selects = [
-        "SELECT pos.name, pos.position, pos.head, pos.live, pos.last_ts, mark, NULL::boolean, NULL::text, "
+        "SELECT pos.name, pos.position, pos.head, pos.live, pos.last_ts, mark, NULL::text, NULL::text, "
         "NULL::bigint, NULL::bigint, NULL::integer FROM pos"
     ]
-    for index, with_ts in reads:
+    for index, variants in reads:
         schema = schemas[index - 1]
-        cte = f"l{index}{'t' if with_ts else 'f'}"
-        ctes.append(_lines_cte(index, schema, with_ts))
+        ctes.append(_lines_cte(index, schema, variants))
         selects.append(
             f"SELECT {_literal(schema.name)}::text, NULL::bigint, NULL::bigint, NULL::boolean, NULL::bigint, "
-            f"NULL::bigint, {'TRUE' if with_ts else 'FALSE'}, {cte}.lines, {cte}.last, {cte}.cnt, {cte}.longest "
-            f"FROM {cte} WHERE {cte}.cnt > 0"
+            f"NULL::bigint, l{index}.lines, l{index}.lines_ts, l{index}.last, l{index}.cnt, l{index}.longest "
+            f"FROM l{index} WHERE l{index}.cnt > 0"
         )
     query = "WITH " + ", ".join(ctes) + " " + " UNION ALL ".join(selects)
     return (
         f"CREATE FUNCTION pg_temp.{function}(read_mark boolean, max_rows integer, afters bigint[]) "
         "RETURNS TABLE(r_name text, r_position bigint, r_head bigint, r_live boolean, r_last_ts bigint, r_mark bigint, "
-        "r_with_ts boolean, r_lines text, r_last bigint, r_count bigint, r_longest integer) "
+        "r_lines text, r_lines_ts text, r_last bigint, r_count bigint, r_longest integer) "
         "LANGUAGE plpgsql VOLATILE AS $fn$\nDECLARE\n    mark bigint;\nBEGIN\n"
         f"    IF read_mark THEN\n        {_ORACLE_LAST_SQL} INTO mark;\n    END IF;\n"
         f"    RETURN QUERY {query};\nEND\n$fn$"
@@ -133,7 +140,7 @@ class PgWake:
     def __init__(self, store: PgStreamStore, conn: Any) -> None:
         self._store = store
         self._conn = conn
-        self._functions: dict[tuple[tuple[str, ...], tuple[tuple[int, bool], ...]], str] = {}
+        self._functions: dict[tuple[tuple[str, ...], tuple[tuple[int, tuple[bool, ...]], ...]], str] = {}
         self._cursor: Any = None
         self._pending: tuple[bool, WakeReads] | None = None
 
@@ -144,11 +151,12 @@ class PgWake:
         """Send the wake-up (never blocks)."""
         schemas = self._store._catalog.known()
         afters: list[int] = []
-        shape: list[tuple[int, bool]] = []
+        shape: list[tuple[int, tuple[bool, ...]]] = []
         for index, schema in enumerate(schemas, 1):
             after, variants = reads.get(schema.name, (0, ()))
             afters.append(after)
-            shape.extend((index, v) for v in sorted(set(variants)))
+            if variants:
+                shape.append((index, tuple(sorted(set(variants)))))
         key = (tuple(s.name for s in schemas), tuple(shape))
         function = self._functions.get(key)
         create = ""
@@ -196,8 +204,8 @@ class PgWake:
         first: dict[str, tuple[int, tuple[dict[bool, bytes], int, int]]] = {}
         limit = self._store.max_line_bytes
         too_long: set[str] = set()
-        for name, position, head, live, last_ts, mark, with_ts, lines, last, count, longest in rows:
-            if with_ts is None:
+        for name, position, head, live, last_ts, mark, lines, lines_ts, last, count, longest in rows:
+            if count is None:
                 positions[name] = int(position)
                 if mark is None:
                     continue
@@ -209,22 +217,16 @@ class PgWake:
             if limit is not None and longest > limit:
                 too_long.add(name)  # the caller builds these lines itself
                 continue
-            after = reads[name][0]
-            found = first.get(name)
-            if found is None:
-                first[name] = (after, ({with_ts: lines.encode()}, int(last), int(count)))
-            elif found[1][1:] == (int(last), int(count)):
-                found[1][0][with_ts] = lines.encode()
-        for name in too_long:
-            first.pop(name, None)
+            encoded = {}
+            if lines is not None:
+                encoded[False] = lines.encode()
+            if lines_ts is not None:
+                encoded[True] = lines_ts.encode()
+            first[name] = (reads[name][0], (encoded, int(last), int(count)))
         # Streams read whose range held no row (tokens rolled back): the master moves them on.
         for name, (after, variants) in reads.items():
             if name not in first and name not in too_long and positions.get(name, after) > after:
                 first[name] = (after, ({v: b"" for v in variants}, after, 0))
-        # A stream read for some of its variants only (a line too long in one) is read again whole.
-        for name, (_after, (encoded, _last, _count)) in list(first.items()):
-            if set(encoded) != set(reads[name][1]):
-                del first[name]
         return (times if read_mark else None), positions, first
 
     def close(self) -> None:
