@@ -30,6 +30,14 @@ Collaborators are injected: the store, the reactor (clock, listening,
 readers) and the database threads (``db``, any
 :class:`~replication.dbthreads.DatabaseRunner`; by default a
 :class:`~replication.dbthreads.DatabaseThreads` pool of ``config.db_threads``).
+
+On PostgreSQL a pass woken by a commit (or any pass that does not take a
+fresh oracle time nor sweep dead writers) runs as one call on a non-blocking
+connection driven by the reactor (``StreamStore.open_wake``,
+:class:`~replication.pg_async.AsyncQuery`): the oracle's mark, the safe
+positions and the first lines of every stream read, in one round trip, with
+no hop through the database threads. When that connection is lost the pass
+reads on the threads and the slow loop opens a new one.
 """
 
 from __future__ import annotations
@@ -423,7 +431,10 @@ class Master:
         try:
             return await d
         except StorageError as e:
-            logger.warning("the wake-up connection failed (%s); reading on the database threads until it is back", e)
+            if self._wake_query is wake:  # else closed by stop(): nothing to report
+                logger.warning(
+                    "the wake-up connection failed (%s); reading on the database threads until it is back", e
+                )
             return None
 
     def _listening_again(self, notifier: Notifier) -> None:
