@@ -31,7 +31,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import psycopg2
@@ -45,6 +45,9 @@ from storage.pg_db import Cursor, PgDatabase, prepared
 from storage.schema import COLUMN_TYPES, RowError, StreamSchema, check_instance_name
 from storage.store import FIRST_VALUE, DatabaseUnavailable, StreamCatalog
 from storage.urls import redact_url
+
+if TYPE_CHECKING:
+    from storage.pg_wake import PgWake
 
 logger = logging.getLogger(__name__)
 CHANNEL = "tickline"
@@ -663,6 +666,12 @@ class PgStreamStore:
 
     def notifier(self) -> PgNotifier:
         return PgNotifier(self.database)
+
+    def open_wake(self) -> PgWake:
+        """Blocking: the master's one-round-trip wake-up on a non-blocking connection (``storage.pg_wake``)."""
+        from storage.pg_wake import open_wake
+
+        return open_wake(self)
 
 
 # A large append's allocation, and a write transaction's last statement (prepared once per connection).

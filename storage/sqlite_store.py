@@ -131,6 +131,10 @@ class SqliteStreamStore:
         """SQLite has no change notification: the master polls."""
         return None
 
+    def open_wake(self) -> None:
+        """SQLite reads on the database threads (no non-blocking connection)."""
+        return None
+
     def retire_writers(self) -> None:
         """Nothing to retire: SQLite writers need no positions."""
 
