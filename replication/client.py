@@ -46,6 +46,7 @@ from replication.commands import (
 from replication.protocol import LineCommandProtocol, ProtocolConfig
 from replication.reactor_types import Clock
 from replication.stats import STATS
+from storage.limits import MAX_BATCH_ROWS
 
 logger = logging.getLogger(__name__)
 _BATCH = BATCH.encode("ascii")
@@ -250,6 +251,9 @@ class ClientProtocol(LineCommandProtocol):
                     pending = [row]
                 else:
                     pending.append(row)
+                    if len(pending) > MAX_BATCH_ROWS:
+                        self._batch_too_long(stream)
+                        return
                 continue
             if pending is None:
                 rows = [row]
@@ -301,7 +305,10 @@ class ClientProtocol(LineCommandProtocol):
             logger.debug("[%s] dropped RDATA for %s before its POSITION", self.conn_name, stream)
             return
         if token is None:
-            self._pending_batch.setdefault(stream, []).append(row)
+            held = self._pending_batch.setdefault(stream, [])
+            held.append(row)
+            if len(held) > MAX_BATCH_ROWS:
+                self._batch_too_long(stream)
             return
         pending = self._pending_batch.pop(stream, None)
         if pending is None:
@@ -310,6 +317,15 @@ class ClientProtocol(LineCommandProtocol):
             pending.append(row)
             rows = pending
         self.handler.on_rows(self, stream, instance, token, rows)
+
+    def _batch_too_long(self, stream: str) -> None:
+        # Writers never store a longer batch: holding more would let a peer grow
+        # this without bound. Nothing of it is applied; it comes again on resume.
+        self._pending_batch.pop(stream, None)
+        self.close_with_error(
+            f"cannot handle what the server sent: a batch of {stream} longer than {MAX_BATCH_ROWS} rows "
+            "(rows sharing one token; writers refuse longer ones)"
+        )
 
     def on_TICK(self, command: TickCommand) -> None:
         if command.stream in self.positioned:

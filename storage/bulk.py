@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import IO, Any
 
 from storage.contracts import StreamStore, WriteTransaction
+from storage.limits import MAX_BATCH_ROWS
 from storage.schema import RowError
 from storage.store import StorageError
 
@@ -93,8 +94,9 @@ def write_rows(
     if batch:
         # One token for every row: they are checked and inserted in one append,
         # so that their timestamps are allocated with the token (a stream's ts
-        # increases with its token). Every client holds a batch whole anyway.
-        chunk_rows = 2**62
+        # increases with its token). Every client holds a batch whole, so a
+        # batch is bounded: one row past the bound is enough to refuse it.
+        chunk_rows = MAX_BATCH_ROWS + 1
     try:
         with store.writing(stream, instance_name) as txn:
             chunk: list[Row] = []

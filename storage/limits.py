@@ -34,6 +34,11 @@ from storage.schema import MAX_NAME_BYTES, RowError, StreamSchema
 
 DEFAULT_MAX_LINE_BYTES = 65536  # protocol.max_line_bytes's default
 MAX_JSON_DEPTH = 64  # nesting of arrays and objects inside one JSON column value
+# Rows that share one token (a batch) at most. A client holds a batch whole
+# until its last line (it is applied atomically), so a worker bounds what it
+# holds by this number; writers refuse a longer batch, so that no stored batch
+# is ever beyond what a worker accepts.
+MAX_BATCH_ROWS = 100_000
 TOKEN_DIGITS = 20  # the longest token (or "batch") on an RDATA line
 TS_BYTES = 1 + 20  # ",<ts>" appended to the row JSON with the ts option
 DOUBLE_BYTES = 24  # "-1.2345678901234567e-308": SQLite's %!.17g at its longest
@@ -143,6 +148,15 @@ class _RowSizer:
                     f"row JSON up to {max_line_bytes - overhead} bytes as sent)"
                 )
         return values
+
+
+def check_batch_rows(stream: str, rows: int) -> None:
+    """A batch of ``rows`` rows (one token) is within ``MAX_BATCH_ROWS``; else a RowError naming it."""
+    if rows > MAX_BATCH_ROWS:
+        raise RowError(
+            f"stream {stream!r}: a batch of {rows} rows sharing one token is over the limit of "
+            f"{MAX_BATCH_ROWS} rows per batch (write them without batch: still one transaction)"
+        )
 
 
 def check_row(schema: StreamSchema, row: Row, max_line_bytes: int | None) -> tuple[Any, ...]:

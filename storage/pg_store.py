@@ -39,7 +39,7 @@ import psycopg2.extensions
 
 from storage import time_index
 from storage.contracts import JsonRow, Row, StoredRow
-from storage.limits import DEFAULT_MAX_LINE_BYTES, check_rows, max_row_json_bytes
+from storage.limits import DEFAULT_MAX_LINE_BYTES, check_batch_rows, check_rows, max_row_json_bytes
 from storage.pg_copy import _COPY_FORMATS, NULL_COPY, _copy_text, chunk_formatter, formatter, lines_need_escapes
 from storage.pg_db import Cursor, PgDatabase, prepared
 from storage.schema import COLUMN_TYPES, RowError, StreamSchema, check_instance_name
@@ -720,6 +720,7 @@ class WriteTransaction:
         self._last_token = 0
         self._position_sent = 0  # the last token whose position update is already in the transaction
         self._batch_token: int | None = None
+        self._batch_rows = 0  # rows of this transaction's batch token so far
         self._statements = _statements(schema)
 
     def append(self, rows: Iterable[Row], batch: bool = False) -> list[int]:
@@ -727,6 +728,10 @@ class WriteTransaction:
         count = len(rows)
         if not count:
             return []
+        if batch:
+            # Every batch append of one transaction shares its token (see _allocated).
+            self._batch_rows += count
+            check_batch_rows(self._schema.name, self._batch_rows)
         limit = self._store.max_line_bytes
         if count >= COPY_ROWS:
             first_token, _ = self._append_copy(rows, count, batch, limit)

@@ -15,7 +15,7 @@ from typing import Any
 
 from storage import time_index, tso
 from storage.contracts import JsonRow, Row, StoredRow
-from storage.limits import DEFAULT_MAX_LINE_BYTES, check_rows
+from storage.limits import DEFAULT_MAX_LINE_BYTES, check_batch_rows, check_rows
 from storage.schema import StreamSchema, check_instance_name
 from storage.sqlite_db import SqliteDatabase
 from storage.store import StreamCatalog
@@ -259,6 +259,8 @@ class SqliteWriteTransaction:
         values = check_rows(self._schema, rows, self._store.max_line_bytes)
         if not values:
             return []
+        if batch:
+            check_batch_rows(self._schema.name, len(values))
         conn = self._conn
         count = len(values)
         token_count = 1 if batch else count
