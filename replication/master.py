@@ -1,8 +1,11 @@
 """The master: owns the streams, follows their heads, fans rows out to clients.
 
-The master follows each stream's committed head (polling the store every
-``poll_interval``, which also sees rows written by other processes, and at
-once when told of a local write). New rows are read once, encoded once into
+The master follows each stream's committed head: on PostgreSQL woken by
+``LISTEN/NOTIFY``; on SQLite by a cheap look for other connections' commits
+every ``change_check_interval`` (``PRAGMA data_version``,
+:class:`~storage.contracts.ChangeWatch`); a full pass also runs every
+``poll_interval`` (safe times, TICKs of idle streams), and at once when told
+of a local write. New rows are read once, encoded once into
 ``RDATA`` lines (each variant live connections use: with and without ``ts``),
 kept in the window of recent rows (``recent_bytes``, see
 ``replication.window``) and the same bytes are written to every live
@@ -68,7 +71,7 @@ from replication.timeline import TimelineService
 from replication.timeline_settings import TimelineSettings
 from replication.timeticks import TimeTicker, read_since
 from replication.window import Read, RecentWindow, SharedReads, WindowFiller
-from storage.contracts import Notifier, StreamStore
+from storage.contracts import ChangeWatch, Notifier, StreamStore
 from storage.schema import StreamSchema
 from storage.store import TOKEN, StorageError
 from storage.time_index import TokenAt
@@ -118,6 +121,8 @@ class Master:
         self._catchup_rows = 0
         self._live_rows = 0
         self._poller: task.LoopingCall | None = None
+        self._watch: ChangeWatch | None = None  # SQLite: PRAGMA data_version (storage.sqlite_db)
+        self._watcher: task.LoopingCall | None = None
         self._following = False
         self._follow_again = False
         self._expire_writers = True
@@ -141,6 +146,15 @@ class Master:
             if stream in self._schemas:
                 self._live[stream] = head
         notifier = await self.db.run(self.store.notifier)
+        watch = None if notifier is not None else await self.db.run(self.store.change_watch)
+        if watch is not None:
+            # SQLite: a cheap look for other processes' commits, often; a pass only when one came.
+            self._watch = watch
+            self._watcher = task.LoopingCall(self._check_changes)
+            self._watcher.clock = self.reactor  # type: ignore[assignment]
+            self._watcher.start(self.config.change_check_interval, now=False).addErrback(
+                lambda f: logger.error("watching for commits stopped: %s", f.getTraceback())
+            )
         if notifier is not None:
             # PostgreSQL: commits and writer reports wake us (LISTEN/NOTIFY);
             # the slow loop only notices writers that went silent.
@@ -212,6 +226,11 @@ class Master:
         """Stop the periodic pass over the stream heads (``stop`` does this too)."""
         if self._poller is not None and self._poller.running:
             self._poller.stop()
+        if self._watcher is not None and self._watcher.running:
+            self._watcher.stop()
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
         self.timeticks.stop()
 
     async def stop(self) -> None:
@@ -362,6 +381,11 @@ class Master:
         self._woken = True
         if self._poller is not None and self._poller.running:
             self.reactor.callLater(0, self._follow_heads)
+
+    def _check_changes(self) -> None:
+        """On the reactor, every ``change_check_interval``: a commit of another connection starts a pass."""
+        if self._watch is not None and self._watch.changed():
+            self.notify()
 
     def _slow_tick(self) -> defer.Deferred[None] | None:
         # The periodic pass also looks for writers that went silent; wake-ups

@@ -636,6 +636,10 @@ class PgStreamStore:
     def notifier(self) -> PgNotifier:
         return PgNotifier(self.database)
 
+    def change_watch(self) -> None:
+        """None: PostgreSQL wakes the master by :meth:`notifier` (``LISTEN/NOTIFY``)."""
+        return None
+
 
 class WriteTransaction:
     """Rows appended by one writer in one open transaction (see ``PgStreamStore.writing``).
