@@ -475,23 +475,36 @@ class Master:
                     logger.info("stream %s appeared (head %s)", stream, head)
                     self._live[stream] = head
                 continue
+            # The next chunk is read while this one is fanned out (one read ahead).
+            ahead: tuple[int, tuple[bool, ...], defer.Deferred[Any]] | None = None
             while self._live[stream] < head:
                 subs = self._live_subs[stream]
                 if not subs and self.window.start(stream) is None:
                     self._live[stream] = head  # nobody live and nothing kept: no read
                     break
+                variants = tuple(sorted({target.with_ts for target in subs})) or (False,)
                 pre = first.pop(stream, None)
                 if pre is not None and pre[0] == self._live[stream]:
                     encoded, last_token, count = pre[1]
+                elif ahead is not None and ahead[:2] == (self._live[stream], variants):
+                    encoded, last_token, count = await ahead[2]
                 else:
-                    variants = tuple(sorted({target.with_ts for target in subs})) or (False,)
                     encoded, last_token, count = await self.db.run(
                         self._read_encoded, stream, self._live[stream], head, self.config.fanout_rows, variants
                     )
+                _dropped(ahead)
+                ahead = None
                 if count == 0:
                     self._timetick(stream, head)
                     break
+                if last_token < head:
+                    ahead = (
+                        last_token,
+                        variants,
+                        self.db.run(self._read_encoded, stream, last_token, head, self.config.fanout_rows, variants),
+                    )
                 self._fan_out(stream, encoded, last_token, count)
+            _dropped(ahead)
         self.timeticks.passed(safe_times, heads)
 
     def _wake(
@@ -567,6 +580,12 @@ class Master:
 
 
 @implementer(IReadDescriptor)
+def _dropped(ahead: tuple[int, tuple[bool, ...], defer.Deferred[Any]] | None) -> None:
+    """A read ahead that is not used (the loop left, or the variants changed): its result or failure is let go."""
+    if ahead is not None:
+        ahead[2].addErrback(lambda f: logger.debug("a read ahead was not used: %s", f.getErrorMessage()))
+
+
 class NotificationReader:
     """Watches the store's notification connection on the reactor (non-blocking)."""
 
