@@ -47,8 +47,19 @@ class SqliteStreamStore:
         column, filled for its rows (:meth:`add_row_json`).
         """
         applied: list[int] = self.database.migrate()
-        self.database.write(self.add_row_json)
+        if self.database.read(self._tables_without_row_json):  # a write (the lock) only when needed
+            self.database.write(self.add_row_json)
         return applied
+
+    @staticmethod
+    def _tables_without_row_json(conn: sqlite3.Connection) -> list[StreamSchema]:
+        missing = []
+        for name, columns in conn.execute("SELECT name, columns FROM tickline_streams ORDER BY name").fetchall():
+            schema = StreamSchema.from_columns_json(name, columns)
+            have = {row[1] for row in conn.execute("SELECT * FROM pragma_table_info(?)", (schema.table,))}
+            if have and ROW_JSON_COLUMN not in have:
+                missing.append(schema)
+        return missing
 
     def add_row_json(self, conn: sqlite3.Connection) -> list[str]:
         """In a write transaction: add ``row_json`` to the stream tables without it, and fill it.
@@ -60,11 +71,7 @@ class SqliteStreamStore:
         Returns the streams upgraded.
         """
         upgraded = []
-        for name, columns in conn.execute("SELECT name, columns FROM tickline_streams ORDER BY name").fetchall():
-            schema = StreamSchema.from_columns_json(name, columns)
-            have = {row[1] for row in conn.execute("SELECT * FROM pragma_table_info(?)", (schema.table,))}
-            if not have or ROW_JSON_COLUMN in have:
-                continue
+        for schema in self._tables_without_row_json(conn):
             encode = schema.values_encoder()
             conn.create_function(
                 "tickline_row_json", len(schema.columns), lambda *values: encode(values), deterministic=True
@@ -73,7 +80,7 @@ class SqliteStreamStore:
             conn.execute(
                 f"UPDATE {schema.table} SET {ROW_JSON_COLUMN} = tickline_row_json({', '.join(schema.column_names)})"
             )
-            upgraded.append(name)
+            upgraded.append(schema.name)
         return upgraded
 
     def close(self) -> None:
