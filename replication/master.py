@@ -60,7 +60,7 @@ from replication.limits import (
     watch_accept_errors,
 )
 from replication.protocol import ProtocolConfig
-from replication.reactor_types import Reactor
+from replication.reactor_types import DelayedCall, Reactor
 from replication.rows import encode_json_rows
 from replication.server import ServerProtocol
 from replication.settings import LimitsConfig, MasterConfig, TLSConfig
@@ -122,7 +122,7 @@ class Master:
         self._live_rows = 0
         self._poller: task.LoopingCall | None = None
         self._watch: ChangeWatch | None = None  # SQLite: PRAGMA data_version (storage.sqlite_db)
-        self._watcher: task.LoopingCall | None = None
+        self._watcher: DelayedCall | None = None  # the next look (a bare callLater: no Deferred per look)
         self._following = False
         self._follow_again = False
         self._expire_writers = True
@@ -150,11 +150,7 @@ class Master:
         if watch is not None:
             # SQLite: a cheap look for other processes' commits, often; a pass only when one came.
             self._watch = watch
-            self._watcher = task.LoopingCall(self._check_changes)
-            self._watcher.clock = self.reactor  # type: ignore[assignment]
-            self._watcher.start(self.config.change_check_interval, now=False).addErrback(
-                lambda f: logger.error("watching for commits stopped: %s", f.getTraceback())
-            )
+            self._watcher = self.reactor.callLater(self.config.change_check_interval, self._check_changes)
         if notifier is not None:
             # PostgreSQL: commits and writer reports wake us (LISTEN/NOTIFY);
             # the slow loop only notices writers that went silent.
@@ -226,8 +222,9 @@ class Master:
         """Stop the periodic pass over the stream heads (``stop`` does this too)."""
         if self._poller is not None and self._poller.running:
             self._poller.stop()
-        if self._watcher is not None and self._watcher.running:
-            self._watcher.stop()
+        if self._watcher is not None and self._watcher.active():
+            self._watcher.cancel()
+        self._watcher = None
         if self._watch is not None:
             self._watch.close()
             self._watch = None
@@ -383,9 +380,21 @@ class Master:
             self.reactor.callLater(0, self._follow_heads)
 
     def _check_changes(self) -> None:
-        """On the reactor, every ``change_check_interval``: a commit of another connection starts a pass."""
-        if self._watch is not None and self._watch.changed():
+        """On the reactor, every ``change_check_interval``: a commit of another connection starts a pass.
+
+        Not while a pass runs (it reads the heads anyway, and the look costs
+        more while the fan-out reads): the first look after it sees any
+        commit made meanwhile (``data_version`` changed since the last look).
+        """
+        if self._watch is None:
+            return
+        try:
+            if not self._following and self._watch.changed():
+                self.notify()
+        except Exception:
+            logger.exception("looking for commits failed; a pass runs")
             self.notify()
+        self._watcher = self.reactor.callLater(self.config.change_check_interval, self._check_changes)
 
     def _slow_tick(self) -> defer.Deferred[None] | None:
         # The periodic pass also looks for writers that went silent; wake-ups

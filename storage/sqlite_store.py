@@ -257,8 +257,8 @@ class SqliteStreamStore:
         order of the token index: each row's stored JSON, the separator before
         it carrying its line's start (``\n<prefix><instance> <token> ``,
         prepared once for the first row's writer), so no stored bytes are
-        concatenated per row; the first line's start and the last newline are
-        added here. The same statement counts the rows and their tokens'
+        concatenated per row; SQLite adds the first line's start and the last
+        newline too (the value is not copied again in Python, under the GIL). The same statement counts the rows and their tokens'
         range:
 
         Batches: SQLite's tokens are dense (a write allocates its tokens from
@@ -277,13 +277,13 @@ class SqliteStreamStore:
             f"SELECT instance_name, token FROM {table} INDEXED BY {table}_token "
             "WHERE token > ? AND token <= ? ORDER BY token, seq LIMIT 1"
         )
+        # ?6: the first line's start; the whole value is built by SQLite (no copy of it in Python).
         lines = (
-            f"SELECT CAST(group_concat({value}, CASE instance_name WHEN ?1 THEN ?2 || token || ' ' "
-            f"ELSE ?3 || instance_name || ' ' || token || ' ' END) AS BLOB), count(*), min(token), max(token) "
-            f"FROM {table} INDEXED BY {table}_token WHERE token > ?4 AND token <= ?5"
+            f"SELECT CAST(?6 || group_concat({value}, CASE instance_name WHEN ?1 THEN ?2 || token || ' ' "
+            f"ELSE ?3 || instance_name || ' ' || token || ' ' END) || char(10) AS BLOB), count(*), min(token), "
+            f"max(token) FROM {table} INDEXED BY {table}_token WHERE token > ?4 AND token <= ?5"
         )
         distinct = f"SELECT count(DISTINCT token) FROM {table} WHERE token > ? AND token <= ?"
-        start = prefix.encode("utf-8")
         separator = "\n" + prefix
 
         def run(conn: sqlite3.Connection) -> tuple[bytes, int, int] | None:
@@ -294,7 +294,7 @@ class SqliteStreamStore:
             # From the first row's token (past a gap, if any), about limit tokens.
             end = min(upto, max(after, token - 1) + max(limit, 1))
             data, count, low, last = conn.execute(
-                lines, (instance, f"{separator}{instance} ", separator, after, end)
+                lines, (instance, f"{separator}{instance} ", separator, after, end, f"{prefix}{instance} {token} ")
             ).fetchone()
             if count != last - low + 1:
                 if count > last - low + 1:
@@ -302,7 +302,7 @@ class SqliteStreamStore:
                 (tokens,) = conn.execute(distinct, (after, end)).fetchone()
                 if tokens != count:
                     return None
-            return b"%s%s %d %s\n" % (start, instance.encode("utf-8"), token, data), last, count
+            return data, last, count
 
         return self.database.read(run)
 
