@@ -33,6 +33,14 @@ Collaborators are injected: the store, the reactor (clock, listening,
 readers) and the database threads (``db``, any
 :class:`~replication.dbthreads.DatabaseRunner`; by default a
 :class:`~replication.dbthreads.DatabaseThreads` pool of ``config.db_threads``).
+
+On PostgreSQL a pass woken by a commit (or any pass that does not take a
+fresh oracle time nor sweep dead writers) runs as one call on a non-blocking
+connection driven by the reactor (``StreamStore.open_wake``,
+:class:`~replication.pg_async.AsyncQuery`): the oracle's mark, the safe
+positions and the first lines of every stream read, in one round trip, with
+no hop through the database threads. When that connection is lost the pass
+reads on the threads and the slow loop opens a new one.
 """
 
 from __future__ import annotations
@@ -59,6 +67,7 @@ from replication.limits import (
     ensure_file_limit,
     watch_accept_errors,
 )
+from replication.pg_async import AsyncQuery
 from replication.protocol import ProtocolConfig
 from replication.reactor_types import DelayedCall, Reactor
 from replication.rows import encode_json_rows
@@ -71,7 +80,7 @@ from replication.timeline import TimelineService
 from replication.timeline_settings import TimelineSettings
 from replication.timeticks import TimeTicker, read_since
 from replication.window import Read, RecentWindow, SharedReads, WindowFiller
-from storage.contracts import ChangeWatch, Notifier, StreamStore
+from storage.contracts import ChangeWatch, Notifier, StreamStore, WakeQuery, WakeResult
 from storage.schema import StreamSchema
 from storage.store import TOKEN, StorageError
 from storage.time_index import TokenAt
@@ -130,6 +139,11 @@ class Master:
         self._follow_waiters: list[defer.Deferred[None]] = []
         self._notifications: NotificationReader | None = None
         self._relistening = False
+        # PostgreSQL: the wake-up in one round trip on the reactor (replication.pg_async);
+        # None (SQLite, or not open yet) or broken: the database threads read instead.
+        self._wake_query: AsyncQuery[WakeResult] | None = None
+        self._wake_call: WakeQuery | None = None  # what _wake_query drives
+        self._reopening_wake = False
         self._db_error: str | None = None
         self.port: Any = None  # the reactor's listening port
         self.timeticks = TimeTicker(self, config.tick_interval)  # safe times and TICK
@@ -157,6 +171,7 @@ class Master:
             self._notifications = NotificationReader(notifier, self.notify)
             self.reactor.addReader(self._notifications)
             interval = max(self.config.writer_timeout / 5, self.config.poll_interval)
+            await self._open_wake()
         else:
             interval = self.config.poll_interval
         self._poller = task.LoopingCall(self._slow_tick)
@@ -239,6 +254,9 @@ class Master:
                 self.reactor.removeReader(self._notifications)
             self._notifications.close()
             self._notifications = None
+        if self._wake_query is not None:
+            self._wake_query.close()
+            self._wake_query = None
         for conn in list(self.connections):
             conn.close()
         self.timeline.stop()
@@ -377,7 +395,7 @@ class Master:
         """Rows were committed (a database notification, or a write of this process): fan them out now."""
         self._woken = True
         if self._poller is not None and self._poller.running:
-            self.reactor.callLater(0, self._follow_heads)
+            self._follow_heads()
 
     def _check_changes(self) -> None:
         """On the reactor, every ``change_check_interval``: a commit of another connection starts a pass.
@@ -404,7 +422,53 @@ class Master:
             # The reactor dropped the old reader; a new connection listens.
             self._relistening = True
             self.db.run(self.store.notifier).addCallbacks(self._listening_again, self._not_listening_yet)
+        wake = self._wake_query
+        if self._notifications is not None and not self._reopening_wake and (wake is None or wake.broken):
+            defer.ensureDeferred(self._open_wake())
         return self._follow_heads()
+
+    async def _open_wake(self) -> None:
+        """Open the wake-up's non-blocking connection (off the reactor); log once if it fails."""
+        self._reopening_wake = True
+        try:
+            query: WakeQuery | None = await self.db.run(self.store.open_wake)
+        except Exception as e:
+            if self._wake_query is None or not self._wake_query.broken:
+                logger.warning("wake-ups read on the database threads for now: %s", e)
+            return
+        finally:
+            self._reopening_wake = False
+        if query is None:
+            return
+        if self._poller is None:  # stopped meanwhile
+            query.close()
+            return
+        again = self._wake_query is not None
+        self._wake_call = query
+        self._wake_query = AsyncQuery(self.reactor, query, "tickline-wake")
+        if again:
+            logger.info("wake-ups run on the reactor again")
+
+    async def _wake_on_reactor(
+        self, take_time: str | None, reads: dict[str, tuple[int, tuple[bool, ...]]]
+    ) -> WakeResult | None:
+        """The wake-up in one round trip on the reactor; None when it cannot run (read on the threads)."""
+        wake = self._wake_query
+        if wake is None or not wake.usable or take_time == "allocate":
+            return None
+        query = self._wake_call
+        assert query is not None
+        d = wake.run(lambda: query.start(take_time == "read", reads, self.config.fanout_rows))
+        if d is None:
+            return None
+        try:
+            return await d
+        except StorageError as e:
+            if self._wake_query is wake:  # else closed by stop(): nothing to report
+                logger.warning(
+                    "the wake-up connection failed (%s); reading on the database threads until it is back", e
+                )
+            return None
 
     def _listening_again(self, notifier: Notifier) -> None:
         self._relistening = False
@@ -474,7 +538,11 @@ class Master:
             if subs and stream in self._live
         }
         # A time taken before the safe positions gives each stream a safe time (TICK).
-        safe_times, heads, first = await self.db.run(self._wake, expire, self.timeticks.wanted(not woken), reads)
+        take_time = self.timeticks.wanted(not woken)
+        answer = None if expire else await self._wake_on_reactor(take_time, reads)
+        if answer is None:
+            answer = await self.db.run(self._wake, expire, take_time, reads)
+        safe_times, heads, first = answer
         self._safe.update(heads)
         if any(stream not in self._schemas for stream in heads):
             self._learn(await self.db.run(self.store.catalog))

@@ -152,7 +152,7 @@ def replicate_at(conn: ServerProtocol, command: ReplicateCommand) -> defer.Defer
         # Never past the live token: rows above it may still be in flight.
         start = live if at.before is None else min(at.before, live)
         logger.info(
-            "[%s] %s from %s: token %s (%d index lookups)", conn.conn_name, stream, command.since_ms, start, at.queries
+            "[%s] %s from %s: token %s (%d statements)", conn.conn_name, stream, command.since_ms, start, at.queries
         )
         conn.send(PositionCommand(stream, master.config.instance_name, start, start))
         conn.subscriptions.start(stream, start, announce_live=conn.announce_live, since_ts=since_ts)

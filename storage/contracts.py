@@ -43,7 +43,15 @@ ReplicatedValues = tuple[Any, ...]
 # the stream's values followed by the row's timestamp (``OPTIONS ts``).
 ReceivedRows = tuple[int, str, list[list[Any]]]
 
+# The master's wake-up (WakeQuery): per stream read, the token fanned out so far and the
+# variants (with ``ts`` or not) its live subscriptions take.
+WakeReads = Mapping[str, tuple[int, tuple[bool, ...]]]
+# Per stream the safe time (None: no time was read), the safe positions, and per stream
+# read that moved: ``(after, (lines per variant, last token, rows))``.
+WakeResult = tuple[dict[str, int] | None, dict[str, int], dict[str, tuple[int, tuple[dict[bool, bytes], int, int]]]]
+
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 
 
 class Notifier(Protocol):
@@ -72,6 +80,53 @@ class ChangeWatch(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class NonBlockingCall(Protocol[T_co]):
+    """A storage call on a non-blocking connection (PostgreSQL), driven by the caller's reactor.
+
+    One call at a time: the subclass's ``start`` sends it, then :meth:`poll`
+    whenever the descriptor is ready until it says ``"done"``, then
+    :meth:`result`. None of them blocks (opening the connection does). A
+    lost connection raises :class:`~storage.store.DatabaseUnavailable` from
+    ``start``, :meth:`poll` or :meth:`result`, and the object is then
+    unusable (closed).
+    """
+
+    def fileno(self) -> int: ...
+
+    def poll(self) -> str:
+        """Read what arrived: ``"read"`` or ``"write"`` (wait for that), or ``"done"``."""
+        ...
+
+    def result(self) -> T_co:
+        """The answer of the call, once :meth:`poll` said ``"done"``."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class WakeQuery(NonBlockingCall[WakeResult], Protocol):
+    """The master's wake-up in one round trip (``storage.pg_wake``): safe times, positions, first lines."""
+
+    def start(self, read_mark: bool, reads: WakeReads, limit: int) -> None:
+        """Send the wake-up (never blocks); without ``read_mark`` the result has no safe times."""
+        ...
+
+
+class AsyncApply(NonBlockingCall[None], Protocol):
+    """A worker's small apply as one statement on a non-blocking connection (``storage.pg_worker``).
+
+    :meth:`result` raises :class:`~storage.store.StaleApply` as
+    :meth:`WorkerStore.apply_replicated` does, and
+    :class:`~storage.store.ApplyRefused` when the statement refused the rows
+    (the caller then applies them with ``apply_replicated``, which names a
+    bad row; nothing of the refused statement committed).
+    """
+
+    def start(self, stream: str, token: int, schema: StreamSchema, received: Sequence[ReceivedRows]) -> bool:
+        """Send the apply (never blocks); False, nothing sent, for applies this path does not take (many rows)."""
+        ...
 
 
 class WriteTransaction(Protocol):
@@ -145,7 +200,7 @@ class StreamStore(Protocol):
         ...
 
     def first_token_at(self, stream: str, since_ts: int) -> TokenAt:
-        """The first token whose row has ``ts >= since_ts``, from the ``ts`` index (``storage.time_index``)."""
+        """The first token whose row has ``ts >= since_ts``, by a bounded search (``storage.time_index``)."""
         ...
 
     def safe_point(self, expire_writers: bool = True, allocate: bool = True) -> tuple[dict[str, int], dict[str, int]]:
@@ -158,6 +213,10 @@ class StreamStore(Protocol):
 
     def change_watch(self) -> ChangeWatch | None:
         """A new cheap change check for polling (SQLite), or None (PostgreSQL: :meth:`notifier`)."""
+        ...
+
+    def open_wake(self) -> WakeQuery | None:
+        """Blocking: a new non-blocking connection for the master's wake-up, or None (the backend has none)."""
         ...
 
     def close(self) -> None: ...
@@ -198,6 +257,10 @@ class WorkerStore(Protocol):
 
         :class:`~storage.store.StaleApply` if ``token`` is not above the applied token.
         """
+        ...
+
+    def open_async_apply(self) -> AsyncApply | None:
+        """Blocking: a non-blocking connection for small applies (PostgreSQL), or None."""
         ...
 
     def apply_replicated(

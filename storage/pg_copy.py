@@ -123,3 +123,130 @@ def formatter(schema: StreamSchema, checked: bool = False, with_ts: bool = False
     if found is None:
         found = _FORMATTERS[(schema, checked, with_ts)] = column_formatter(schema, checked, with_ts)
     return found
+
+
+def _value_lines(schema: StreamSchema, indent: str, fail: str) -> tuple[list[str], list[str]]:
+    """Generated code checking ``v0 .. v<n-1>`` are exactly typed and making each its COPY text (unescaped).
+
+    Returns the code lines and the f-string parts. A nullable None becomes
+    ``\\N`` and counts in ``nulls``; a value that is not exactly typed runs
+    ``fail``.
+    """
+    code: list[str] = []
+    parts = []
+    for i, column in enumerate(schema.columns):
+        v = f"v{i}"
+        wrong = {
+            "text": f"type({v}) is not str",
+            "bigint": f"type({v}) is not int or not MIN <= {v} <= MAX",
+            "double": f"type({v}) is not float or {v} - {v} != 0.0",  # not finite
+            "boolean": f"{v} is not True and {v} is not False",
+        }[column.type]
+        if column.nullable:
+            code += [f"if {v} is None:", f"    {v} = NULL", "    nulls += 1", f"elif {wrong}:", f"    {fail}"]
+        else:
+            code += [f"if {wrong}:", f"    {fail}"]
+        if column.type == "boolean":
+            code += [f"if {v} is True:", f"    {v} = 't'", f"elif {v} is False:", f"    {v} = 'f'"]
+        elif column.type == "double":
+            code += [f"if {v} is not NULL:", f"    {v} = repr({v})"]
+        parts.append(f"{{{v}}}")
+    return [indent + line for line in code], parts
+
+
+def _compile(lines: list[str], name: str) -> Any:
+    namespace: dict[str, Any] = {"NULL": NULL_COPY, "MIN": _MIN_INT, "MAX": _MAX_INT, "esc": _copy_text}
+    exec("\n".join(lines), namespace)
+    return namespace[name]
+
+
+def received_chunk_formatter(schema: StreamSchema) -> Callable[..., tuple[list[str] | None, int]] | None:
+    """A worker's COPY lines ``token, instance, *values, ts`` for rows as received, unescaped (None: JSON streams).
+
+    ``chunk(received)`` takes ``[(token, instance, [[*values, ts], ...]), ...]``
+    and gives ``(lines, nulls)``, or ``(None, 0)`` if a row is not exactly
+    typed or an instance name holds a backslash: the caller then makes the
+    lines the careful way. As :func:`chunk_formatter`, the caller checks the
+    whole text once (:func:`lines_need_escapes`).
+    """
+    if schema.json_columns:
+        return None
+    n = len(schema.columns)
+    values, parts = _value_lines(schema, "            ", "return None, 0")
+    lines = [
+        "def chunk(received):",
+        "    out = []",
+        "    append = out.append",
+        "    nulls = 0",
+        "    for token, name, rows in received:",
+        "        if type(token) is not int or type(name) is not str or '\\\\' in name:",
+        "            return None, 0",
+        "        for row in rows:",
+        f"            if type(row) is not list or len(row) != {n + 1}:",
+        "                return None, 0",
+        f"            {', '.join(f'v{i}' for i in range(n))}, ts = row",
+        "            if type(ts) is not int or not 0 <= ts <= MAX:",
+        "                return None, 0",
+        *values,
+        '            append(f"{token}\\t{name}\\t' + "\\t".join(parts) + '\\t{ts}")',
+        "    return out, nulls",
+    ]
+    chunk: Callable[..., tuple[list[str] | None, int]] = _compile(lines, "chunk")
+    return chunk
+
+
+def chunk_formatter(schema: StreamSchema) -> Callable[..., tuple[list[str] | None, int]] | None:
+    """A function making a writer's ``COPY`` lines for many rows at once, unescaped (None for JSON streams).
+
+    ``chunk(rows, first_ts, first_token, step, instance)`` gives ``(lines,
+    nulls)``: per row ``seq`` (its timestamp), token, instance, ``ts`` and
+    the values, rows ``i = 0, 1, ...`` with timestamp ``first_ts + i`` and
+    token ``first_token + i * step``; or ``(None, index)`` at the first row
+    that is not exactly typed (a list or tuple of ``str`` / ``int`` in 64
+    bits / finite ``float`` / ``bool`` / None where nullable). One generated
+    loop, one f-string per row, no call per value. Text values are put in
+    as they are: the caller checks the whole text once
+    (:func:`lines_need_escapes`) and makes the lines the careful way when a
+    value would need an escape (or holds NUL, or is not valid Unicode).
+    """
+    if schema.json_columns:
+        return None
+    n = len(schema.columns)
+    values, parts = _value_lines(schema, "        ", "return None, len(out)")
+    lines = [
+        "def chunk(rows, first_ts, first_token, step, name):",
+        "    out = []",
+        "    append = out.append",
+        "    nulls = 0",
+        "    ts = first_ts",
+        "    tok = first_token",
+        "    for row in rows:",
+        f"        if (type(row) is not list and type(row) is not tuple) or len(row) != {n}:",
+        "            return None, len(out)",
+        f"        {', '.join(f'v{i}' for i in range(n))}{',' if n == 1 else ''} = row",
+        *values,
+        '        append(f"{ts}\\t{tok}\\t{name}\\t{ts}\\t' + "\\t".join(parts) + '")',
+        "        ts += 1",
+        "        tok += step",
+        "    return out, nulls",
+    ]
+    chunk: Callable[..., tuple[list[str] | None, int]] = _compile(lines, "chunk")
+    return chunk
+
+
+def lines_need_escapes(text: str, lines: int, columns: int, backslashes: int) -> bool:
+    """Whether ``lines`` COPY lines of ``columns`` columns joined by newlines hold anything a value must not.
+
+    ``backslashes`` is how many the lines hold by themselves (one per NULL,
+    those of the instance name). Anything more, a tab or newline more than
+    the separators, a carriage return or a NUL came from a value: the lines
+    must then be made with escapes (and checked value by value). A few
+    passes over the text in C, no work per value.
+    """
+    return (
+        "\r" in text
+        or "\x00" in text
+        or text.count("\t") != lines * (columns - 1)
+        or text.count("\n") != lines - 1
+        or text.count("\\") != backslashes
+    )

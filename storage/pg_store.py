@@ -23,7 +23,6 @@ master listens to instead of polling.
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import os
 import socket
@@ -32,7 +31,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import psycopg2
@@ -41,11 +40,14 @@ import psycopg2.extensions
 from storage import time_index
 from storage.contracts import JsonRow, Row, StoredRow
 from storage.limits import DEFAULT_MAX_LINE_BYTES, check_rows, max_row_json_bytes
-from storage.pg_copy import _COPY_FORMATS, NULL_COPY, _copy_text, formatter
+from storage.pg_copy import _COPY_FORMATS, NULL_COPY, _copy_text, chunk_formatter, formatter, lines_need_escapes
 from storage.pg_db import Cursor, PgDatabase, prepared
 from storage.schema import COLUMN_TYPES, RowError, StreamSchema, check_instance_name
 from storage.store import FIRST_VALUE, DatabaseUnavailable, StreamCatalog
 from storage.urls import redact_url
+
+if TYPE_CHECKING:
+    from storage.pg_wake import PgWake
 
 logger = logging.getLogger(__name__)
 CHANNEL = "tickline"
@@ -160,6 +162,27 @@ def _create_oracle(cur: Cursor) -> None:
         cur.execute(_FENCED_SQL)
 
 
+def _rollback(conn: Any) -> None:
+    """End an explicit transaction on an autocommit connection (psycopg2's ``rollback`` would not)."""
+    try:
+        if not conn.closed and conn.get_transaction_status() != psycopg2.extensions.TRANSACTION_STATUS_IDLE:
+            with conn.cursor() as cur:
+                cur.execute("ROLLBACK")
+    except psycopg2.Error:
+        try:
+            conn.close()
+        except psycopg2.Error:
+            pass
+
+
+def _upgrade_stream_tables(cur: Cursor) -> None:
+    """Bring stream tables made by earlier versions to today's shape (``StreamSchema.upgrade_table_sql``)."""
+    cur.execute("SELECT pg_advisory_xact_lock(hashtext('tickline:upgrade streams'))")
+    for name, columns in cur.execute("SELECT name, columns FROM tickline_streams").fetchall():
+        for statement in StreamSchema.from_columns_json(name, columns).upgrade_table_sql("postgresql"):
+            cur.execute(statement)
+
+
 class Fenced(Exception):
     """This writer was declared dead: its transaction may not commit."""
 
@@ -203,6 +226,9 @@ class PgStreamStore:
         self._reporter: threading.Thread | None = None
         self._stop_reporting = threading.Event()
         self._side = threading.local()
+        # Per thread, the autocommit connection of write transactions (``writing``): BEGIN goes
+        # with the transaction's first statement and COMMIT with its last, no round trip of their own.
+        self._writes = threading.local()
         self._process_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"  # autocommit connections for the oracle and reports
 
     def migrate(self) -> list[int]:
@@ -213,6 +239,7 @@ class PgStreamStore:
         """
         applied = self.database.migrate()
         self.database.write(_create_oracle)
+        self.database.write(_upgrade_stream_tables)
         return applied
 
     def catalog(self) -> dict[str, StreamSchema]:
@@ -424,26 +451,30 @@ class PgStreamStore:
         with self._lock:
             self._next_txn += 1
             txn_id = self._next_txn
-        conn = self.database.connection()
+        conn = getattr(self._writes, "conn", None)
+        if conn is None or conn.closed:
+            conn = self._writes.conn = self.database.connect(autocommit=True)
         try:
-            conn.set_session(isolation_level=psycopg2.extensions.ISOLATION_LEVEL_READ_COMMITTED)
             with conn.cursor() as raw:
-                txn = WriteTransaction(self, schema, instance_name, state, txn_id, Cursor(raw))
+                txn = WriteTransaction(self, schema, instance_name, state, txn_id, Cursor(raw), explicit=True)
                 yield txn
-                txn.finish()
-            conn.commit()
+                txn.commit()
         except psycopg2.OperationalError as e:
-            self.database.drop_broken(conn)
+            self._writes.conn = None
+            try:
+                conn.close()
+            except psycopg2.Error:
+                pass
             raise DatabaseUnavailable(redact_url(f"PostgreSQL at {self.database.dsn}: {str(e).strip()}")) from None
         except Fenced:
-            conn.rollback()
+            _rollback(conn)
             with self._lock:
                 if self._writers.get((stream, instance_name)) is state:
                     del self._writers[(stream, instance_name)]
             raise
         except BaseException:
             if not conn.closed:
-                conn.rollback()
+                _rollback(conn)
                 _release_oracle_lock(conn)
             raise
         finally:
@@ -640,6 +671,25 @@ class PgStreamStore:
         """None: PostgreSQL wakes the master by :meth:`notifier` (``LISTEN/NOTIFY``)."""
         return None
 
+    def open_wake(self) -> PgWake:
+        """Blocking: the master's one-round-trip wake-up on a non-blocking connection (``storage.pg_wake``)."""
+        from storage.pg_wake import open_wake
+
+        return open_wake(self)
+
+
+# A large append's allocation, and a write transaction's last statement (prepared once per connection).
+BEGIN = "BEGIN ISOLATION LEVEL READ COMMITTED; "
+_ALLOCATE_SQL = (
+    f"SELECT first_token, first_ts FROM {ORACLE_FUNCTION}(%s::regclass, %s::integer, %s::integer, %s::bigint)"
+)
+# The writer's position and its NOTIFY, or the fenced error if this epoch is no longer live.
+_FINISH_SQL = (
+    "WITH u AS (UPDATE tickline_writers SET position = GREATEST(position, %s::bigint), "
+    f"heartbeat_ms = {NOW_MS} WHERE stream = %s::text AND instance_name = %s::text AND epoch = %s::bigint AND alive "
+    f"RETURNING 1) SELECT pg_notify(%s::text, %s::text) WHERE (SELECT count(*) FROM u) = 1 OR {FENCED_FUNCTION}()"
+)
+
 
 class WriteTransaction:
     """Rows appended by one writer in one open transaction (see ``PgStreamStore.writing``).
@@ -647,13 +697,24 @@ class WriteTransaction:
     A small append is one statement: the oracle's allocation (tokens and
     timestamps), the ``INSERT`` and the writer's position with its ``NOTIFY``
     (committed by the transaction's single commit). A large one allocates,
-    then sends the rows by ``COPY``; its position moves in :meth:`finish`.
+    then sends the rows by ``COPY``; its position moves with the commit (:meth:`commit`).
     With ``batch``, every batch append of the transaction shares one token.
     """
 
     def __init__(
-        self, store: PgStreamStore, schema: StreamSchema, instance: str, state: _WriterState, txn_id: int, cur: Cursor
+        self,
+        store: PgStreamStore,
+        schema: StreamSchema,
+        instance: str,
+        state: _WriterState,
+        txn_id: int,
+        cur: Cursor,
+        explicit: bool = False,
     ) -> None:
+        # explicit: cur's connection is in autocommit and this transaction sends its own BEGIN (with
+        # its first statement) and COMMIT (with its last, in :meth:`commit`).
+        self._begin = BEGIN if explicit else ""
+        self._begun = False
         self._store = store
         self._schema = schema
         self._instance = instance
@@ -672,7 +733,7 @@ class WriteTransaction:
             return []
         limit = self._store.max_line_bytes
         if count >= COPY_ROWS:
-            first_token, _ = self._append_copy(self._statements.columns_text(rows, limit), count, batch)
+            first_token, _ = self._append_copy(rows, count, batch, limit)
         else:
             first_token, _ = self._append_small(check_rows(self._schema, rows, limit), batch)
         tokens = [first_token] * count if batch else list(range(first_token, first_token + count))
@@ -719,7 +780,7 @@ class WriteTransaction:
                 params.append(self._batch_token)
             params += [cap, schema.name, state.writer_id, state.epoch, CHANNEL, schema.name]
             try:
-                first_token, first_ts, _ = self._cur.execute(sql, params).fetchone()
+                first_token, first_ts, _ = self._cur.execute(self._first(sql), params).fetchone()
             except psycopg2.Error as e:
                 if e.pgcode == FENCED_CODE:
                     raise Fenced(self._instance) from None
@@ -728,40 +789,61 @@ class WriteTransaction:
         self._position_sent = first if batch else first + count - 1
         return first, first_ts
 
-    def _append_copy(self, columns: list[str], count: int, batch: bool) -> tuple[int, int]:
+    def _append_copy(self, rows: list[Row], count: int, batch: bool, limit: int | None) -> tuple[int, int]:
+        """Allocate, then check and send the rows by ``COPY``; a bad row raises before anything is sent.
+
+        The transaction then rolls back: the tokens and timestamps allocated
+        are skipped, as for any rolled-back write.
+        """
         store, schema = self._store, self._schema
         token_count = self._token_count(count, batch)
         with store._lock:
             first_token, first_ts = self._cur.execute(
-                f"SELECT first_token, first_ts FROM {ORACLE_FUNCTION}(%s::regclass, %s, %s, %s)",
+                self._first(prepared(self._cur.cursor, _ALLOCATE_SQL)),
                 (_seq(schema), count, token_count, store._now_ms()),
             ).fetchone()
             first = self._allocated(first_token, batch)
-        self._cur.cursor.copy_expert(
-            self._statements.copy,
-            io.BytesIO(
-                self._statements.copy_text(columns, self._instance, first, 0 if batch else 1, first_ts).encode()
-            ),
-            size=1 << 20,
-        )
+        source = _CopySource(self._statements, rows, self._instance, first, 0 if batch else 1, first_ts, limit)
+        try:
+            self._cur.cursor.copy_expert(self._statements.copy, source, size=1 << 20)
+        except psycopg2.Error:
+            if source.error is not None:  # psycopg2 ended the COPY with our error as its text
+                raise source.error from None
+            raise
         return first, first_ts
 
-    def finish(self) -> None:
-        """Move the writer's position with the commit, or refuse if it was fenced off."""
+    def _first(self, sql: str) -> str:
+        """``sql``, led by ``BEGIN`` if it is the transaction's first statement (explicit transactions)."""
+        if self._begun:
+            return sql
+        self._begun = True
+        return self._begin + sql
+
+    def commit(self) -> None:
+        """The writer's position moved and the transaction committed, in one round trip.
+
+        Refuses (:class:`Fenced`, nothing committed) if the writer was
+        declared dead meanwhile: the position's update then finds no live row
+        of this epoch and the statement raises before the ``COMMIT``.
+        """
+        if not self._begun:
+            return
         if not self._last_token or self._last_token <= self._position_sent:
+            self._cur.execute("COMMIT")
             return
         store = self._store
         with store._lock:
             cap = self._cap()
         position = min(self._last_token, cap)
-        found = self._cur.execute(
-            "WITH u AS (UPDATE tickline_writers SET position = GREATEST(position, %s), "
-            f"heartbeat_ms = {NOW_MS} WHERE stream = %s AND instance_name = %s AND epoch = %s AND alive RETURNING 1) "
-            "SELECT pg_notify(%s, %s) FROM u",
-            (position, self._schema.name, self._state.writer_id, self._state.epoch, CHANNEL, self._schema.name),
-        ).fetchall()
-        if len(found) != 1:
-            raise Fenced(self._instance)
+        try:
+            self._cur.execute(
+                prepared(self._cur.cursor, _FINISH_SQL) + "; COMMIT",
+                (position, self._schema.name, self._state.writer_id, self._state.epoch, CHANNEL, self._schema.name),
+            )
+        except psycopg2.Error as e:
+            if e.pgcode == FENCED_CODE:
+                raise Fenced(self._instance) from None
+            raise
 
 
 class _Statements:
@@ -775,6 +857,7 @@ class _Statements:
         self.copy = f"COPY {schema.table} ({names}) FROM STDIN"
         self._small: dict[tuple[int, bool, bool], str] = {}
         self._formats = [_COPY_FORMATS[c.type] for c in schema.columns]
+        self._chunk = chunk_formatter(schema)
         # JSON bytes a row can have beyond 6x its COPY text: brackets, per value quotes and a
         # separator, "null" for "\\N", "false" for "f", a double printed at its longest.
         self._fixed_json_bytes = 2 + sum(
@@ -820,6 +903,33 @@ class _Statements:
             f"WHERE (SELECT count(*) FROM u) = 1 OR {FENCED_FUNCTION}()"
         )
 
+    def copy_lines(
+        self, rows: list[Row], instance: str, first_token: int, step: int, first_ts: int, max_line_bytes: int | None
+    ) -> bytes:
+        """The rows checked, as the ``COPY`` data (RowError names the first bad row).
+
+        The quick way (:func:`storage.pg_copy.chunk_formatter`: one generated
+        loop, one check of the whole text for anything that would need an
+        escape, a bound of every line's JSON) serves rows of exactly typed
+        values; anything else, any doubt, and the rows are made the careful
+        way (:meth:`columns_text`, which names the row that is wrong).
+        """
+        name = _copy_text(instance)
+        lines, nulls = (None, 0) if self._chunk is None else self._chunk(rows, first_ts, first_token, step, name)
+        if lines is not None and lines:
+            text = "\n".join(lines)
+            room = None if max_line_bytes is None else max_row_json_bytes(self.schema.name, max_line_bytes)
+            width = 4 + len(self.schema.columns)
+            if not lines_need_escapes(text, len(lines), width, nulls + len(lines) * name.count("\\")) and (
+                room is None or 6 * max(map(len, lines)) + self._fixed_json_bytes <= room
+            ):
+                try:
+                    return (text + "\n").encode()
+                except UnicodeEncodeError:  # a lone surrogate: named by the careful way
+                    pass
+        columns = self.columns_text(rows, max_line_bytes)
+        return self.copy_text(columns, instance, first_token, step, first_ts).encode()
+
     def columns_text(self, rows: list[Row], max_line_bytes: int | None) -> list[str]:
         """Check every row and give its columns as COPY text (RowError names a bad row; nothing is sent).
 
@@ -857,6 +967,56 @@ class _Statements:
             lines = [f"{first_ts + i}\t{first_token}\t{name}\t{first_ts + i}\t{text}" for i, text in enumerate(columns)]
         lines.append("")
         return "\n".join(lines)
+
+
+COPY_PIECE_ROWS = 128  # rows made into COPY text per read: PostgreSQL parses a piece while the next is made
+
+
+class _CopySource:
+    """The ``COPY`` data of one append, made a piece at a time as psycopg2 reads it.
+
+    PostgreSQL takes in each piece as it arrives, so the rows are checked and
+    formatted here while the server parses and stores the previous ones (two
+    processes at work, not one after the other). A bad row raises from
+    :meth:`read`: psycopg2 then ends the ``COPY`` with an error, PostgreSQL
+    discards it, and the transaction rolls back (nothing of it is stored).
+    """
+
+    __slots__ = ("_at", "_first_token", "_first_ts", "_instance", "_limit", "_rows", "_statements", "_step", "error")
+
+    def __init__(
+        self,
+        statements: _Statements,
+        rows: list[Row],
+        instance: str,
+        first_token: int,
+        step: int,
+        first_ts: int,
+        limit: int | None,
+    ) -> None:
+        self._statements, self._rows, self._instance = statements, rows, instance
+        self._first_token, self._step, self._first_ts, self._limit = first_token, step, first_ts, limit
+        self._at = 0
+        self.error: Exception | None = None  # what read raised (psycopg2 reports it as a failed COPY)
+
+    def read(self, size: int = -1) -> bytes:
+        at = self._at
+        rows = self._rows
+        if at >= len(rows):
+            return b""
+        end = len(rows) if len(rows) - at < 2 * COPY_PIECE_ROWS else at + COPY_PIECE_ROWS
+        self._at = end
+        token = self._first_token + at * self._step
+        try:
+            return self._statements.copy_lines(
+                rows[at:end], self._instance, token, self._step, self._first_ts + at, self._limit
+            )
+        except RowError as e:
+            self.error = RowError(e.reason, None if e.index is None else e.index + at)
+            raise self.error from None
+        except Exception as e:
+            self.error = e
+            raise
 
 
 def _statements(schema: StreamSchema) -> _Statements:

@@ -15,10 +15,18 @@ import psycopg2
 import psycopg2.extensions
 
 from storage.contracts import Effects, ReceivedRows, ReplicatedValues, SnapshotView
-from storage.pg_copy import _COPY_FORMATS, NULL_COPY, _copy_text, copy_rows, formatter
+from storage.pg_copy import (
+    _COPY_FORMATS,
+    NULL_COPY,
+    _copy_text,
+    copy_rows,
+    formatter,
+    lines_need_escapes,
+    received_chunk_formatter,
+)
 from storage.pg_db import Cursor, PgDatabase
 from storage.schema import COLUMN_TYPES, StreamSchema
-from storage.store import DatabaseUnavailable, StaleApply
+from storage.store import ApplyRefused, DatabaseUnavailable, StaleApply
 from storage.urls import redact_url
 from storage.worker_store import move_applied_token, token_bounds
 
@@ -76,6 +84,90 @@ def replicate_json_sql(schema: StreamSchema) -> str:
     )
 
 
+class PgAsyncApply:
+    """Implements :class:`storage.contracts.AsyncApply`: a small apply's one statement, non-blocking.
+
+    The same statement as :meth:`PgWorkerStore.apply_replicated` for fewer
+    than ``COPY_ROWS`` rows (:func:`replicate_json_sql`: the applied token and
+    the rows in one autocommit statement, prepared once per stream on this
+    connection, in the same round trip as its first use), sent without
+    blocking so the worker's reactor drives it with no thread hop.
+    """
+
+    def __init__(self, conn: Any, dsn: str) -> None:
+        self._conn = conn
+        self._dsn = dsn
+        self._prepared: dict[StreamSchema, str] = {}
+        self._cursor: Any = None
+        self._refused: psycopg2.Error | None = None
+
+    def fileno(self) -> int:
+        return int(self._conn.fileno())
+
+    def start(self, stream: str, token: int, schema: StreamSchema, received: Sequence[ReceivedRows]) -> bool:
+        if sum(len(rows) for _, _, rows in received) >= COPY_ROWS:
+            return False
+        name = self._prepared.get(schema)
+        prepare = ""
+        if name is None:
+            name = f"tickline_apply_{len(self._prepared) + 1}"
+            parts = replicate_json_sql(schema).split("%s")
+            numbered = "".join(f"{part}${i}" for i, part in enumerate(parts[:-1], 1)) + parts[-1]
+            prepare = f"PREPARE {name} AS {numbered};\n".replace("%", "%%")
+        try:
+            self._cursor = self._conn.cursor()
+            self._cursor.execute(
+                f"{prepare}EXECUTE {name} (%s, %s, %s)", (stream, token, orjson.dumps(received).decode())
+            )
+        except psycopg2.Error as e:
+            raise self._lost(e) from None
+        if prepare:
+            self._prepared[schema] = name  # if the call fails, the connection goes with it
+        return True
+
+    def poll(self) -> str:
+        try:
+            state = self._conn.poll()
+        except (psycopg2.OperationalError, psycopg2.InterfaceError) as e:
+            raise self._lost(e) from None
+        except psycopg2.Error as e:
+            # The statement refused the rows (nothing committed); the connection stays usable.
+            self._cursor = None
+            self._refused = e
+            return "done"
+        if state == psycopg2.extensions.POLL_OK:
+            return "done"
+        if state == psycopg2.extensions.POLL_READ:
+            return "read"
+        if state == psycopg2.extensions.POLL_WRITE:
+            return "write"
+        raise self._lost(psycopg2.OperationalError(f"unexpected poll state {state}"))
+
+    def result(self) -> None:
+        refused = self._refused
+        if refused is not None:
+            self._refused = None
+            raise ApplyRefused(str(refused).strip().splitlines()[0] if str(refused).strip() else type(refused).__name__)
+        ((moved,),) = self._cursor.fetchall()
+        self._cursor.close()
+        self._cursor = None
+        if moved != 1:
+            raise StaleApply("the token is not above the applied token")
+
+    def close(self) -> None:
+        try:
+            self._conn.close()
+        except psycopg2.Error:
+            pass
+
+    def _lost(self, e: BaseException) -> DatabaseUnavailable:
+        self.close()
+        text = str(e).strip()
+        return DatabaseUnavailable(
+            redact_url(f"PostgreSQL at {self._dsn}: {text.splitlines()[0] if text else type(e).__name__}")
+        )
+
+
 class PgApplyTransaction:
     """Implements :class:`storage.contracts.ApplyTransaction` on an open PostgreSQL transaction."""
 
@@ -131,6 +223,14 @@ class PgWorkerStore:
 
         self.database.write(run)
 
+    def open_async_apply(self) -> PgAsyncApply:
+        """Blocking (off the reactor): a non-blocking connection for small applies (:class:`PgAsyncApply`)."""
+        from storage.pg_wake import open_nonblocking
+
+        # The same session settings as the store's connections (synchronous_commit).
+        settings = dict(self.database._settings)
+        return PgAsyncApply(open_nonblocking(self.database.dsn, "tickline-apply", settings), self.database.dsn)
+
     def apply_replicated(
         self, stream: str, token: int, schema: StreamSchema, received: Sequence[ReceivedRows], effects: Effects
     ) -> None:
@@ -155,7 +255,7 @@ class PgWorkerStore:
                 move_applied_token(cur.execute, "%s", stream, token)
                 names = ", ".join(("token", "instance_name", *schema.column_names, "ts"))
                 cur.cursor.copy_expert(
-                    f"COPY {schema.replicated_table} ({names}) FROM STDIN", io.BytesIO(text.encode()), size=1 << 20
+                    f"COPY {schema.replicated_table} ({names}) FROM STDIN", io.BytesIO(text), size=1 << 20
                 )
 
             self.database.write(run)
@@ -176,8 +276,23 @@ class PgWorkerStore:
             raise StaleApply(f"stream {stream!r}: token {token} is not above the applied token")
 
     @staticmethod
-    def _copy_text(schema: StreamSchema, received: Sequence[ReceivedRows]) -> str | None:
-        """COPY lines ``token, instance, *values, ts``; None if a row is not ``[*values, ts]`` (the general way)."""
+    def _copy_text(schema: StreamSchema, received: Sequence[ReceivedRows]) -> bytes | None:
+        """COPY lines ``token, instance, *values, ts``; None if a row is not ``[*values, ts]`` (the general way).
+
+        Rows of exactly typed values whose text needs no escape (checked once
+        over the whole text) are made by one generated loop
+        (``storage.pg_copy.received_chunk_formatter``); otherwise row by row.
+        """
+        chunk = _received_chunk(schema)
+        if chunk is not None:
+            quick, nulls = chunk(received)
+            if quick:
+                joined = "\n".join(quick)
+                if not lines_need_escapes(joined, len(quick), len(schema.columns) + 3, nulls):
+                    try:
+                        return (joined + "\n").encode()
+                    except UnicodeEncodeError:  # a lone surrogate: refused row by row
+                        pass
         fmt = formatter(schema, with_ts=True)
         width = len(schema.columns)
         lines = []
@@ -192,7 +307,16 @@ class PgWorkerStore:
                     text = _checked_copy_text(schema, row[:-1]) + f"\t{ts}"
                 lines.append(prefix + text)
         lines.append("")
-        return "\n".join(lines)
+        return "\n".join(lines).encode()
+
+
+_RECEIVED_CHUNKS: dict[StreamSchema, Callable[..., tuple[list[str] | None, int]] | None] = {}
+
+
+def _received_chunk(schema: StreamSchema) -> Callable[..., tuple[list[str] | None, int]] | None:
+    if schema not in _RECEIVED_CHUNKS:
+        _RECEIVED_CHUNKS[schema] = received_chunk_formatter(schema)
+    return _RECEIVED_CHUNKS[schema]
 
 
 def _checked_copy_text(schema: StreamSchema, values: list[Any]) -> str:

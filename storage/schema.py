@@ -321,9 +321,10 @@ class StreamSchema:
 
         Rows are read by token range in ``(token, seq)`` order (the fan-out and
         replays) and looked up by ``ts`` (start at a time). On SQLite ``seq`` is
-        the rowid (free); on PostgreSQL it has no index of its own: the
-        ``(token, seq)`` index serves every read, one index fewer per row
-        written.
+        the rowid (free) and ``ts`` has an index of its own. On PostgreSQL the
+        ``(token, seq)`` index serves every read, the lookup by ``ts``
+        included (a binary search over it, ``storage.time_index``, since
+        ``ts`` increases in that order): one index per row written.
         """
         cols = self._column_ddl(dialect)
         if dialect == "sqlite":
@@ -332,9 +333,24 @@ class StreamSchema:
             seq, token_index, extra = "seq INTEGER PRIMARY KEY", "(token)", f",\n    {ROW_JSON_COLUMN} BLOB"
         else:
             seq, token_index, extra = "seq BIGSERIAL", "(token, seq)", ""
-        return [
+        statements = [
             f"CREATE TABLE {self.table} (\n    {seq},\n    token BIGINT NOT NULL,\n"
             f"    instance_name TEXT NOT NULL,\n    ts BIGINT NOT NULL,\n    {cols}{extra}\n)",
             f"CREATE INDEX {self.table}_token ON {self.table} {token_index}",
-            f"CREATE INDEX {self.table}_ts ON {self.table} (ts)",
         ]
+        if dialect == "sqlite":
+            statements.append(f"CREATE INDEX {self.table}_ts ON {self.table} (ts)")
+        return statements
+
+    def upgrade_table_sql(self, dialect: str) -> list[str]:
+        """What brings a stream table created by an earlier version to :meth:`create_table_sql`'s shape.
+
+        Idempotent (run on every migrate). PostgreSQL stream tables had a
+        ``ts`` index until the lookup by time became a search of the
+        ``(token, seq)`` index: it is dropped. SQLite's upgrade (the
+        ``row_json`` column, filled by the Python encoder) is not plain SQL:
+        ``SqliteStreamStore.migrate`` does it (``add_row_json``).
+        """
+        if dialect == "sqlite":
+            return []
+        return [f"DROP INDEX IF EXISTS {self.table}_ts"]

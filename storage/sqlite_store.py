@@ -185,6 +185,10 @@ class SqliteStreamStore:
         """A cheap check for commits of other connections (``PRAGMA data_version``), for the master's poller."""
         return SqliteChangeWatch(self.path)
 
+    def open_wake(self) -> None:
+        """SQLite reads on the database threads (no non-blocking connection)."""
+        return None
+
     def retire_writers(self) -> None:
         """Nothing to retire: SQLite writers need no positions."""
 

@@ -59,6 +59,10 @@ class SqliteWorkerStore:
 
         self.database.write(run)
 
+    def open_async_apply(self) -> None:
+        """SQLite applies on the worker's database thread."""
+        return None
+
     def apply_replicated(
         self, stream: str, token: int, schema: StreamSchema, received: Sequence[ReceivedRows], effects: Effects
     ) -> None:

@@ -54,6 +54,10 @@ class StaleApply(StorageError):
     """An apply at or below the stream's applied token (a bug upstream: history is not rewritten)."""
 
 
+class ApplyRefused(StorageError):
+    """A one-statement apply refused its rows (a row does not fit): apply them the general way, which names it."""
+
+
 class StreamCatalog:
     """The stream declarations a database holds, cached; each stream store holds one."""
 

@@ -3,13 +3,19 @@
 Two questions the master asks of storage, on either database:
 
 * :func:`first_token_at`: the first token of a stream whose row has a
-  timestamp at or after an instant (``REPLICATE <stream> @<unix_ms>``). It
-  is one lookup in the stream's ``ts`` index (``stream_<name>_ts``, a B-tree:
-  a binary search of the index, O(log n) pages, never a scan of the rows) and
-  one lookup in the ``token`` index to check the boundary. It relies on ``ts``
-  being increasing in token within a stream, which both stores guarantee (see
-  ``docs/time.md``: SQLite allocates both under the write lock, PostgreSQL in
-  one statement under the oracle's row lock).
+  timestamp at or after an instant (``REPLICATE <stream> @<unix_ms>``), in
+  two statements, then the boundary check. On SQLite the first is one lookup
+  in the stream's ``ts`` index (``stream_<name>_ts``, a B-tree: O(log n)
+  pages, never a scan of the rows). On PostgreSQL the stream table has no
+  ``ts`` index (one index fewer for every row written): the first statement
+  is a binary search over the ``(token, seq)`` index every read uses
+  (:func:`pg_search_sql`: at most 64 probes for the token and 64 within a
+  token that holds many rows, each an O(log n) index descent, whatever the
+  table's size). Both rely on ``ts`` being non-decreasing in ``(token, seq)``
+  order within a stream, which both stores guarantee (see ``docs/time.md``:
+  SQLite allocates both under the write lock, PostgreSQL in one statement
+  under the oracle's lock); the second statement checks the boundary in the
+  token index.
 
 * :func:`safe_point`: a *safe time* for every stream at once: no row of the
   stream with a timestamp at or below it can ever have a token above the
@@ -63,7 +69,8 @@ class TokenAt:
 
     ``token`` is the first token with a row at or after the instant (None:
     no stored row is that recent); ``ts`` that row's timestamp; ``queries``
-    how many index lookups the answer took (for tests and logs).
+    how many statements the answer took (for tests and logs; on PostgreSQL
+    the first is a binary search of bounded probes, see :func:`pg_search_sql`).
     """
 
     token: int | None
@@ -81,16 +88,58 @@ def ts_at_ms(unix_ms: int) -> int:
     return tso.compose(max(unix_ms, 0))
 
 
+def pg_search_sql(table: str) -> str:
+    """PostgreSQL: the first row of ``table`` in ``(token, seq)`` order with ``ts >= %(t)s``, as ``(token, ts)``.
+
+    One statement, two binary searches by recursive CTE, every probe one
+    descent of the ``(token, seq)`` index: first the lowest token ``m`` whose
+    last row at or below it (``token <= m ORDER BY token DESC, seq DESC
+    LIMIT 1``) has ``ts >= t``, between the table's lowest and highest token;
+    then, within that token, the lowest ``seq`` the same way (a token holds
+    one row unless written as a batch). Each search halves a 64-bit range:
+    at most 64 probes each. No row (or the last row older than ``t``): no
+    result.
+    """
+    last_upto = f"SELECT ts FROM {table} WHERE token <= {{}} ORDER BY token DESC, seq DESC LIMIT 1"
+    last_in_token = f"SELECT ts FROM {table} WHERE token = {{}} AND seq <= {{}} ORDER BY token DESC, seq DESC LIMIT 1"
+    return (
+        "WITH RECURSIVE "
+        f"ends AS (SELECT (SELECT token FROM {table} ORDER BY token LIMIT 1) AS lo, "
+        f"(SELECT token FROM {table} ORDER BY token DESC LIMIT 1) AS hi), "
+        "tok(lo, hi) AS ("
+        f"SELECT lo, hi FROM ends WHERE hi IS NOT NULL AND ({last_upto.format('ends.hi')}) >= %(t)s "
+        "UNION ALL "
+        "SELECT CASE WHEN f.ts >= %(t)s THEN s.lo ELSE s.mid + 1 END, "
+        "CASE WHEN f.ts >= %(t)s THEN s.mid ELSE s.hi END "
+        "FROM (SELECT lo, hi, lo + (hi - lo) / 2 AS mid FROM tok WHERE lo < hi) AS s, "
+        f"LATERAL ({last_upto.format('s.mid')}) AS f), "
+        "found AS (SELECT lo AS token FROM tok WHERE lo = hi), "
+        "sq(token, lo, hi) AS ("
+        f"SELECT found.token, (SELECT seq FROM {table} WHERE token = found.token ORDER BY token, seq LIMIT 1), "
+        f"(SELECT seq FROM {table} WHERE token = found.token ORDER BY token DESC, seq DESC LIMIT 1) FROM found "
+        "UNION ALL "
+        "SELECT s.token, CASE WHEN f.ts >= %(t)s THEN s.lo ELSE s.mid + 1 END, "
+        "CASE WHEN f.ts >= %(t)s THEN s.mid ELSE s.hi END "
+        "FROM (SELECT token, lo, hi, lo + (hi - lo) / 2 AS mid FROM sq WHERE lo < hi) AS s, "
+        f"LATERAL ({last_in_token.format('s.token', 's.mid')}) AS f) "
+        f"SELECT sq.token, (SELECT ts FROM {table} WHERE token = sq.token AND seq = sq.lo) FROM sq WHERE lo = hi"
+    )
+
+
 def first_token_at(store: TimedStore, stream: str, since_ts: int) -> TokenAt:
     """The first token of ``stream`` whose row has ``ts >= since_ts`` (see the module doc)."""
     schema = store.schema(stream)
     p = store.database.placeholder
     table = schema.table
-    by_ts = f"SELECT token, ts FROM {table} WHERE ts >= {p} ORDER BY ts LIMIT 1"
     before = f"SELECT token, ts FROM {table} WHERE token < {p} ORDER BY token DESC LIMIT 1"
+    if store.database.dialect == "postgresql":
+        params: Any
+        by_ts, params = pg_search_sql(table), {"t": since_ts}
+    else:
+        by_ts, params = f"SELECT token, ts FROM {table} WHERE ts >= {p} ORDER BY ts LIMIT 1", (since_ts,)
 
     def run(cur: Any) -> TokenAt:
-        found = cur.execute(by_ts, (since_ts,)).fetchone()
+        found = cur.execute(by_ts, params).fetchone()
         if found is None:
             return TokenAt(None, None, 1)
         token, ts = int(found[0]), int(found[1])

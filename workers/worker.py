@@ -37,12 +37,14 @@ from replication.commands import (
     UserSyncCommand,
 )
 from replication.dbthreads import DatabaseRunner, DatabaseThreads
+from replication.pg_async import AsyncQuery
 from replication.protocol import ProtocolConfig
 from replication.settings import TLSConfig
 from replication.stats import STATS, ConnectionStats, ProtocolCounters
 from replication.tls import connect as tls_connect
-from storage.contracts import Effects, ReceivedRows, WorkerStore
+from storage.contracts import AsyncApply, Effects, ReceivedRows, WorkerStore
 from storage.schema import StreamSchema
+from storage.store import ApplyRefused, DatabaseUnavailable, StaleApply
 from workers.caches import CacheRegistry
 from workers.consumer import ConsumerStats, StreamConsumer
 from workers.handlers import HandlerRegistry
@@ -108,6 +110,15 @@ class Worker(ReplicationHandler):
         self._starting: set[str] = set()
         self.ordering: OrderedDelivery | None = None  # worker.ordered (workers.ordering)
         self.stopping = False
+        # PostgreSQL: small applies as one statement on the reactor (replication.pg_async),
+        # no hop through the database thread; None or broken: the thread applies.
+        self._async_apply: AsyncQuery[None] | None = None
+        self._async_apply_call: AsyncApply | None = None
+        self._async_opening = False
+        self._async_opened_at = float("-inf")
+        # Per stream, the token of an apply in flight when its connection was lost:
+        # committed or not is unknown until a retry (a StaleApply then means it was).
+        self._uncertain: dict[str, int] = {}
 
     # -- set-up --------------------------------------------------------------------
 
@@ -179,6 +190,7 @@ class Worker(ReplicationHandler):
 
     def start(self) -> None:
         self.db.start()
+        self._open_async_apply()
         self.factory = WorkerFactory(self)
         tls_connect(self.reactor, self.config.master_host, self.config.master_port, self.factory, self.tls)
 
@@ -201,6 +213,9 @@ class Worker(ReplicationHandler):
         # CLEAR_USER_SYNC unwritten (close() aborts after close_grace at most).
         while any(c.applying for c in self.consumers.values()) or (client is not None and self.client is client):
             await _sleep(self.reactor, 0.01)
+        if self._async_apply is not None:
+            self._async_apply.close()
+            self._async_apply = None
         self.db.stop()
 
     def client_protocol(self) -> ClientProtocol:
@@ -218,12 +233,105 @@ class Worker(ReplicationHandler):
         )
 
     def _apply_in_db(self, stream: str, token: int, effects: Effects) -> defer.Deferred[None]:
-        return self.db.run(self.store.apply, stream, token, effects)
+        d = self.db.run(self.store.apply, stream, token, effects)
+        if stream in self._uncertain:
+            d.addCallbacks(
+                self._certain, self._maybe_applied, callbackArgs=(stream, token), errbackArgs=(stream, token)
+            )
+        return d
 
     def _replicate_in_db(
         self, stream: str, token: int, schema: StreamSchema, received: list[ReceivedRows], effects: Effects
     ) -> defer.Deferred[None]:
-        return self.db.run(self.store.apply_replicated, stream, token, schema, received, effects)
+        """Rows as received into ``replicated_<stream>``: small applies on the reactor where it can.
+
+        Not while streams are delivered in timestamp order: their applies
+        must follow one another as released (the one database thread does that).
+        """
+        apply, call = self._async_apply, self._async_apply_call
+        if self.ordering is None and apply is not None and call is not None:
+            if apply.usable:
+                d = apply.run(lambda: call.start(stream, token, schema, received))
+                if d is not None:
+                    return d.addErrback(self._async_apply_failed, stream, token, schema, received, effects)
+            elif apply.broken:
+                self._open_async_apply()
+        return self._replicate_threaded(stream, token, schema, received, effects)
+
+    def _replicate_threaded(
+        self, stream: str, token: int, schema: StreamSchema, received: list[ReceivedRows], effects: Effects
+    ) -> defer.Deferred[None]:
+        d = self.db.run(self.store.apply_replicated, stream, token, schema, received, effects)
+        if stream in self._uncertain:
+            d.addCallbacks(
+                self._certain, self._maybe_applied, callbackArgs=(stream, token), errbackArgs=(stream, token)
+            )
+        return d
+
+    def _async_apply_failed(
+        self,
+        failure: Failure,
+        stream: str,
+        token: int,
+        schema: StreamSchema,
+        received: list[ReceivedRows],
+        effects: Effects,
+    ) -> defer.Deferred[None]:
+        if failure.check(ApplyRefused):
+            # Nothing committed; the general way applies what fits and names a bad row.
+            return self._replicate_threaded(stream, token, schema, received, effects)
+        if failure.check(DatabaseUnavailable):
+            logger.warning(
+                "the apply connection failed (%s); applying on the database thread", failure.getErrorMessage()
+            )
+            self._uncertain[stream] = max(token, self._uncertain.get(stream, 0))
+            return self._replicate_threaded(stream, token, schema, received, effects)
+        return defer.fail(failure)
+
+    def _certain(self, result: None, stream: str, token: int) -> None:
+        if token >= self._uncertain.get(stream, token + 1):
+            del self._uncertain[stream]
+
+    def _maybe_applied(self, failure: Failure, stream: str, token: int) -> defer.Deferred[None] | Failure:
+        """A retry after a lost connection found the token applied: the lost statement had committed."""
+        if not failure.check(StaleApply):
+            return failure  # still unknown: the next retry checks again
+
+        def check(applied: dict[str, int]) -> None:
+            if applied.get(stream, 0) < token:
+                failure.raiseException()
+            self._certain(None, stream, token)
+            logger.info("%s: token %s was applied before its connection was lost", stream, token)
+
+        d: defer.Deferred[dict[str, int]] = self.db.run(self.store.applied_tokens)
+        return d.addCallback(check)
+
+    def _open_async_apply(self) -> None:
+        """Open the non-blocking apply connection on the database thread (at most once a second)."""
+        now = self.reactor.seconds()
+        if self._async_opening or self.stopping or now - self._async_opened_at < 1.0:
+            return
+        self._async_opening = True
+        self._async_opened_at = now
+
+        def opened(call: AsyncApply | None) -> None:
+            self._async_opening = False
+            if call is None:
+                return
+            if self.stopping:
+                call.close()
+                return
+            again = self._async_apply is not None
+            self._async_apply_call = call
+            self._async_apply = AsyncQuery(self.reactor, call, "tickline-apply")
+            if again:
+                logger.info("small applies run on the reactor again")
+
+        def failed(failure: Failure) -> None:
+            self._async_opening = False
+            logger.warning("small applies run on the database thread for now: %s", failure.getErrorMessage())
+
+        self.db.run(self.store.open_async_apply).addCallbacks(opened, failed)
 
     # -- connection events --------------------------------------------------------------
 

@@ -130,3 +130,74 @@ def test_the_wake_up_safe_point_agrees_with_the_full_one_on_postgresql(pg_url) -
     finally:
         store.close()
         other.close()
+
+
+def test_first_token_at_inside_a_batch_and_across_gaps(db_url) -> None:
+    """The search lands on the exact row: inside a token of many rows, past gaps in the tokens."""
+    store = open_store(db_url)
+    try:
+        store.register_stream(EVENTS)
+        before = store.append("events", [row(0)], "w")[0]
+        try:
+            with store.writing("events", "w") as txn:  # rolled back: a gap in the tokens
+                txn.append([row(1), row(2)])
+                raise RuntimeError("roll back")
+        except RuntimeError:
+            pass
+        batch = store.append("events", [row(n) for n in range(300)], "w", batch=True)
+        after = store.append("events", [row(n) for n in range(150)], "w")
+        stamps = [r[3] for r in store.read_rows("events", 0, after[-1], 10_000)]
+        assert stamps == sorted(stamps) and len(stamps) == 1 + 300 + 150
+        batch_stamps = [r[3] for r in store.read_rows("events", batch[0] - 1, batch[0], 1000)]
+        for i in (0, 1, 137, 299):
+            at = time_index.first_token_at(store, "events", batch_stamps[i])
+            assert (at.token, at.ts) == (batch[0], batch_stamps[i])
+            at = time_index.first_token_at(store, "events", batch_stamps[i] - 1 if i else batch_stamps[0])
+            assert at.token == batch[0] and at.queries <= 2
+        at = time_index.first_token_at(store, "events", batch_stamps[-1] + 1)
+        assert (at.token, at.before) == (after[0], after[0] - 1)
+        assert time_index.first_token_at(store, "events", 0).token == before
+        for i, token in enumerate(after):
+            stamp = stored_ts(store, token)
+            assert time_index.first_token_at(store, "events", stamp).token == token, i
+        assert time_index.first_token_at(store, "events", stored_ts(store, after[-1]) + 1).token is None
+    finally:
+        store.close()
+
+
+def test_first_token_at_on_an_empty_stream(db_url) -> None:
+    store = open_store(db_url)
+    try:
+        store.register_stream(EVENTS)
+        assert time_index.first_token_at(store, "events", 0) == time_index.TokenAt(None, None, 1)
+    finally:
+        store.close()
+
+
+def test_postgresql_stream_tables_have_only_the_token_index(pg_url) -> None:
+    """Only the (token, seq) index; a table made with the old ts index loses it on migrate; lookups still exact."""
+    store = open_store(pg_url)
+    try:
+        store.register_stream(EVENTS)
+        tokens = store.append("events", [row(n) for n in range(200)], "w")
+
+        def indexes() -> list[str]:
+            return [
+                r[0]
+                for r in store.database.query(
+                    "SELECT indexname FROM pg_indexes WHERE tablename = 'stream_events' ORDER BY 1"
+                )
+            ]
+
+        assert indexes() == ["stream_events_token"]
+        store.database.write(lambda cur: cur.execute("CREATE INDEX stream_events_ts ON stream_events (ts)"))
+        assert indexes() == ["stream_events_token", "stream_events_ts"]
+    finally:
+        store.close()
+    store = open_store(pg_url)  # opening migrates
+    try:
+        assert indexes() == ["stream_events_token"]
+        stamp = stored_ts(store, tokens[57])
+        assert time_index.first_token_at(store, "events", stamp).token == tokens[57]
+    finally:
+        store.close()

@@ -1,0 +1,302 @@
+"""The master's wake-up on PostgreSQL in one round trip, on a non-blocking connection.
+
+When a commit wakes the master (``LISTEN``/``NOTIFY``), it needs the oracle's
+mark, every stream's safe position (with the allocated head, whether a live
+writer exists and the last timestamp at or below the position: the safe time
+of ``storage.time_index.safe_point``) and the first rows of each stream with
+live subscriptions, as whole ``RDATA`` lines. :class:`PgWake` asks all of it
+in **one statement**: the call of a function generated for the streams the
+master knows (``pg_temp.tickline_wake_<n>``, a temporary function of the
+connection's own session, so masters never share or race on it), which runs
+
+1. the oracle's mark (the larger of ``tickline_tso_seq`` and
+   ``tickline_tso.last_ts``), then
+2. one query: the positions (one snapshot), and per stream and variant
+   (with or without ``ts``) the lines of the rows after the token fanned out
+   so far, up to the position just read, about ``limit`` rows, never part of
+   a token (the same lines as ``PgStreamStore.read_lines_json``).
+
+**Order.** The proof of the safe time (docs/time.md) needs the mark read
+before the live writers and the positions (a snapshot) and before the
+allocated heads (sequences). One SQL statement does not order its parts, but
+a ``VOLATILE`` PL/pgSQL function does: each statement in it runs after the
+previous one ended and, in ``READ COMMITTED`` (set on the connection), takes
+a new snapshot when it starts. Sequences are read when the statement reads
+them, not from a snapshot: the mark (statement 1) is read before the heads
+(statement 2). So step 1 precedes everything step 2 reads, as the three
+separate statements of the threaded path did. The lines are read in the
+positions' snapshot, where every row up to the position has committed.
+
+The connection is asynchronous (psycopg2 ``async_``): :meth:`PgWake.start`
+sends the call and never blocks, :meth:`PgWake.poll` reads what arrived and
+says what to wait for, :meth:`PgWake.result` decodes the answer. Driving it
+(a file descriptor watched by a reactor) is the caller's business
+(``replication.pg_async``). Opening it (:func:`open_wake`) blocks: do it off
+the reactor. A lost connection raises :class:`~storage.store.DatabaseUnavailable`
+from :meth:`PgWake.poll`; the caller then reads the same things another way,
+nothing having moved.
+"""
+
+from __future__ import annotations
+
+import select
+from typing import Any
+
+import psycopg2
+import psycopg2.extensions
+
+from storage.contracts import WakeReads, WakeResult
+from storage.pg_store import _ORACLE_LAST_SQL, PgStreamStore, _pg_json_value, _seq
+from storage.schema import StreamSchema
+from storage.store import DatabaseUnavailable
+from storage.urls import redact_url
+
+SETUP_SECONDS = 5.0  # connecting and creating the function (off the reactor)
+
+
+def _literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _lines_cte(index: int, schema: StreamSchema, variants: tuple[bool, ...]) -> str:
+    """The lines of stream ``index`` (1-based in the arrays) up to its position, in each variant asked.
+
+    Each row's JSON values are built once; the lines without and with ``ts``
+    are two aggregates over the same rows.
+    """
+    row_json = " || ',' || ".join(_pg_json_value(c.name, c.type) for c in schema.columns)
+    table = schema.table
+    prefix = _literal(f"RDATA {schema.name} ")
+    name = _literal(schema.name)
+    plain = "string_agg(head || ' [' || vals || ']', E'\\n' ORDER BY token, seq) || E'\\n'"
+    timed = "string_agg(head || ' [' || vals || ',' || ts::text || ']', E'\\n' ORDER BY token, seq) || E'\\n'"
+    # The longest line: the variant with ts where it is asked (the longer one).
+    extra = "3 + 1 + octet_length(ts::text)" if True in variants else "3"
+    return (
+        f"l{index} AS (SELECT {plain if False in variants else 'NULL::text'} AS lines, "
+        f"{timed if True in variants else 'NULL::text'} AS lines_ts, "
+        "max(token) AS last, count(*) AS cnt, "
+        f"COALESCE(max(octet_length(head) + octet_length(vals) + {extra}), 0)::integer AS longest FROM "
+        f"(SELECT token, seq, ts, {prefix} || instance_name || ' ' || "
+        "CASE WHEN lead(token) OVER (ORDER BY token, seq) = token THEN 'batch' ELSE token::text END AS head, "
+        f"{row_json} AS vals FROM {table}, "
+        f"(SELECT max(token) AS upper_token FROM (SELECT token FROM {table} WHERE token > afters[{index}] "
+        f"AND token <= (SELECT pos.position FROM pos WHERE pos.name = {name}) "
+        "ORDER BY token LIMIT max_rows) AS x) AS u "
+        f"WHERE token > afters[{index}] AND token <= u.upper_token) AS lines_{index})"
+    )
+
+
+def wake_function_sql(function: str, schemas: list[StreamSchema], reads: list[tuple[int, tuple[bool, ...]]]) -> str:
+    """``CREATE FUNCTION`` of the wake-up for these streams (see the module doc).
+
+    ``reads``: the (1-based stream index, variants) of the streams whose
+    lines the function reads; only those are in its plan (a plan's start-up costs in
+    proportion to its nodes, read or not).
+    """
+    positions = " UNION ALL ".join(
+        "SELECT p.name, p.position, p.head, p.live, "
+        f"(SELECT ts FROM {s.table} WHERE token <= p.position ORDER BY token DESC LIMIT 1) AS last_ts FROM "
+        f"(SELECT {_literal(s.name)}::text AS name, COALESCE((SELECT MIN(w.position) FROM tickline_writers w "
+        f"WHERE w.alive AND w.stream = {_literal(s.name)}), (SELECT MAX(token) FROM {s.table}), 0)::bigint AS position, "
+        f"(SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {_seq(s)})::bigint AS head, "
+        f"EXISTS (SELECT 1 FROM tickline_writers w WHERE w.alive AND w.stream = {_literal(s.name)}) AS live) AS p"
+        for s in schemas
+    )
+    ctes = [f"pos AS MATERIALIZED ({positions})"]
+    selects = [
+        "SELECT pos.name, pos.position, pos.head, pos.live, pos.last_ts, mark, NULL::text, NULL::text, "
+        "NULL::bigint, NULL::bigint, NULL::integer FROM pos"
+    ]
+    for index, variants in reads:
+        schema = schemas[index - 1]
+        ctes.append(_lines_cte(index, schema, variants))
+        selects.append(
+            f"SELECT {_literal(schema.name)}::text, NULL::bigint, NULL::bigint, NULL::boolean, NULL::bigint, "
+            f"NULL::bigint, l{index}.lines, l{index}.lines_ts, l{index}.last, l{index}.cnt, l{index}.longest "
+            f"FROM l{index} WHERE l{index}.cnt > 0"
+        )
+    query = "WITH " + ", ".join(ctes) + " " + " UNION ALL ".join(selects)
+    return (
+        f"CREATE FUNCTION pg_temp.{function}(read_mark boolean, max_rows integer, afters bigint[]) "
+        "RETURNS TABLE(r_name text, r_position bigint, r_head bigint, r_live boolean, r_last_ts bigint, r_mark bigint, "
+        "r_lines text, r_lines_ts text, r_last bigint, r_count bigint, r_longest integer) "
+        "LANGUAGE plpgsql VOLATILE AS $fn$\nDECLARE\n    mark bigint;\nBEGIN\n"
+        f"    IF read_mark THEN\n        {_ORACLE_LAST_SQL} INTO mark;\n    END IF;\n"
+        f"    RETURN QUERY {query};\nEND\n$fn$"
+    )
+
+
+class PgWake:
+    """One non-blocking connection running the master's wake-up (see the module doc).
+
+    Not thread-safe; one call at a time: :meth:`start`, :meth:`poll` until
+    it returns ``"done"``, then :meth:`result`. The function for a shape of
+    call (the streams known, which of them are read in which variants) is
+    created by the first call of that shape, in the same round trip
+    (``CREATE FUNCTION ...; SELECT ...``), and kept for the session.
+    """
+
+    def __init__(self, store: PgStreamStore, conn: Any) -> None:
+        self._store = store
+        self._conn = conn
+        self._functions: dict[tuple[tuple[str, ...], tuple[tuple[int, tuple[bool, ...]], ...]], str] = {}
+        self._cursor: Any = None
+        self._pending: tuple[bool, WakeReads] | None = None
+
+    def fileno(self) -> int:
+        return int(self._conn.fileno())
+
+    def start(self, read_mark: bool, reads: WakeReads, limit: int) -> None:
+        """Send the wake-up (never blocks)."""
+        schemas = self._store._catalog.known()
+        afters: list[int] = []
+        shape: list[tuple[int, tuple[bool, ...]]] = []
+        for index, schema in enumerate(schemas, 1):
+            after, variants = reads.get(schema.name, (0, ()))
+            afters.append(after)
+            if variants:
+                shape.append((index, tuple(sorted(set(variants)))))
+        key = (tuple(s.name for s in schemas), tuple(shape))
+        function = self._functions.get(key)
+        create = ""
+        if function is None:
+            # The function, and the call prepared once (no parse or plan of the call each time).
+            function = f"tickline_wake_{len(self._functions) + 1}"
+            create = (
+                wake_function_sql(function, schemas, shape).replace("%", "%%")
+                + f";\nPREPARE {function} AS SELECT * FROM pg_temp.{function}($1, $2, $3::bigint[]);\n"
+            )
+        self._pending = (read_mark, {name: reads[name] for name in reads if name in key[0]})
+        try:
+            self._cursor = self._conn.cursor()
+            self._cursor.execute(f"{create}EXECUTE {function} (%s, %s, %s)", (read_mark, limit, afters))
+        except psycopg2.Error as e:
+            raise self._lost(e) from None
+        if create:
+            # Remembered now: if the call fails, the connection is dropped with it.
+            self._functions[key] = function
+
+    def poll(self) -> str:
+        """Read what arrived: ``"read"`` or ``"write"`` (wait for that), or ``"done"``."""
+        try:
+            state = self._conn.poll()
+        except psycopg2.Error as e:
+            # Lost, or an error of the call: either way this connection is done.
+            raise self._lost(e) from None
+        if state == psycopg2.extensions.POLL_OK:
+            return "done"
+        if state == psycopg2.extensions.POLL_READ:
+            return "read"
+        if state == psycopg2.extensions.POLL_WRITE:
+            return "write"
+        raise DatabaseUnavailable(f"unexpected poll state {state}")
+
+    def result(self) -> WakeResult:
+        """The answer of the call :meth:`start` sent, once :meth:`poll` said ``"done"``."""
+        assert self._pending is not None and self._cursor is not None
+        read_mark, reads = self._pending
+        rows = self._cursor.fetchall()
+        self._cursor.close()
+        self._cursor, self._pending = None, None
+        times: dict[str, int] = {}
+        positions: dict[str, int] = {}
+        first: dict[str, tuple[int, tuple[dict[bool, bytes], int, int]]] = {}
+        limit = self._store.max_line_bytes
+        too_long: set[str] = set()
+        for name, position, head, live, last_ts, mark, lines, lines_ts, last, count, longest in rows:
+            if count is None:
+                positions[name] = int(position)
+                if mark is None:
+                    continue
+                if int(head) <= position or not live:
+                    times[name] = int(mark)
+                elif last_ts is not None:
+                    times[name] = int(last_ts)
+                continue
+            if limit is not None and longest > limit:
+                too_long.add(name)  # the caller builds these lines itself
+                continue
+            encoded = {}
+            if lines is not None:
+                encoded[False] = lines.encode()
+            if lines_ts is not None:
+                encoded[True] = lines_ts.encode()
+            first[name] = (reads[name][0], (encoded, int(last), int(count)))
+        # Streams read whose range held no row (tokens rolled back): the master moves them on.
+        for name, (after, variants) in reads.items():
+            if name not in first and name not in too_long and positions.get(name, after) > after:
+                first[name] = (after, ({v: b"" for v in variants}, after, 0))
+        return (times if read_mark else None), positions, first
+
+    def close(self) -> None:
+        try:
+            self._conn.close()
+        except psycopg2.Error:
+            pass
+
+    def _lost(self, e: BaseException) -> DatabaseUnavailable:
+        self.close()
+        text = str(e).strip()
+        return DatabaseUnavailable(
+            redact_url(
+                f"PostgreSQL at {self._store.database.dsn}: {text.splitlines()[0] if text else type(e).__name__}"
+            )
+        )
+
+
+def _wait(conn: Any, timeout: float = SETUP_SECONDS) -> None:
+    """Blocking: poll an asynchronous connection until its operation is done (off the reactor)."""
+    while True:
+        state = conn.poll()
+        if state == psycopg2.extensions.POLL_OK:
+            return
+        if state == psycopg2.extensions.POLL_READ:
+            ready = select.select([conn.fileno()], [], [], timeout)[0]
+        elif state == psycopg2.extensions.POLL_WRITE:
+            ready = select.select([], [conn.fileno()], [], timeout)[1]
+        else:
+            raise psycopg2.OperationalError(f"unexpected poll state {state}")
+        if not ready:
+            raise psycopg2.OperationalError(f"no answer within {timeout:g} s")
+
+
+def _run_blocking(conn: Any, sql: str) -> None:
+    with conn.cursor() as cur:
+        cur.execute(sql)
+        _wait(conn)
+
+
+def open_nonblocking(dsn: str, application_name: str, settings: dict[str, str] | None = None) -> Any:
+    """Blocking (off the reactor): a new asynchronous psycopg2 connection, set up.
+
+    ``READ COMMITTED`` whatever the server's default (each statement of the
+    wake-up function then takes its own snapshot: the order its proof
+    needs), one generic plan per prepared statement (as ``PgDatabase``'s
+    connections), and ``settings`` (``SET`` for the session).
+    """
+    try:
+        conn = psycopg2.connect(dsn, async_=1, connect_timeout=5, application_name=application_name)
+        _wait(conn)
+        values = {"default_transaction_isolation": "read committed", **(settings or {})}
+        if conn.server_version >= 120000:
+            values.setdefault("plan_cache_mode", "force_generic_plan")
+        with conn.cursor() as cur:
+            cur.execute(
+                "; ".join(["SELECT set_config(%s, %s, false)"] * len(values)), [x for kv in values.items() for x in kv]
+            )
+            _wait(conn)
+        return conn
+    except psycopg2.Error as e:
+        text = str(e).strip()
+        raise DatabaseUnavailable(
+            redact_url(
+                f"cannot open a non-blocking connection to PostgreSQL at {dsn}: "
+                f"{text.splitlines()[0] if text else type(e).__name__}"
+            )
+        ) from None
+
+
+def open_wake(store: PgStreamStore) -> PgWake:
+    """Blocking (off the reactor): a new asynchronous connection for the master's wake-up."""
+    return PgWake(store, open_nonblocking(store.database.dsn, "tickline-wake"))

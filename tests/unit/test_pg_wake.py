@@ -1,0 +1,143 @@
+"""The master's one-round-trip wake-up (storage.pg_wake) answers what the threaded statements answer."""
+
+from __future__ import annotations
+
+import select
+
+import psycopg2
+import pytest
+
+from replication.streams import CACHES, EVENTS
+from storage.pg_store import PgStreamStore
+from storage.pg_wake import PgWake
+from storage.schema import Column, StreamSchema
+from storage.store import DatabaseUnavailable, open_store
+
+NUMBERS = StreamSchema("numbers", (Column("x", "double", nullable=True), Column("flag", "boolean")))
+
+
+def drive(wake: PgWake, timeout: float = 10.0):
+    """Poll the non-blocking call to its end (what the reactor does in the master)."""
+    while True:
+        state = wake.poll()
+        if state == "done":
+            return wake.result()
+        if state == "read":
+            assert select.select([wake.fileno()], [], [], timeout)[0], "no answer"
+        else:
+            assert select.select([], [wake.fileno()], [], timeout)[1], "cannot send"
+
+
+def threaded(store: PgStreamStore, reads: dict, read_mark: bool = True, limit: int = 1000):
+    """The same answer from the threaded path (Master._wake's statements)."""
+    times, positions = store.safe_point(False, allocate=False) if read_mark else (None, store.safe_positions(False))
+    first = {}
+    for stream, (after, variants) in reads.items():
+        if positions[stream] > after:
+            encoded = {}
+            for v in variants:
+                data, last, count = store.read_lines_json(
+                    stream, after, positions[stream], limit, f"RDATA {stream} ", v
+                )
+                encoded[v] = data
+            first[stream] = (after, (encoded, last if count else after, count))
+    return times, positions, first
+
+
+@pytest.fixture
+def stores(pg_url):
+    writer = open_store(pg_url)
+    reader = open_store(pg_url)
+    for schema in (EVENTS, CACHES, NUMBERS):
+        writer.register_stream(schema)
+    reader.catalog()
+    wake = reader.open_wake()
+    yield writer, reader, wake
+    wake.close()
+    writer.close()
+    reader.close()
+
+
+def test_same_answer_as_the_threaded_statements(stores) -> None:
+    writer, reader, wake = stores
+    for i in range(5):
+        writer.append("events", [[f"$e{i}", "!r", "m.room.message", None, None]], "w")
+    writer.append("events", [["$b1", "!r", "t", "sk", None], ["$b2", "!r", "t", None, "$x"]], "w", batch=True)
+    writer.append("caches", [["c", [1, "k", None, {"a": 2.5}], 7]], "w")
+    writer.append("numbers", [[2.0, True], [None, False], [1e300, True], [-0.5, False]], "w")
+    reads = {"events": (2, (False, True)), "caches": (0, (True,)), "numbers": (0, (False,))}
+    wake.start(True, reads, 1000)
+    got = drive(wake)
+    assert got == threaded(reader, reads)
+    assert got[2]["events"][1][1:] == (6, 5)  # tokens 3..6: the batch is one token of two rows
+    assert b"RDATA events w batch " in got[2]["events"][1][0][False]
+    # Without the mark: no safe times; the same positions and lines.
+    wake.start(False, reads, 1000)
+    times, positions, first = drive(wake)
+    assert times is None and positions == got[1] and first == got[2]
+
+
+def test_a_limit_never_cuts_a_token(stores) -> None:
+    writer, _reader, wake = stores
+    writer.append("events", [["$a", "!r", "t", None, None]], "w")
+    writer.append("events", [[f"$b{i}", "!r", "t", None, None] for i in range(3)], "w", batch=True)
+    writer.append("events", [["$c", "!r", "t", None, None]], "w")
+    wake.start(True, {"events": (0, (False,))}, 2)
+    _times, positions, first = drive(wake)
+    assert positions["events"] == 3
+    encoded, last, count = first["events"][1]
+    assert (last, count) == (2, 4)  # the limit fell inside token 2: all of its rows come
+    assert encoded[False].count(b"\n") == 4
+
+
+def test_a_range_without_rows_moves_on(stores) -> None:
+    """Tokens burnt by a rolled-back transaction: the answer says no row, up to the position."""
+    writer, reader, wake = stores
+    writer.append("events", [["$a", "!r", "t", None, None]], "w")
+    conn = psycopg2.connect(reader.database.dsn)
+    with conn.cursor() as cur:
+        cur.execute("SELECT nextval('stream_events_token_seq'), nextval('stream_events_token_seq')")
+    conn.close()
+    writer.append("events", [["$b", "!r", "t", None, None]], "w")
+    wake.start(True, {"events": (1, (False,))}, 1000)
+    _times, positions, first = drive(wake)
+    assert positions["events"] == 4 and first["events"][1][1:] == (4, 1)
+    wake.start(True, {"events": (4, (False,))}, 1000)
+    assert drive(wake)[2] == {}  # nothing above the position read
+
+
+def test_lines_over_the_limit_are_left_to_the_caller(stores) -> None:
+    writer, reader, wake = stores
+    writer.append("events", [["$a", "!r", "t", None, None]], "w")
+    writer.append("events", [["$" + "x" * 300, "!r", "t", None, None]], "w")
+    reader.max_line_bytes = 200
+    wake.start(True, {"events": (0, (False, True))}, 1000)
+    _times, positions, first = drive(wake)
+    assert positions["events"] == 2 and "events" not in first  # the master reads them on its threads
+
+
+def test_a_stream_registered_later_is_covered(stores) -> None:
+    writer, reader, wake = stores
+    wake.start(True, {}, 1000)
+    assert set(drive(wake)[1]) == {"events", "caches", "numbers"}
+    later = StreamSchema("later", (Column("v", "text"),))
+    writer.register_stream(later)
+    writer.append("later", [["hello"]], "w")
+    reader.catalog()  # the master learns new streams from the catalog
+    wake.start(True, {"later": (0, (False,))}, 1000)
+    _times, positions, first = drive(wake)
+    assert positions["later"] == 1
+    assert first["later"][1][0][False] == b'RDATA later w 1 ["hello"]\n'
+
+
+def test_a_terminated_connection_raises_database_unavailable(stores) -> None:
+    _writer, reader, wake = stores
+    conn = psycopg2.connect(reader.database.dsn)
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        cur.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'tickline-wake'")
+        assert cur.fetchall() == [(True,)]
+    conn.close()
+    with pytest.raises(DatabaseUnavailable):
+        wake.start(True, {"events": (0, (False,))}, 1000)
+        drive(wake)
