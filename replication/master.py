@@ -1,8 +1,11 @@
 """The master: owns the streams, follows their heads, fans rows out to clients.
 
-The master follows each stream's committed head (polling the store every
-``poll_interval``, which also sees rows written by other processes, and at
-once when told of a local write). New rows are read once, encoded once into
+The master follows each stream's committed head: on PostgreSQL woken by
+``LISTEN/NOTIFY``; on SQLite by a cheap look for other connections' commits
+every ``change_check_interval`` (``PRAGMA data_version``,
+:class:`~storage.contracts.ChangeWatch`); a full pass also runs every
+``poll_interval`` (safe times, TICKs of idle streams), and at once when told
+of a local write. New rows are read once, encoded once into
 ``RDATA`` lines (each variant live connections use: with and without ``ts``),
 kept in the window of recent rows (``recent_bytes``, see
 ``replication.window``) and the same bytes are written to every live
@@ -66,7 +69,7 @@ from replication.limits import (
 )
 from replication.pg_async import AsyncQuery
 from replication.protocol import ProtocolConfig
-from replication.reactor_types import Reactor
+from replication.reactor_types import DelayedCall, Reactor
 from replication.rows import encode_json_rows
 from replication.server import ServerProtocol
 from replication.settings import LimitsConfig, MasterConfig, TLSConfig
@@ -77,7 +80,7 @@ from replication.timeline import TimelineService
 from replication.timeline_settings import TimelineSettings
 from replication.timeticks import TimeTicker, read_since
 from replication.window import Read, RecentWindow, SharedReads, WindowFiller
-from storage.contracts import Notifier, StreamStore, WakeQuery, WakeResult
+from storage.contracts import ChangeWatch, Notifier, StreamStore, WakeQuery, WakeResult
 from storage.schema import StreamSchema
 from storage.store import TOKEN, StorageError
 from storage.time_index import TokenAt
@@ -127,6 +130,8 @@ class Master:
         self._catchup_rows = 0
         self._live_rows = 0
         self._poller: task.LoopingCall | None = None
+        self._watch: ChangeWatch | None = None  # SQLite: PRAGMA data_version (storage.sqlite_db)
+        self._watcher: DelayedCall | None = None  # the next look (a bare callLater: no Deferred per look)
         self._following = False
         self._follow_again = False
         self._expire_writers = True
@@ -155,6 +160,11 @@ class Master:
             if stream in self._schemas:
                 self._live[stream] = head
         notifier = await self.db.run(self.store.notifier)
+        watch = None if notifier is not None else await self.db.run(self.store.change_watch)
+        if watch is not None:
+            # SQLite: a cheap look for other processes' commits, often; a pass only when one came.
+            self._watch = watch
+            self._watcher = self.reactor.callLater(self.config.change_check_interval, self._check_changes)
         if notifier is not None:
             # PostgreSQL: commits and writer reports wake us (LISTEN/NOTIFY);
             # the slow loop only notices writers that went silent.
@@ -227,6 +237,12 @@ class Master:
         """Stop the periodic pass over the stream heads (``stop`` does this too)."""
         if self._poller is not None and self._poller.running:
             self._poller.stop()
+        if self._watcher is not None and self._watcher.active():
+            self._watcher.cancel()
+        self._watcher = None
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
         self.timeticks.stop()
 
     async def stop(self) -> None:
@@ -381,6 +397,23 @@ class Master:
         if self._poller is not None and self._poller.running:
             self._follow_heads()
 
+    def _check_changes(self) -> None:
+        """On the reactor, every ``change_check_interval``: a commit of another connection starts a pass.
+
+        Not while a pass runs (it reads the heads anyway, and the look costs
+        more while the fan-out reads): the first look after it sees any
+        commit made meanwhile (``data_version`` changed since the last look).
+        """
+        if self._watch is None:
+            return
+        try:
+            if not self._following and self._watch.changed():
+                self.notify()
+        except Exception:
+            logger.exception("looking for commits failed; a pass runs")
+            self.notify()
+        self._watcher = self.reactor.callLater(self.config.change_check_interval, self._check_changes)
+
     def _slow_tick(self) -> defer.Deferred[None] | None:
         # The periodic pass also looks for writers that went silent; wake-ups
         # by notification skip that sweep to keep commit -> RDATA short.
@@ -519,23 +552,36 @@ class Master:
                     logger.info("stream %s appeared (head %s)", stream, head)
                     self._live[stream] = head
                 continue
+            # The next chunk is read while this one is fanned out (one read ahead).
+            ahead: tuple[int, tuple[bool, ...], defer.Deferred[Any]] | None = None
             while self._live[stream] < head:
                 subs = self._live_subs[stream]
                 if not subs and self.window.start(stream) is None:
                     self._live[stream] = head  # nobody live and nothing kept: no read
                     break
+                variants = tuple(sorted({target.with_ts for target in subs})) or (False,)
                 pre = first.pop(stream, None)
                 if pre is not None and pre[0] == self._live[stream]:
                     encoded, last_token, count = pre[1]
+                elif ahead is not None and ahead[:2] == (self._live[stream], variants):
+                    encoded, last_token, count = await ahead[2]
                 else:
-                    variants = tuple(sorted({target.with_ts for target in subs})) or (False,)
                     encoded, last_token, count = await self.db.run(
                         self._read_encoded, stream, self._live[stream], head, self.config.fanout_rows, variants
                     )
+                _dropped(ahead)
+                ahead = None
                 if count == 0:
                     self._timetick(stream, head)
                     break
+                if last_token < head:
+                    ahead = (
+                        last_token,
+                        variants,
+                        self.db.run(self._read_encoded, stream, last_token, head, self.config.fanout_rows, variants),
+                    )
                 self._fan_out(stream, encoded, last_token, count)
+            _dropped(ahead)
         self.timeticks.passed(safe_times, heads)
 
     def _wake(
@@ -611,6 +657,12 @@ class Master:
 
 
 @implementer(IReadDescriptor)
+def _dropped(ahead: tuple[int, tuple[bool, ...], defer.Deferred[Any]] | None) -> None:
+    """A read ahead that is not used (the loop left, or the variants changed): its result or failure is let go."""
+    if ahead is not None:
+        ahead[2].addErrback(lambda f: logger.debug("a read ahead was not used: %s", f.getErrorMessage()))
+
+
 class NotificationReader:
     """Watches the store's notification connection on the reactor (non-blocking)."""
 

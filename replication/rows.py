@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import orjson
-
 from replication.commands import BATCH
 from storage.schema import StreamSchema
 from storage.store import FIRST_VALUE, INSTANCE, TOKEN, TS, StoredRow
@@ -21,36 +19,16 @@ _BATCH = BATCH.encode("ascii")
 
 
 def row_encoder(schema: StreamSchema) -> RowEncoder:
-    """A function (stored row, with_ts) -> row JSON bytes for this stream."""
-    json_columns = schema.json_columns
-    boolean_columns = schema.boolean_columns
+    """A function (stored row, with_ts) -> row JSON bytes for this stream (``StreamSchema.values_encoder``)."""
+    values_json = schema.values_encoder()
     end = FIRST_VALUE + len(schema.columns)
-    dumps = orjson.dumps
-    fragment = orjson.Fragment
 
-    if not json_columns and not boolean_columns:
-
-        def encode(row: StoredRow, with_ts: bool) -> bytes:
-            # orjson writes a tuple as a JSON array: no list copy needed.
-            if with_ts:
-                return dumps((*row[FIRST_VALUE:end], row[TS]))
-            return dumps(row[FIRST_VALUE:end])
-
-        return encode
-
-    def encode_typed(row: StoredRow, with_ts: bool) -> bytes:
-        values = list(row[FIRST_VALUE:end])
-        for i in json_columns:
-            if values[i] is not None:
-                values[i] = fragment(values[i])
-        for i in boolean_columns:
-            if values[i] is not None:
-                values[i] = bool(values[i])
+    def encode(row: StoredRow, with_ts: bool) -> bytes:
         if with_ts:
-            values.append(row[TS])
-        return dumps(values)
+            return b"%s,%d]" % (values_json(row[FIRST_VALUE:end])[:-1], row[TS])
+        return values_json(row[FIRST_VALUE:end])
 
-    return encode_typed
+    return encode
 
 
 def encode_rows(stream: str, rows: list[StoredRow], encode: RowEncoder, with_ts: bool) -> tuple[bytes, int]:

@@ -34,7 +34,8 @@ class MasterConfig:
     listen_host: str = "127.0.0.1"
     listen_port: int = 9322
     secret: str | None = None
-    poll_interval: float = 0.05  # seconds between looks at the store's heads (SQLite)
+    poll_interval: float = 0.05  # seconds between full passes over the store's heads (SQLite)
+    change_check_interval: float = 0.005  # seconds between cheap looks for commits (SQLite: PRAGMA data_version)
     writer_timeout: float = 5.0  # drop a writer silent this long from the safe position (PostgreSQL)
     fanout_rows: int = 10000  # rows per storage read for live fan-out
     db_threads: int = 4

@@ -138,6 +138,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot", metavar="PNG", help="end-to-end, latency, catch-up, writer: plot ratios and percentiles"
     )
     bench.add_argument("-v", "--verbose", action="store_true", help="print every run")
+    bench.add_argument(
+        "--db",
+        choices=("sqlite", "postgresql"),
+        default="sqlite",
+        help="fanout: the master's database (postgresql: a throwaway server)",
+    )
+    bench.add_argument(
+        "--variants", metavar="LIST", help="fanout: only these variants, comma-separated (e.g. live-1,replay-1)"
+    )
     return parser
 
 
@@ -170,6 +179,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "bench":
             from scripts import benchmark
 
+            variants = args.variants.split(",") if args.variants else None
+            if variants:
+                from scripts.bench_fanout import variants as fanout_variants
+
+                unknown = [v for v in variants if v not in fanout_variants()]
+                if unknown:
+                    parser.error(f"unknown fanout variant {unknown[0]!r} (known: {', '.join(fanout_variants())})")
             return benchmark.main(
                 args.scenarios,
                 args.rows,
@@ -178,6 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rate=args.rate,
                 seconds=args.seconds,
                 plot_path=args.plot,
+                db=args.db,
+                fanout_variants=variants,
             )
         config = load_config(args.config)
         setup_logging(config.log_level)

@@ -87,6 +87,7 @@ def parse_address(value: Any, key: str) -> tuple[str, int]:
 # SECONDS or COUNT. docs/operations.md has the same table.
 NUMBER_RANGES: dict[str, tuple[float, float]] = {
     "master.poll_interval": (0.001, 60.0),
+    "master.change_check_interval": (0.001, 60.0),
     "master.writer_timeout": (0.1, 3600.0),
     "master.fanout_rows": (1, 1_000_000),
     "master.db_threads": (1, 64),

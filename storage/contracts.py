@@ -68,6 +68,20 @@ class Notifier(Protocol):
     def close(self) -> None: ...
 
 
+class ChangeWatch(Protocol):
+    """A cheap look for commits of other connections (SQLite ``PRAGMA data_version``), for a poller.
+
+    The master calls :meth:`changed` from its reactor every
+    ``master.change_check_interval``: it must never wait for a lock.
+    """
+
+    def changed(self) -> bool:
+        """Whether another connection committed since the last call (True when unsure)."""
+        ...
+
+    def close(self) -> None: ...
+
+
 class NonBlockingCall(Protocol[T_co]):
     """A storage call on a non-blocking connection (PostgreSQL), driven by the caller's reactor.
 
@@ -195,6 +209,10 @@ class StreamStore(Protocol):
 
     def notifier(self) -> Notifier | None:
         """A new change-notification listener, or None if the backend has none (poll)."""
+        ...
+
+    def change_watch(self) -> ChangeWatch | None:
+        """A new cheap change check for polling (SQLite), or None (PostgreSQL: :meth:`notifier`)."""
         ...
 
     def open_wake(self) -> WakeQuery | None:

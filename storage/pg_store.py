@@ -667,6 +667,10 @@ class PgStreamStore:
     def notifier(self) -> PgNotifier:
         return PgNotifier(self.database)
 
+    def change_watch(self) -> None:
+        """None: PostgreSQL wakes the master by :meth:`notifier` (``LISTEN/NOTIFY``)."""
+        return None
+
     def open_wake(self) -> PgWake:
         """Blocking: the master's one-round-trip wake-up on a non-blocking connection (``storage.pg_wake``)."""
         from storage.pg_wake import open_wake

@@ -2,7 +2,11 @@
 
 Every stream is stored in a table ``stream_<name>`` with a ``seq`` (insertion
 order, which orders the rows of one token), ``token``, ``instance_name``,
-``ts`` and then the declared columns in order.
+``ts`` and then the declared columns in order. On SQLite the table has one
+more column, ``row_json`` (:data:`ROW_JSON_COLUMN`): the row's values as the
+JSON array an ``RDATA`` line carries after the token (without ``ts``),
+written by the writer in the row's own transaction (:meth:`StreamSchema.values_encoder`),
+so that the master's reads only concatenate stored bytes.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import math
 import re
 import reprlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attr
@@ -20,7 +24,9 @@ import orjson
 # must fit PostgreSQL's 63-byte identifiers: 46 characters at most.
 STREAM_NAME = re.compile(r"[a-z][a-z0-9_]{0,45}")
 COLUMN_NAME = re.compile(r"[a-z][a-z0-9_]{0,62}")
-RESERVED_COLUMNS = frozenset({"seq", "token", "instance_name", "ts"})
+# SQLite: each row's values as the JSON array RDATA sends (see the module doc and docs/storage.md).
+ROW_JSON_COLUMN = "row_json"
+RESERVED_COLUMNS = frozenset({"seq", "token", "instance_name", "ts", ROW_JSON_COLUMN})
 # Column names go into SQL unquoted, so a name that is an SQL keyword is refused:
 # every word that fails as a column name in the statements tickline runs, on
 # PostgreSQL (its reserved keywords: categories R and T of pg_get_keywords())
@@ -217,6 +223,35 @@ class StreamSchema:
     def boolean_columns(self) -> tuple[int, ...]:
         return tuple(i for i, c in enumerate(self.columns) if c.type == "boolean")
 
+    def values_encoder(self) -> Callable[[Sequence[Any]], bytes]:
+        """A function: the stream's values (checked, or as stored) -> the row's JSON array, as RDATA carries it.
+
+        The one definition of a row's JSON on the wire (without ``ts``):
+        orjson's output of the values in column order, JSON columns (stored as
+        JSON text) embedded as they are, booleans (SQLite stores 0/1) as
+        ``true``/``false``. Used by SQLite's writer for ``row_json`` and by the
+        master's encoder of stored rows (``replication.rows.row_encoder``).
+        """
+        json_columns = self.json_columns
+        boolean_columns = self.boolean_columns
+        dumps = orjson.dumps
+        fragment = orjson.Fragment
+        if not json_columns and not boolean_columns:
+            # orjson writes a tuple as a JSON array: no list copy needed.
+            return dumps
+
+        def encode(values: Sequence[Any]) -> bytes:
+            items = list(values)
+            for i in json_columns:
+                if items[i] is not None:
+                    items[i] = fragment(items[i])
+            for i in boolean_columns:
+                if items[i] is not None:
+                    items[i] = bool(items[i])
+            return dumps(items)
+
+        return encode
+
     def columns_json(self) -> str:
         return orjson.dumps([c.to_json() for c in self.columns]).decode("utf-8")
 
@@ -293,12 +328,14 @@ class StreamSchema:
         """
         cols = self._column_ddl(dialect)
         if dialect == "sqlite":
-            seq, token_index = "seq INTEGER PRIMARY KEY", "(token)"
+            # row_json: see the module doc; NULL only in rows written by a
+            # tickline older than the column (read with a fallback).
+            seq, token_index, extra = "seq INTEGER PRIMARY KEY", "(token)", f",\n    {ROW_JSON_COLUMN} BLOB"
         else:
-            seq, token_index = "seq BIGSERIAL", "(token, seq)"
+            seq, token_index, extra = "seq BIGSERIAL", "(token, seq)", ""
         statements = [
             f"CREATE TABLE {self.table} (\n    {seq},\n    token BIGINT NOT NULL,\n"
-            f"    instance_name TEXT NOT NULL,\n    ts BIGINT NOT NULL,\n    {cols}\n)",
+            f"    instance_name TEXT NOT NULL,\n    ts BIGINT NOT NULL,\n    {cols}{extra}\n)",
             f"CREATE INDEX {self.table}_token ON {self.table} {token_index}",
         ]
         if dialect == "sqlite":
@@ -310,7 +347,9 @@ class StreamSchema:
 
         Idempotent (run on every migrate). PostgreSQL stream tables had a
         ``ts`` index until the lookup by time became a search of the
-        ``(token, seq)`` index: it is dropped.
+        ``(token, seq)`` index: it is dropped. SQLite's upgrade (the
+        ``row_json`` column, filled by the Python encoder) is not plain SQL:
+        ``SqliteStreamStore.migrate`` does it (``add_row_json``).
         """
         if dialect == "sqlite":
             return []

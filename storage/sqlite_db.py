@@ -78,6 +78,36 @@ class SqliteDatabase:
                 conn.execute("ROLLBACK")
             raise StorageError(f"cannot commit to SQLite database {self.path}: {e}; nothing was written") from None
 
+    def try_write(self, fn: Callable[[sqlite3.Connection], Any]) -> tuple[bool, Any]:
+        """Like :meth:`write` if the write lock is free now: ``(True, result)``; else ``(False, None)`` at once.
+
+        For work that can do without writing (the master's oracle allocation):
+        it never waits behind a writer's long transaction.
+        """
+        conn = self.connection()
+        conn.execute("PRAGMA busy_timeout = 0")
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as e:
+            if "locked" in str(e) or "busy" in str(e):
+                return False, None
+            raise DatabaseUnavailable(f"cannot write SQLite database {self.path}: {e}") from None
+        finally:
+            conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
+        try:
+            result = fn(conn)
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        try:
+            conn.execute("COMMIT")
+        except sqlite3.Error as e:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise StorageError(f"cannot commit to SQLite database {self.path}: {e}; nothing was written") from None
+        return True, result
+
     def query(self, sql: str, params: Any = ()) -> list[Any]:
         """One statement's rows, in a read transaction of its own."""
         rows: list[Any] = self.read(lambda conn: conn.execute(sql, params).fetchall())
@@ -98,3 +128,44 @@ class SqliteDatabase:
             return apply_migrations(lambda sql, params: conn.execute(sql, params).fetchall(), "?")
 
         return self.write(run)
+
+
+class SqliteChangeWatch:
+    """Implements :class:`storage.contracts.ChangeWatch`: ``PRAGMA data_version`` on a connection of its own.
+
+    SQLite changes a connection's ``data_version`` when another connection
+    (of any process) committed since the connection last looked; a look is a
+    read of the WAL index in shared memory, a few microseconds, and with a
+    busy timeout of 0 it never waits for a lock (a busy database answers
+    "changed", and the master's pass that follows runs on a database thread).
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            self._conn: sqlite3.Connection | None = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+            self._conn.execute("PRAGMA busy_timeout = 0")
+            self._version = self._read()
+        except sqlite3.Error as e:
+            raise DatabaseUnavailable(f"cannot open SQLite database {path}: {e}") from None
+
+    def _read(self) -> int:
+        assert self._conn is not None
+        return int(self._conn.execute("PRAGMA data_version").fetchone()[0])
+
+    def changed(self) -> bool:
+        if self._conn is None:
+            return True
+        try:
+            version = self._read()
+        except sqlite3.Error:
+            return True
+        if version == self._version:
+            return False
+        self._version = version
+        return True
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None

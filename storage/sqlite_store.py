@@ -16,8 +16,8 @@ from typing import Any
 from storage import time_index, tso
 from storage.contracts import JsonRow, Row, StoredRow
 from storage.limits import DEFAULT_MAX_LINE_BYTES, check_batch_rows, check_rows
-from storage.schema import StreamSchema, check_instance_name
-from storage.sqlite_db import SqliteDatabase
+from storage.schema import ROW_JSON_COLUMN, StreamSchema, check_instance_name
+from storage.sqlite_db import SqliteChangeWatch, SqliteDatabase
 from storage.store import StreamCatalog
 
 
@@ -41,8 +41,47 @@ class SqliteStreamStore:
         return self.database.path
 
     def migrate(self) -> list[int]:
-        """Create or upgrade the tables; returns the migration versions applied."""
-        return self.database.migrate()
+        """Create or upgrade the tables; returns the migration versions applied.
+
+        Then every stream table created before ``row_json`` existed gets the
+        column, filled for its rows (:meth:`add_row_json`).
+        """
+        applied: list[int] = self.database.migrate()
+        if self.database.read(self._tables_without_row_json):  # a write (the lock) only when needed
+            self.database.write(self.add_row_json)
+        return applied
+
+    @staticmethod
+    def _tables_without_row_json(conn: sqlite3.Connection) -> list[StreamSchema]:
+        missing = []
+        for name, columns in conn.execute("SELECT name, columns FROM tickline_streams ORDER BY name").fetchall():
+            schema = StreamSchema.from_columns_json(name, columns)
+            have = {row[1] for row in conn.execute("SELECT * FROM pragma_table_info(?)", (schema.table,))}
+            if have and ROW_JSON_COLUMN not in have:
+                missing.append(schema)
+        return missing
+
+    def add_row_json(self, conn: sqlite3.Connection) -> list[str]:
+        """In a write transaction: add ``row_json`` to the stream tables without it, and fill it.
+
+        Each row's JSON is written by the same encoder as new rows'
+        (``StreamSchema.values_encoder``, a Python function SQLite calls for
+        each row), so the lines are byte for byte the same as for rows written
+        after the upgrade. One transaction: every table is upgraded or none.
+        Returns the streams upgraded.
+        """
+        upgraded = []
+        for schema in self._tables_without_row_json(conn):
+            encode = schema.values_encoder()
+            conn.create_function(
+                "tickline_row_json", len(schema.columns), lambda *values: encode(values), deterministic=True
+            )
+            conn.execute(f"ALTER TABLE {schema.table} ADD COLUMN {ROW_JSON_COLUMN} BLOB")
+            conn.execute(
+                f"UPDATE {schema.table} SET {ROW_JSON_COLUMN} = tickline_row_json({', '.join(schema.column_names)})"
+            )
+            upgraded.append(schema.name)
+        return upgraded
 
     def close(self) -> None:
         self.database.close()
@@ -56,7 +95,18 @@ class SqliteStreamStore:
         return time_index.first_token_at(self, stream, since_ts)
 
     def safe_point(self, expire_writers: bool = True, allocate: bool = True) -> tuple[dict[str, int], dict[str, int]]:
-        return time_index.safe_point(self, expire_writers, allocate)
+        """``time_index.safe_point``; an allocation only if the write lock is free now.
+
+        While a writer holds the lock (a long transaction), the oracle's mark
+        is read instead, which is as safe (``time_index.oracle_last``): the
+        master's pass never waits behind a writer, so the rows that writer
+        commits are read as soon as they are there.
+        """
+        if allocate:
+            done, first = self.database.try_write(lambda conn: self._allocate_timestamps(conn, 1))
+            if done:
+                return time_index.safe_point(self, expire_writers, allocate=False, taken=first)
+        return time_index.safe_point(self, expire_writers, allocate=False)
 
     def schema(self, stream: str) -> StreamSchema:
         return self._catalog.schema(stream)
@@ -128,8 +178,12 @@ class SqliteStreamStore:
         return self.heads()
 
     def notifier(self) -> None:
-        """SQLite has no change notification: the master polls."""
+        """SQLite has no change notification: the master polls (:meth:`change_watch`)."""
         return None
+
+    def change_watch(self) -> SqliteChangeWatch:
+        """A cheap check for commits of other connections (``PRAGMA data_version``), for the master's poller."""
+        return SqliteChangeWatch(self.path)
 
     def open_wake(self) -> None:
         """SQLite reads on the database threads (no non-blocking connection)."""
@@ -152,18 +206,29 @@ class SqliteStreamStore:
     def read_rows_json(self, stream: str, after: int, upto: int, limit: int) -> list[JsonRow]:
         """Like :meth:`read_rows`, but each row is ``(seq, token, instance_name, ts, json)``.
 
-        ``json`` is the UTF-8 bytes of the JSON array of the row's columns, built
-        by SQLite itself (``json_array``): the master's fan-out then sends it as
-        it is, without making Python objects of every value.
+        ``json`` is the UTF-8 bytes of the JSON array of the row's columns, as
+        the writer stored it (``row_json``): the master's fan-out then sends
+        it as it is, without making Python objects of every value.
         """
         schema = self.schema(stream)
         return self._read_range(
             schema,
-            f"seq, token, CAST(instance_name AS BLOB), ts, CAST(json_array({', '.join(self._json_values(schema))}) AS BLOB)",
+            f"seq, token, CAST(instance_name AS BLOB), ts, {self._row_json(schema)}",
             after,
             upto,
             limit,
         )
+
+    @classmethod
+    def _row_json(cls, schema: StreamSchema) -> str:
+        """SQL for a row's JSON array (a BLOB): the stored ``row_json``.
+
+        A row without it (written by a tickline older than the column while
+        this one had already upgraded the table) is built by SQLite from the
+        columns (``json_array``: the same values, a double possibly written
+        with more digits).
+        """
+        return f"coalesce({ROW_JSON_COLUMN}, CAST(json_array({', '.join(cls._json_values(schema))}) AS BLOB))"
 
     @staticmethod
     def _json_values(schema: StreamSchema) -> list[str]:
@@ -188,41 +253,59 @@ class SqliteStreamStore:
     def read_lines_json(
         self, stream: str, after: int, upto: int, limit: int, prefix: str, with_ts: bool
     ) -> tuple[bytes, int, int] | None:
-        """Whole lines built by SQLite in one value (no Python object per row); None if a batch is in range.
+        """Whole lines from the stored ``row_json`` in one value (no Python object per row); None if a batch is in range.
 
         Reads the tokens ``(after, min(upto, after + limit)]`` (SQLite's tokens
         are dense, so that is about ``limit`` rows; over a gap it moves to the
-        next row's token first). The rows are concatenated by ``group_concat``
-        over the ``(token, seq)`` order of the token index, so the answer is
-        one ``bytes`` whatever the row count.
+        next row's token first). One ``group_concat`` over the ``(token, seq)``
+        order of the token index: each row's stored JSON, the separator before
+        it carrying its line's start (``\n<prefix><instance> <token> ``,
+        prepared once for the first row's writer), so no stored bytes are
+        concatenated per row; SQLite adds the first line's start and the last
+        newline too (the value is not copied again in Python, under the GIL). The same statement counts the rows and their tokens'
+        range:
+
+        Batches: SQLite's tokens are dense (a write allocates its tokens from
+        the head under the write lock and commits all of its rows or none;
+        tickline never deletes rows), so ``count == last - first + 1`` means
+        one row per token, and more rows than that means rows sharing a token
+        (None: the caller builds ``batch`` lines). Fewer (a gap: rows deleted
+        by hand) is checked exactly (``count(DISTINCT token)``).
         """
         schema = self.schema(stream)
-        values = self._json_values(schema)
-        if with_ts:
-            values.append("ts")
         table = schema.table
-        span = f"SELECT count(*), count(DISTINCT token), max(token) FROM {table} WHERE token > ? AND token <= ?"
-        first = f"SELECT min(token) FROM {table} WHERE token > ? AND token <= ?"
-        lines = (
-            f"SELECT CAST(group_concat(? || instance_name || ' ' || token || ' ' || json_array({', '.join(values)})"
-            f" || char(10), '') AS BLOB) FROM {table} INDEXED BY {table}_token WHERE token > ? AND token <= ?"
+        value = self._row_json(schema)
+        if with_ts:
+            value = f"substr({value}, 1, length({value}) - 1) || ',' || ts || ']'"
+        head = (
+            f"SELECT instance_name, token FROM {table} INDEXED BY {table}_token "
+            "WHERE token > ? AND token <= ? ORDER BY token, seq LIMIT 1"
         )
+        # ?6: the first line's start; the whole value is built by SQLite (no copy of it in Python).
+        lines = (
+            f"SELECT CAST(?6 || group_concat({value}, CASE instance_name WHEN ?1 THEN ?2 || token || ' ' "
+            f"ELSE ?3 || instance_name || ' ' || token || ' ' END) || char(10) AS BLOB), count(*), min(token), "
+            f"max(token) FROM {table} INDEXED BY {table}_token WHERE token > ?4 AND token <= ?5"
+        )
+        distinct = f"SELECT count(DISTINCT token) FROM {table} WHERE token > ? AND token <= ?"
+        separator = "\n" + prefix
 
         def run(conn: sqlite3.Connection) -> tuple[bytes, int, int] | None:
-            end = min(upto, after + max(limit, 1))
-            count, tokens, last = conn.execute(span, (after, end)).fetchone()
-            if not count and end < upto:
-                # A gap in the tokens: start the range at the next row.
-                (nxt,) = conn.execute(first, (after, upto)).fetchone()
-                if nxt is None:
-                    return b"", after, 0
-                end = min(upto, nxt - 1 + max(limit, 1))
-                count, tokens, last = conn.execute(span, (after, end)).fetchone()
-            if not count:
+            found = conn.execute(head, (after, upto)).fetchone()
+            if found is None:
                 return b"", after, 0
-            if tokens != count:
-                return None  # rows sharing a token: batch lines, built by the caller
-            (data,) = conn.execute(lines, (prefix, after, last)).fetchone()
+            instance, token = found
+            # From the first row's token (past a gap, if any), about limit tokens.
+            end = min(upto, max(after, token - 1) + max(limit, 1))
+            data, count, low, last = conn.execute(
+                lines, (instance, f"{separator}{instance} ", separator, after, end, f"{prefix}{instance} {token} ")
+            ).fetchone()
+            if count != last - low + 1:
+                if count > last - low + 1:
+                    return None  # rows sharing a token: batch lines, built by the caller
+                (tokens,) = conn.execute(distinct, (after, end)).fetchone()
+                if tokens != count:
+                    return None
             return data, last, count
 
         return self.database.read(run)
@@ -249,11 +332,12 @@ class SqliteWriteTransaction:
         self._conn = conn
         self._schema = schema
         self._instance = instance
-        placeholders = ", ".join("?" * (3 + len(schema.columns)))
+        placeholders = ", ".join("?" * (4 + len(schema.columns)))
         self._insert = (
-            f"INSERT INTO {schema.table} (token, instance_name, ts, {', '.join(schema.column_names)}) "
-            f"VALUES ({placeholders})"
+            f"INSERT INTO {schema.table} (token, instance_name, ts, {', '.join(schema.column_names)}, "
+            f"{ROW_JSON_COLUMN}) VALUES ({placeholders})"
         )
+        self._values_json = schema.values_encoder()
 
     def append(self, rows: Iterable[Row], batch: bool = False) -> list[int]:
         values = check_rows(self._schema, rows, self._store.max_line_bytes)
@@ -272,8 +356,13 @@ class SqliteWriteTransaction:
         tokens = [first_token] * count if batch else list(range(first_token, first_token + count))
         first_ts = self._store._allocate_timestamps(conn, count)
         instance = self._instance
+        encode = self._values_json
+        # row_json (the row's JSON as RDATA carries it) in the rows' own statement: all rows or none.
         conn.executemany(
             self._insert,
-            [(token, instance, first_ts + i, *row) for i, (token, row) in enumerate(zip(tokens, values, strict=True))],
+            [
+                (token, instance, first_ts + i, *row, encode(row))
+                for i, (token, row) in enumerate(zip(tokens, values, strict=True))
+            ],
         )
         return tokens

@@ -216,7 +216,7 @@ def last_ts_upto(store: TimedStore, stream: str, token: int) -> int | None:
 
 
 def safe_point(
-    store: TimedStore, expire_writers: bool = True, allocate: bool = True
+    store: TimedStore, expire_writers: bool = True, allocate: bool = True, taken: int | None = None
 ) -> tuple[dict[str, int], dict[str, int]]:
     """``(safe_ts, positions)``: per stream, a safe time and the safe position.
 
@@ -232,8 +232,13 @@ def safe_point(
     it are allocated (in flight, or committed above a writer still in flight,
     on PostgreSQL), they have larger timestamps than every token below them:
     the safe time is the timestamp of the last row at or below the position.
+    ``taken``: a fresh timestamp the caller allocated just before (it is
+    ``t``; SQLite allocates it only when the write lock is free).
     """
-    t = oracle_time(store) if allocate else oracle_last(store)
+    if taken is not None:
+        t = taken
+    else:
+        t = oracle_time(store) if allocate else oracle_last(store)
     # The live writers are read before the positions: a writer that commits
     # and leaves in between must still count as live here (its row may lie
     # above a position read while it was in flight).

@@ -45,6 +45,19 @@ def test_bench_command_refuses_an_unknown_scenario() -> None:
     assert "wire" in proc.stderr
 
 
+def test_bench_command_takes_the_fanout_options() -> None:
+    """``tickline bench fanout --db ... --variants ...`` as the docs show it; an unknown variant is one line, exit 2."""
+    proc = run_tickline("bench", "fanout", "--db", "sqlite", "--variants", "live-1,live-7", "--rows", "10")
+    assert proc.returncode == 2
+    assert "unknown fanout variant 'live-7'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = run_tickline("bench", "fanout", "--variants", "live-1", "--rows", "2000", "--repeat", "1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(RATIO_LINE.format(name="fanout live-1"), proc.stdout, re.M), proc.stdout
+    assert "fanout replay-1" not in proc.stdout
+    assert re.search(r"^  live, timed from the COMMIT's return .*: [\d,]+ rows/s", proc.stdout, re.M), proc.stdout
+
+
 def test_postgresql_scenarios_print_their_lines_against_logical_replication() -> None:
     proc = subprocess.run(
         [

@@ -284,3 +284,18 @@ def test_rows_of_a_stream_declared_after_the_master_started(master, tickline, tm
     client.send("REPLICATE late 0")  # the master learns the stream from the store
     assert client.next_command() == "POSITION late master 0 0"
     assert client.next_command() == 'RDATA late writer 1 ["hello"]'
+
+
+def test_sqlite_commits_of_other_processes_are_seen_by_the_change_check(master) -> None:
+    """With full passes rare (poll_interval, tick_interval 30 s), PRAGMA data_version finds commits at once."""
+    m = master("master:\n  poll_interval: 30\n  tick_interval: 30\n  change_check_interval: 0.005\n")
+    client, _positions = live_client(m)
+    latencies = []
+    for i in range(1, 6):
+        (token,) = m.write("events", json.dumps(event(i)))  # another process
+        committed = time.monotonic()
+        line = client.next_command(timeout=5.0)
+        latencies.append(time.monotonic() - committed)
+        assert line == f'RDATA events writer {token} ["$e{i}","!room","m.type",null,null]'
+    # Far below the 30 s of the full passes (the write's own process exit is in it too).
+    assert sorted(latencies)[-2] < 1.0, latencies
