@@ -230,19 +230,10 @@ class PgWake:
         return (times if read_mark else None), positions, first
 
     def close(self) -> None:
-        try:
-            self._conn.close()
-        except psycopg2.Error:
-            pass
+        close_quietly(self._conn)
 
     def _lost(self, e: BaseException) -> DatabaseUnavailable:
-        self.close()
-        text = str(e).strip()
-        return DatabaseUnavailable(
-            redact_url(
-                f"PostgreSQL at {self._store.database.dsn}: {text.splitlines()[0] if text else type(e).__name__}"
-            )
-        )
+        return lost_connection(self._conn, self._store.database.dsn, e)
 
 
 def _wait(conn: Any, timeout: float = SETUP_SECONDS) -> None:
@@ -265,6 +256,21 @@ def _run_blocking(conn: Any, sql: str) -> None:
     with conn.cursor() as cur:
         cur.execute(sql)
         _wait(conn)
+
+
+def close_quietly(conn: Any) -> None:
+    """Close a connection that may be broken already."""
+    try:
+        conn.close()
+    except psycopg2.Error:
+        pass
+
+
+def lost_connection(conn: Any, dsn: str, e: BaseException) -> DatabaseUnavailable:
+    """A non-blocking connection that failed: closed, and the one-line error to raise (password redacted)."""
+    close_quietly(conn)
+    text = str(e).strip()
+    return DatabaseUnavailable(redact_url(f"PostgreSQL at {dsn}: {text.splitlines()[0] if text else type(e).__name__}"))
 
 
 def open_nonblocking(dsn: str, application_name: str, settings: dict[str, str] | None = None) -> Any:

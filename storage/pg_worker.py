@@ -155,17 +155,14 @@ class PgAsyncApply:
             raise StaleApply("the token is not above the applied token")
 
     def close(self) -> None:
-        try:
-            self._conn.close()
-        except psycopg2.Error:
-            pass
+        from storage.pg_wake import close_quietly
+
+        close_quietly(self._conn)
 
     def _lost(self, e: BaseException) -> DatabaseUnavailable:
-        self.close()
-        text = str(e).strip()
-        return DatabaseUnavailable(
-            redact_url(f"PostgreSQL at {self._dsn}: {text.splitlines()[0] if text else type(e).__name__}")
-        )
+        from storage.pg_wake import lost_connection
+
+        return lost_connection(self._conn, self._dsn, e)
 
 
 class PgApplyTransaction:

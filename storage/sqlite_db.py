@@ -71,6 +71,9 @@ class SqliteDatabase:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             raise
+        self._commit(conn)
+
+    def _commit(self, conn: sqlite3.Connection) -> None:
         try:
             conn.execute("COMMIT")
         except sqlite3.Error as e:  # a full disk, say: nothing was committed
@@ -100,12 +103,7 @@ class SqliteDatabase:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             raise
-        try:
-            conn.execute("COMMIT")
-        except sqlite3.Error as e:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise StorageError(f"cannot commit to SQLite database {self.path}: {e}; nothing was written") from None
+        self._commit(conn)
         return True, result
 
     def query(self, sql: str, params: Any = ()) -> list[Any]:
