@@ -656,13 +656,13 @@ class Master:
         self._catchup_rows += count
 
 
-@implementer(IReadDescriptor)
 def _dropped(ahead: tuple[int, tuple[bool, ...], defer.Deferred[Any]] | None) -> None:
     """A read ahead that is not used (the loop left, or the variants changed): its result or failure is let go."""
     if ahead is not None:
         ahead[2].addErrback(lambda f: logger.debug("a read ahead was not used: %s", f.getErrorMessage()))
 
 
+@implementer(IReadDescriptor)
 class NotificationReader:
     """Watches the store's notification connection on the reactor (non-blocking)."""
 

@@ -40,6 +40,7 @@ nothing having moved.
 from __future__ import annotations
 
 import select
+from collections.abc import Callable
 from typing import Any
 
 import psycopg2
@@ -184,13 +185,7 @@ class PgWake:
         except psycopg2.Error as e:
             # Lost, or an error of the call: either way this connection is done.
             raise self._lost(e) from None
-        if state == psycopg2.extensions.POLL_OK:
-            return "done"
-        if state == psycopg2.extensions.POLL_READ:
-            return "read"
-        if state == psycopg2.extensions.POLL_WRITE:
-            return "write"
-        raise DatabaseUnavailable(f"unexpected poll state {state}")
+        return poll_word(state, self._lost)
 
     def result(self) -> WakeResult:
         """The answer of the call :meth:`start` sent, once :meth:`poll` said ``"done"``."""
@@ -256,6 +251,22 @@ def _run_blocking(conn: Any, sql: str) -> None:
     with conn.cursor() as cur:
         cur.execute(sql)
         _wait(conn)
+
+
+# What a non-blocking connection's poll() says, as NonBlockingCall.poll words it.
+_POLL_WORDS = {
+    psycopg2.extensions.POLL_OK: "done",
+    psycopg2.extensions.POLL_READ: "read",
+    psycopg2.extensions.POLL_WRITE: "write",
+}
+
+
+def poll_word(state: int, lost: Callable[[BaseException], DatabaseUnavailable]) -> str:
+    """``"done"``, ``"read"`` or ``"write"`` for a poll state; anything else loses the connection."""
+    word = _POLL_WORDS.get(state)
+    if word is None:
+        raise lost(psycopg2.OperationalError(f"unexpected poll state {state}"))
+    return word
 
 
 def close_quietly(conn: Any) -> None:

@@ -25,6 +25,7 @@ from storage.pg_copy import (
     received_chunk_formatter,
 )
 from storage.pg_db import Cursor, PgDatabase
+from storage.pg_wake import close_quietly, lost_connection, open_nonblocking, poll_word
 from storage.schema import COLUMN_TYPES, StreamSchema
 from storage.store import ApplyRefused, DatabaseUnavailable, StaleApply
 from storage.urls import redact_url
@@ -135,13 +136,7 @@ class PgAsyncApply:
             self._cursor = None
             self._refused = e
             return "done"
-        if state == psycopg2.extensions.POLL_OK:
-            return "done"
-        if state == psycopg2.extensions.POLL_READ:
-            return "read"
-        if state == psycopg2.extensions.POLL_WRITE:
-            return "write"
-        raise self._lost(psycopg2.OperationalError(f"unexpected poll state {state}"))
+        return poll_word(state, self._lost)
 
     def result(self) -> None:
         refused = self._refused
@@ -155,13 +150,9 @@ class PgAsyncApply:
             raise StaleApply("the token is not above the applied token")
 
     def close(self) -> None:
-        from storage.pg_wake import close_quietly
-
         close_quietly(self._conn)
 
     def _lost(self, e: BaseException) -> DatabaseUnavailable:
-        from storage.pg_wake import lost_connection
-
         return lost_connection(self._conn, self._dsn, e)
 
 
@@ -222,8 +213,6 @@ class PgWorkerStore:
 
     def open_async_apply(self) -> PgAsyncApply:
         """Blocking (off the reactor): a non-blocking connection for small applies (:class:`PgAsyncApply`)."""
-        from storage.pg_wake import open_nonblocking
-
         # The same session settings as the store's connections (synchronous_commit).
         settings = dict(self.database._settings)
         return PgAsyncApply(open_nonblocking(self.database.dsn, "tickline-apply", settings), self.database.dsn)

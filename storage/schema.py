@@ -24,7 +24,7 @@ import orjson
 # must fit PostgreSQL's 63-byte identifiers: 46 characters at most.
 STREAM_NAME = re.compile(r"[a-z][a-z0-9_]{0,45}")
 COLUMN_NAME = re.compile(r"[a-z][a-z0-9_]{0,62}")
-# SQLite: each row's values as the JSON array RDATA sends (see the module doc and docs/storage.md).
+# SQLite: each row's values as the JSON array RDATA sends (see the module doc and docs/architecture.md).
 ROW_JSON_COLUMN = "row_json"
 RESERVED_COLUMNS = frozenset({"seq", "token", "instance_name", "ts", ROW_JSON_COLUMN})
 # Column names go into SQL unquoted, so a name that is an SQL keyword is refused:

@@ -234,11 +234,7 @@ class Worker(ReplicationHandler):
 
     def _apply_in_db(self, stream: str, token: int, effects: Effects) -> defer.Deferred[None]:
         d = self.db.run(self.store.apply, stream, token, effects)
-        if stream in self._uncertain:
-            d.addCallbacks(
-                self._certain, self._maybe_applied, callbackArgs=(stream, token), errbackArgs=(stream, token)
-            )
-        return d
+        return self._settle_uncertain(d, stream, token)
 
     def _replicate_in_db(
         self, stream: str, token: int, schema: StreamSchema, received: list[ReceivedRows], effects: Effects
@@ -262,11 +258,7 @@ class Worker(ReplicationHandler):
         self, stream: str, token: int, schema: StreamSchema, received: list[ReceivedRows], effects: Effects
     ) -> defer.Deferred[None]:
         d = self.db.run(self.store.apply_replicated, stream, token, schema, received, effects)
-        if stream in self._uncertain:
-            d.addCallbacks(
-                self._certain, self._maybe_applied, callbackArgs=(stream, token), errbackArgs=(stream, token)
-            )
-        return d
+        return self._settle_uncertain(d, stream, token)
 
     def _async_apply_failed(
         self,
@@ -287,6 +279,14 @@ class Worker(ReplicationHandler):
             self._uncertain[stream] = max(token, self._uncertain.get(stream, 0))
             return self._replicate_threaded(stream, token, schema, received, effects)
         return defer.fail(failure)
+
+    def _settle_uncertain(self, d: defer.Deferred[None], stream: str, token: int) -> defer.Deferred[None]:
+        """After a lost apply connection: this apply tells whether the lost statement had committed."""
+        if stream in self._uncertain:
+            d.addCallbacks(
+                self._certain, self._maybe_applied, callbackArgs=(stream, token), errbackArgs=(stream, token)
+            )
+        return d
 
     def _certain(self, result: None, stream: str, token: int) -> None:
         if token >= self._uncertain.get(stream, token + 1):
