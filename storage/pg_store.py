@@ -42,6 +42,7 @@ from storage.contracts import JsonRow, Row, StoredRow
 from storage.limits import DEFAULT_MAX_LINE_BYTES, check_batch_rows, check_rows, max_row_json_bytes
 from storage.pg_copy import _COPY_FORMATS, NULL_COPY, _copy_text, chunk_formatter, formatter, lines_need_escapes
 from storage.pg_db import Cursor, PgDatabase, prepared
+from storage.pg_lines import read_lines, value_json_sql
 from storage.schema import COLUMN_TYPES, RowError, StreamSchema, check_instance_name
 from storage.store import FIRST_VALUE, DatabaseUnavailable, StreamCatalog
 from storage.urls import redact_url
@@ -220,7 +221,6 @@ class PgStreamStore:
         self.writer_timeout = writer_timeout
         self._lock = threading.Lock()
         self._json_encoders: dict[str, Callable[[StoredRow], bytes]] = {}
-        self._lines_sql: dict[tuple[str, bool], str] = {}
         self._writers: dict[tuple[str, str], _WriterState] = {}
         self._next_txn = 0
         self._reporter: threading.Thread | None = None
@@ -629,24 +629,16 @@ class PgStreamStore:
         About ``limit`` rows, never part of a token: the range ends at the
         token of the ``limit``-th row, all of whose rows are included (rows
         sharing a token are sent as ``batch`` lines, then the last with the
-        token). One prepared statement, no Python object per row or value:
-        each value is JSON by ``to_json`` (JSON columns as stored, integral
-        doubles with ``.0`` as the Python encoder writes them; other doubles
-        may print their exponent differently, ``1e+300``, and read the same). None (the caller
-        builds the lines) if a line came out over ``max_line_bytes``.
+        token). No Python object per row or value: the server builds each
+        line (JSON columns as stored, integral doubles with ``.0`` as the
+        Python encoder writes them; other doubles may print their exponent
+        differently, ``1e+300``, and read the same) and sends them by ``COPY``
+        (``storage.pg_lines``). None (the caller builds the lines) if a line
+        came out over ``max_line_bytes``.
         """
         schema = self.schema(stream)
-        sql = self._lines_sql.get((stream, with_ts))
-        if sql is None:
-            sql = self._lines_sql[(stream, with_ts)] = _lines_sql(schema, with_ts)
         with self._side_cursor() as cur:
-            cur.execute(prepared(cur, sql), (after, upto, limit, prefix, after))
-            text, last, count, longest = cur.fetchone()
-        if not count:
-            return b"", after, 0
-        if self.max_line_bytes is not None and longest > self.max_line_bytes:
-            return None
-        return text.encode(), int(last), int(count)
+            return read_lines(cur, schema, after, upto, limit, prefix, with_ts, self.max_line_bytes)
 
     def read_rows_json(self, stream: str, after: int, upto: int, limit: int) -> list[JsonRow]:
         """Like :meth:`read_rows`, each row ``(seq, token, instance_name bytes, ts, JSON array bytes)``.
@@ -1071,16 +1063,8 @@ class PgNotifier:
 
 
 def _pg_json_value(name: str, kind: str) -> str:
-    """SQL for one column's JSON text in a line built by :meth:`PgStreamStore.read_lines_json`."""
-    if kind == "json":
-        return f"coalesce({name}::text, 'null')"
-    if kind == "double":
-        # orjson writes integral doubles as 2.0; to_json would write 2.
-        return (
-            f"CASE WHEN {name} IS NULL THEN 'null' WHEN {name} = trunc({name}) AND abs({name}) < 1e15"
-            f" THEN trunc({name})::bigint::text || '.0' ELSE to_json({name})::text END"
-        )
-    return f"coalesce(to_json({name})::text, 'null')"
+    """SQL for one column's JSON text in a line built by PostgreSQL (the wake-up's lines, ``storage.pg_wake``)."""
+    return value_json_sql(name, kind)
 
 
 def _json_encoder(schema: StreamSchema) -> Callable[[StoredRow], bytes]:
@@ -1100,24 +1084,6 @@ def _json_encoder(schema: StreamSchema) -> Callable[[StoredRow], bytes]:
         return dumps(values)
 
     return encode
-
-
-def _lines_sql(schema: StreamSchema, with_ts: bool) -> str:
-    """The statement of :meth:`PgStreamStore.read_lines_json`: (after, upto, limit, prefix, after) -> one row."""
-    values = [_pg_json_value(c.name, c.type) for c in schema.columns]
-    if with_ts:
-        values.append("ts::text")
-    row_json = " || ',' || ".join(values)
-    table = schema.table
-    return (
-        "WITH lim AS (SELECT max(token) AS last FROM "
-        f"(SELECT token FROM {table} WHERE token > %s::bigint AND token <= %s::bigint ORDER BY token LIMIT %s) AS x), "
-        "lines AS (SELECT token, seq, %s::text || instance_name || ' ' || "
-        "CASE WHEN lead(token) OVER (ORDER BY token, seq) = token THEN 'batch' ELSE token::text END "
-        f"|| ' [' || {row_json} || ']' AS line FROM {table}, lim WHERE token > %s::bigint AND token <= lim.last) "
-        "SELECT string_agg(line, E'\\n' ORDER BY token, seq) || E'\\n', max(token), count(*), "
-        "COALESCE(max(octet_length(line)), 0) FROM lines"
-    )
 
 
 def _first_line(e: BaseException) -> str:

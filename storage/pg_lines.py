@@ -1,0 +1,174 @@
+"""Whole ``RDATA`` lines built by PostgreSQL: the master's storage read on PostgreSQL.
+
+``PgStreamStore.read_lines_json`` asks the server for the lines of about
+``limit`` rows after a token, never part of a token. Measured on a 200,000-row
+stream (5,000-row reads, docs/benchmarks.md), the server's time per row was
+what bounded the master; it went to three things, and each has its remedy
+here:
+
+- **The value expressions.** ``to_json(text)`` looks the type up on every
+  call. A stream whose columns are all text builds the whole JSON array with
+  one ``array_to_json(ARRAY[...])`` (the same escaping, ``null`` for NULL,
+  no spaces: the Python encoder's bytes); other types get cheaper forms
+  (``bigint::text``, a ``CASE`` for booleans).
+- **Batch or token.** A line ends in ``batch`` when the next row has the
+  same token. A ``lead()`` window copied every wide row into a tuple store;
+  instead, the tokens of the range that hold more than one row (found from
+  the ``(token, seq)`` index alone, usually none) are joined to the rows, and
+  a row below its token's last ``seq`` says ``batch``.
+- **Ordering and gathering.** ``string_agg(... ORDER BY token, seq)`` sorted
+  every line again and grew one large string (about 0.75 MB per 5,000 rows,
+  new pages on every call). The lines are sent by ``COPY (SELECT ... ORDER
+  BY token, seq) TO STDOUT`` instead: the order is the top-level ``ORDER
+  BY`` of the query ``COPY`` runs (which the planner must honour; with the
+  index it needs no sort), one row per line, no aggregate.
+
+``COPY`` takes no parameters and a ``COPY`` of a plain query would be
+planned anew on each call (on a fresh table without statistics, into a plan
+that scans the whole rest of the stream). So the query lives in a temporary
+PL/pgSQL function of the session (``pg_temp.tickline_lines_<n>``, created on
+first use per connection and stream variant), whose statements are planned
+once and kept (generic plans: ``PgDatabase`` connections set
+``plan_cache_mode``); ``COPY (SELECT * FROM pg_temp.tickline_lines_<n>(...))``
+only passes the arguments. ``STABLE``: both statements of the function read
+the calling statement's snapshot.
+
+**The output format.** ``COPY ... (FORMAT csv)`` with ``DELIMITER`` ``\\x01``
+and ``QUOTE`` ``\\x02``: one column per row, so the delimiter never appears;
+a value is quoted only if it holds the delimiter, the quote, a newline or a
+carriage return, or is empty. A line never does: the JSON of every value
+escapes all control characters (``to_json``, ``array_to_json``, ``jsonb``'s
+text), instance names are printable ASCII, stream names identifiers. So every
+output row is exactly ``line\\n``, the bytes the Python encoder makes. A line
+longer than ``max_line_bytes`` is sent as an empty string, which ``COPY``
+writes quoted (``\\x02\\x02``): one byte search finds it, and the caller then
+builds the lines itself (the long line is refused there, as before).
+
+The count is the number of newlines; the last token is read from the last
+line (it is always the last row of its token, so it names the token).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from storage.schema import StreamSchema
+
+CSV_DELIMITER = "\x01"
+CSV_QUOTE = "\x02"
+_QUOTE_BYTE = CSV_QUOTE.encode()
+_COPY_OPTIONS = "(FORMAT csv, DELIMITER E'\\x01', QUOTE E'\\x02')"
+
+# Per connection: (table, with_ts) -> the name of its temporary lines function.
+_FUNCTIONS: weakref.WeakKeyDictionary[Any, dict[tuple[str, bool], str]] = weakref.WeakKeyDictionary()
+
+
+def value_json_sql(column: str, kind: str) -> str:
+    """SQL for one value's JSON text (the Python encoder's bytes), ``null`` for NULL."""
+    if kind == "json":
+        return f"coalesce({column}::text, 'null')"
+    if kind == "double":
+        # orjson writes integral doubles as 2.0; to_json would write 2.
+        return (
+            f"CASE WHEN {column} IS NULL THEN 'null' WHEN {column} = trunc({column}) AND abs({column}) < 1e15"
+            f" THEN trunc({column})::bigint::text || '.0' ELSE to_json({column})::text END"
+        )
+    if kind == "bigint":
+        return f"coalesce({column}::text, 'null')"
+    if kind == "boolean":
+        return f"CASE WHEN {column} THEN 'true' WHEN NOT {column} THEN 'false' ELSE 'null' END"
+    return f"coalesce(to_json({column})::text, 'null')"
+
+
+def row_json_sql(schema: StreamSchema, with_ts: bool, alias: str = "t") -> str:
+    """SQL for a row's JSON array text ``[v1,...,vn]`` (``ts`` last when ``with_ts``)."""
+    columns = [f"{alias}.{c.name}" for c in schema.columns]
+    if not with_ts and all(c.type == "text" for c in schema.columns):
+        # One call for the whole array: the type is looked up once, not per value.
+        return f"array_to_json(ARRAY[{', '.join(columns)}]::text[])::text"
+    values = [value_json_sql(name, c.type) for name, c in zip(columns, schema.columns, strict=True)]
+    if with_ts:
+        values.append(f"{alias}.ts::text")
+    return "'[' || " + " || ',' || ".join(values) + " || ']'"
+
+
+def lines_function_sql(function: str, schema: StreamSchema, with_ts: bool) -> str:
+    """``CREATE FUNCTION pg_temp.<function>(after, upto, max_rows, prefix, max_bytes) RETURNS SETOF text``.
+
+    The lines of the rows with ``after < token <= last``, ``last`` the token
+    of the ``max_rows``-th row after ``after`` (at most ``upto``), in
+    ``(token, seq)`` order; a line over ``max_bytes`` (NULL: no limit) is
+    returned empty. Every column reference is qualified (a stream column may
+    have any name): the only names left bare are the function's own.
+    """
+    table = schema.table
+    line = (
+        "$4 || t.instance_name || ' ' || CASE WHEN t.seq < b.last_seq THEN 'batch' ELSE t.token::text END"
+        f" || ' ' || {row_json_sql(schema, with_ts)}"
+    )
+    return (
+        f"CREATE FUNCTION pg_temp.{function}(bigint, bigint, integer, text, integer) RETURNS SETOF text "
+        "LANGUAGE plpgsql STABLE AS $fn$\n#variable_conflict use_variable\n"
+        "DECLARE\n    last_token bigint;\nBEGIN\n"
+        f"    SELECT max(x.token) INTO last_token FROM (SELECT r.token FROM {table} r "
+        "WHERE r.token > $1 AND r.token <= $2 ORDER BY r.token LIMIT $3) AS x;\n"
+        "    RETURN QUERY SELECT CASE WHEN octet_length(l.line) > $5 THEN '' ELSE l.line END FROM ("
+        f"SELECT t.token, t.seq, {line} AS line FROM {table} t LEFT JOIN ("
+        f"SELECT s.token, max(s.seq) AS last_seq FROM {table} s WHERE s.token > $1 AND s.token <= last_token "
+        "GROUP BY s.token HAVING count(*) > 1) AS b ON b.token = t.token "
+        "WHERE t.token > $1 AND t.token <= last_token) AS l ORDER BY l.token, l.seq;\n"
+        "END\n$fn$"
+    )
+
+
+def _function(cursor: Any, schema: StreamSchema, with_ts: bool) -> str:
+    """The name of this connection's lines function for the stream and variant, created on first use."""
+    conn = cursor.connection
+    known = _FUNCTIONS.get(conn)
+    if known is None:
+        known = _FUNCTIONS[conn] = {}
+    key = (schema.table, with_ts)
+    name = known.get(key)
+    if name is None:
+        name = f"tickline_lines_{len(known) + 1}"
+        cursor.execute(lines_function_sql(name, schema, with_ts))
+        known[key] = name
+    return name
+
+
+class _Chunks(list[bytes]):
+    """A file for ``copy_expert``: keeps what each call gives (a row) without copying; joined once."""
+
+    write = list.append
+
+
+def read_lines(
+    cursor: Any,
+    schema: StreamSchema,
+    after: int,
+    upto: int,
+    limit: int,
+    prefix: str,
+    with_ts: bool,
+    max_line_bytes: int | None,
+) -> tuple[bytes, int, int] | None:
+    """``(lines, last token, rows)`` of about ``limit`` rows in ``(after, upto]`` (see the module doc).
+
+    None if a line came out over ``max_line_bytes`` (the caller builds them).
+    ``cursor``: on an autocommit connection (the function is created on it once).
+    """
+    function = _function(cursor, schema, with_ts)
+    query = cursor.mogrify(
+        f"SELECT * FROM pg_temp.{function}(%s, %s, %s, %s, %s)", (after, upto, limit, prefix, max_line_bytes)
+    )
+    chunks = _Chunks()
+    cursor.copy_expert(f"COPY ({query.decode()}) TO STDOUT WITH {_COPY_OPTIONS}", chunks)
+    if not chunks:
+        return b"", after, 0
+    data = b"".join(chunks)
+    if max_line_bytes is not None and _QUOTE_BYTE in data:
+        return None
+    start = data.rfind(b"\n", 0, len(data) - 1) + 1 + len(prefix.encode())
+    token = data[start:].split(b" ", 2)[1]
+    return data, int(token), data.count(b"\n")
