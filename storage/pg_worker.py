@@ -29,7 +29,7 @@ from storage.pg_wake import close_quietly, lost_connection, open_nonblocking, po
 from storage.schema import COLUMN_TYPES, StreamSchema
 from storage.store import ApplyRefused, DatabaseUnavailable, StaleApply
 from storage.urls import redact_url
-from storage.worker_store import move_applied_token, token_bounds
+from storage.worker_store import expand_received, move_applied_token, token_bounds
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -118,7 +118,8 @@ class PgAsyncApply:
         try:
             self._cursor = self._conn.cursor()
             self._cursor.execute(
-                f"{prepare}EXECUTE {name} (%s, %s, %s)", (stream, token, orjson.dumps(received).decode())
+                f"{prepare}EXECUTE {name} (%s, %s, %s)",
+                (stream, token, orjson.dumps(expand_received(received)).decode()),
             )
         except psycopg2.Error as e:
             raise self._lost(e) from None
@@ -249,7 +250,7 @@ class PgWorkerStore:
         sql = self._replicate_sql.get(schema)
         if sql is None:
             sql = self._replicate_sql[schema] = replicate_json_sql(schema)
-        payload = orjson.dumps(received).decode()
+        payload = orjson.dumps(expand_received(received)).decode()
         try:
             ((moved,),) = self.database.query(sql, (stream, token, payload), prepare=True)
         except DatabaseUnavailable:
@@ -282,7 +283,7 @@ class PgWorkerStore:
         fmt = formatter(schema, with_ts=True)
         width = len(schema.columns)
         lines = []
-        for token, instance, rows in received:
+        for token, instance, rows in expand_received(received):
             prefix = f"{token}\t{_copy_text(instance)}\t"
             for row in rows:
                 text = fmt(row)
