@@ -24,7 +24,7 @@ from storage.pg_copy import (
     lines_need_escapes,
     received_chunk_formatter,
 )
-from storage.pg_db import Cursor, PgDatabase
+from storage.pg_db import Cursor, PgDatabase, prepared
 from storage.pg_wake import close_quietly, lost_connection, open_nonblocking, poll_word
 from storage.schema import COLUMN_TYPES, StreamSchema
 from storage.store import ApplyRefused, DatabaseUnavailable, StaleApply
@@ -238,14 +238,7 @@ class PgWorkerStore:
                 self.apply(stream, token, effects)
                 return
 
-            def run(cur: Cursor) -> None:
-                move_applied_token(cur.execute, "%s", stream, token)
-                names = ", ".join(("token", "instance_name", *schema.column_names, "ts"))
-                cur.cursor.copy_expert(
-                    f"COPY {schema.replicated_table} ({names}) FROM STDIN", io.BytesIO(text), size=1 << 20
-                )
-
-            self.database.write(run)
+            self._copy_apply(stream, token, schema, text)
             return
         sql = self._replicate_sql.get(schema)
         if sql is None:
@@ -261,6 +254,30 @@ class PgWorkerStore:
             return
         if moved != 1:
             raise StaleApply(f"stream {stream!r}: token {token} is not above the applied token")
+
+    def _copy_apply(self, stream: str, token: int, schema: StreamSchema, text: bytes) -> None:
+        """The applied token and the rows by ``COPY`` in one transaction, in three round trips.
+
+        On this thread's autocommit connection: ``BEGIN`` goes with the
+        token's move (prepared), then the ``COPY``, then ``COMMIT`` (not five:
+        ``BEGIN``, move, ``COPY``, ``COMMIT`` each alone). Exactly once as
+        before: the token commits with the rows or neither does.
+        """
+        conn = self.database.autocommit_connection()
+        names = ", ".join(("token", "instance_name", *schema.column_names, "ts"))
+        try:
+            with conn.cursor() as cur:
+                cur.execute(BEGIN + prepared(cur, _MOVE_SQL), (stream, token))
+                if cur.rowcount != 1:
+                    cur.execute("ROLLBACK")
+                    raise StaleApply(f"stream {stream!r}: token {token} is not above the applied token")
+                cur.copy_expert(f"COPY {schema.replicated_table} ({names}) FROM STDIN", io.BytesIO(text), size=1 << 20)
+                cur.execute("COMMIT")
+        except psycopg2.OperationalError as e:
+            raise self.database.lost_autocommit(conn, e) from None
+        except BaseException:
+            _rollback_quietly(conn)
+            raise
 
     @staticmethod
     def _copy_text(schema: StreamSchema, received: Sequence[ReceivedRows]) -> bytes | None:
@@ -295,6 +312,24 @@ class PgWorkerStore:
                 lines.append(prefix + text)
         lines.append("")
         return "\n".join(lines).encode()
+
+
+BEGIN = "BEGIN ISOLATION LEVEL READ COMMITTED; "
+# move_applied_token's statement, typed for PREPARE.
+_MOVE_SQL = (
+    "INSERT INTO tickline_applied (stream, token) VALUES (%s::text, %s::bigint) "
+    "ON CONFLICT (stream) DO UPDATE SET token = excluded.token WHERE tickline_applied.token < excluded.token"
+)
+
+
+def _rollback_quietly(conn: Any) -> None:
+    """End an open transaction on an autocommit connection after an error (closing it if that fails)."""
+    try:
+        if not conn.closed and conn.get_transaction_status() != psycopg2.extensions.TRANSACTION_STATUS_IDLE:
+            with conn.cursor() as cur:
+                cur.execute("ROLLBACK")
+    except psycopg2.Error:
+        close_quietly(conn)
 
 
 _RECEIVED_CHUNKS: dict[StreamSchema, Callable[..., tuple[list[str] | None, int]] | None] = {}
