@@ -29,7 +29,7 @@ from storage.pg_wake import close_quietly, lost_connection, open_nonblocking, po
 from storage.schema import COLUMN_TYPES, StreamSchema
 from storage.store import ApplyRefused, DatabaseUnavailable, StaleApply
 from storage.urls import redact_url
-from storage.worker_store import expand_received, move_applied_token, token_bounds
+from storage.worker_store import expand_received, move_applied_token, move_applied_token_sql, token_bounds
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -259,7 +259,7 @@ class PgWorkerStore:
         """The applied token and the rows by ``COPY`` in one transaction, in three round trips.
 
         On this thread's autocommit connection: ``BEGIN`` goes with the
-        token's move (prepared), then the ``COPY``, then ``COMMIT`` (not five:
+        token's move (prepared), then the ``COPY``, then ``COMMIT`` (not four:
         ``BEGIN``, move, ``COPY``, ``COMMIT`` each alone). Exactly once as
         before: the token commits with the rows or neither does.
         """
@@ -315,11 +315,7 @@ class PgWorkerStore:
 
 
 BEGIN = "BEGIN ISOLATION LEVEL READ COMMITTED; "
-# move_applied_token's statement, typed for PREPARE.
-_MOVE_SQL = (
-    "INSERT INTO tickline_applied (stream, token) VALUES (%s::text, %s::bigint) "
-    "ON CONFLICT (stream) DO UPDATE SET token = excluded.token WHERE tickline_applied.token < excluded.token"
-)
+_MOVE_SQL = move_applied_token_sql("%s")  # prepared: its parameters typed by the insert's columns
 
 
 def _rollback_quietly(conn: Any) -> None:

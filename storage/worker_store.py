@@ -45,19 +45,22 @@ def expand_received(received: Sequence[ReceivedRows]) -> list[ReceivedRows]:
     return out
 
 
+def move_applied_token_sql(p: str) -> str:
+    """The statement moving a stream's applied token forwards (parameters: stream, token); rowcount 1 if it moved."""
+    return (
+        f"INSERT INTO tickline_applied (stream, token) VALUES ({p}, {p}) "
+        "ON CONFLICT (stream) DO UPDATE SET token = excluded.token "
+        "WHERE tickline_applied.token < excluded.token"
+    )
+
+
 def move_applied_token(execute: Execute, placeholder: str, stream: str, token: int) -> None:
     """Inside an apply transaction: move the stream's applied token forwards, or :class:`StaleApply`.
 
     One statement moves the token only forwards (and locks the row); ``execute``
     returns a cursor with ``rowcount``.
     """
-    p = placeholder
-    moved = execute(
-        f"INSERT INTO tickline_applied (stream, token) VALUES ({p}, {p}) "
-        "ON CONFLICT (stream) DO UPDATE SET token = excluded.token "
-        "WHERE tickline_applied.token < excluded.token",
-        (stream, token),
-    ).rowcount
+    moved = execute(move_applied_token_sql(placeholder), (stream, token)).rowcount
     if moved != 1:
         raise StaleApply(f"stream {stream!r}: token {token} is not above the applied token")
 
