@@ -303,14 +303,26 @@ _BATCH_BYTES = BATCH.encode("ascii")
 
 
 # Whole RDATA lines at once (the client's receiving hot path). A run of lines
-# that start with "RDATA " and all carry the same stream and instance loses
-# that prefix by one fixed-string replacement (raw newlines occur in JSON text
-# only where lines end, so "\nRDATA <stream> <instance> " is a line start),
-# is split at "\n<token> " by one regular expression, and its rows are parsed
+# that start with "RDATA " and all carry the same stream and instance (raw
+# newlines occur in JSON text only where lines end, so "\nRDATA <stream>
+# <instance> " is a line start, counted once) is split at that prefix and
+# each line's token by one regular expression, and its rows are parsed
 # by orjson in one call. Anything that is not exactly one well-formed line per
 # newline leaves the run to the per-line parser.
 RDATA_RUN = re.compile(rb"^(?:RDATA [^\n]*\n)+", re.M)
-_LINE_TOKEN = re.compile(rb"\n(0|[1-9][0-9]{0,17}|batch) ")
+_LINE_TOKEN = rb"(0|[1-9][0-9]{0,17}|batch) "
+_LINE_TOKENS: dict[bytes, re.Pattern[bytes]] = {}  # per "\nRDATA <stream> <instance> ": its split
+_LINE_TOKENS_MAX = 64  # a peer's names: bounded (cleared when full)
+
+
+def _line_token(prefix: bytes) -> re.Pattern[bytes]:
+    """The split of a run at each line's start and token: the fixed prefix in the pattern (searched fast)."""
+    found = _LINE_TOKENS.get(prefix)
+    if found is None:
+        if len(_LINE_TOKENS) >= _LINE_TOKENS_MAX:
+            _LINE_TOKENS.clear()
+        found = _LINE_TOKENS[prefix] = re.compile(re.escape(prefix) + _LINE_TOKEN)
+    return found
 
 
 def parse_rdata_block(block: bytes, max_line_bytes: int) -> tuple[str, str, list[bytes], list[list[Any]]] | None:
@@ -337,7 +349,7 @@ def parse_rdata_block(block: bytes, max_line_bytes: int) -> tuple[str, str, list
     framed = b"\n" + block
     if framed.count(prefix) != lines:
         return None
-    parts = _LINE_TOKEN.split(framed.replace(prefix, b"\n"))
+    parts = _line_token(prefix).split(framed)
     tokens = parts[1::2]
     if parts[0] or len(tokens) != lines:
         return None

@@ -40,8 +40,11 @@ Row = Sequence[Any] | Mapping[str, Any]
 # A row for ``replicated_<stream>``: (token, instance_name, ts, *checked column values).
 ReplicatedValues = tuple[Any, ...]
 # The rows of one token as a worker received them: (token, instance_name, rows), each row
-# the stream's values followed by the row's timestamp (``OPTIONS ts``).
-ReceivedRows = tuple[int, str, list[list[Any]]]
+# the stream's values followed by the row's timestamp (``OPTIONS ts``). A run of single-row
+# tokens (consecutive RDATA lines) may come as one entry whose token is the list of the
+# rows' tokens, one per row: no tuple or list per row (``storage.worker_store.expand_received``
+# gives the one-entry-per-token form).
+ReceivedRows = tuple[int | list[int], str, list[list[Any]]]
 
 # The master's wake-up (WakeQuery): per stream read, the token fanned out so far and the
 # variants (with ``ts`` or not) its live subscriptions take.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -155,7 +156,13 @@ def _value_lines(schema: StreamSchema, indent: str, fail: str) -> tuple[list[str
 
 
 def _compile(lines: list[str], name: str) -> Any:
-    namespace: dict[str, Any] = {"NULL": NULL_COPY, "MIN": _MIN_INT, "MAX": _MAX_INT, "esc": _copy_text}
+    namespace: dict[str, Any] = {
+        "NULL": NULL_COPY,
+        "MIN": _MIN_INT,
+        "MAX": _MAX_INT,
+        "esc": _copy_text,
+        "repeat": itertools.repeat,
+    }
     exec("\n".join(lines), namespace)
     return namespace[name]
 
@@ -164,6 +171,7 @@ def received_chunk_formatter(schema: StreamSchema) -> Callable[..., tuple[list[s
     """A worker's COPY lines ``token, instance, *values, ts`` for rows as received, unescaped (None: JSON streams).
 
     ``chunk(received)`` takes ``[(token, instance, [[*values, ts], ...]), ...]``
+    (``token`` may be a list, one per row: a run of single-row tokens)
     and gives ``(lines, nulls)``, or ``(None, 0)`` if a row is not exactly
     typed or an instance name holds a backslash: the caller then makes the
     lines the careful way. As :func:`chunk_formatter`, the caller checks the
@@ -173,22 +181,30 @@ def received_chunk_formatter(schema: StreamSchema) -> Callable[..., tuple[list[s
         return None
     n = len(schema.columns)
     values, parts = _value_lines(schema, "            ", "return None, 0")
+    names = ", ".join(f"v{i}" for i in range(n))
+    line = 'append(f"{token}\\t{name}\\t' + "\\t".join(parts) + '\\t{ts}")'
     lines = [
         "def chunk(received):",
         "    out = []",
         "    append = out.append",
         "    nulls = 0",
-        "    for token, name, rows in received:",
-        "        if type(token) is not int or type(name) is not str or '\\\\' in name:",
+        "    for tokens, name, rows in received:",
+        "        if type(name) is not str or '\\\\' in name:",
         "            return None, 0",
-        "        for row in rows:",
-        f"            if type(row) is not list or len(row) != {n + 1}:",
+        "        if type(tokens) is int:",
+        "            pairs = zip(repeat(tokens), rows)",
+        "        elif type(tokens) is list and len(tokens) == len(rows):",
+        "            pairs = zip(tokens, rows)",
+        "        else:",
+        "            return None, 0",
+        "        for token, row in pairs:",
+        f"            if type(row) is not list or len(row) != {n + 1} or type(token) is not int:",
         "                return None, 0",
-        f"            {', '.join(f'v{i}' for i in range(n))}, ts = row",
+        f"            {names}, ts = row",
         "            if type(ts) is not int or not 0 <= ts <= MAX:",
         "                return None, 0",
         *values,
-        '            append(f"{token}\\t{name}\\t' + "\\t".join(parts) + '\\t{ts}")',
+        "            " + line,
         "    return out, nulls",
     ]
     chunk: Callable[..., tuple[list[str] | None, int]] = _compile(lines, "chunk")

@@ -161,21 +161,30 @@ class PgDatabase:
         without ``BEGIN`` and ``COMMIT`` round trips. With ``prepare``, the
         statement is prepared once per connection (see :func:`prepared`).
         """
-        conn = getattr(self._local, "auto", None)
-        if conn is None or conn.closed:
-            conn = self._local.auto = self.connect(autocommit=True)
+        conn = self.autocommit_connection()
         try:
             with conn.cursor() as cur:
                 cur.execute(prepared(cur, sql) if prepare else sql, params)
                 rows: list[Any] = cur.fetchall()
                 return rows
         except psycopg2.OperationalError as e:
-            try:
-                conn.close()
-            except psycopg2.Error:
-                pass
-            self._local.auto = None
-            raise DatabaseUnavailable(redact_url(f"PostgreSQL at {self.dsn}: {str(e).strip()}")) from None
+            raise self.lost_autocommit(conn, e) from None
+
+    def autocommit_connection(self) -> Any:
+        """This thread's autocommit connection (:meth:`query`'s; created on first use)."""
+        conn = getattr(self._local, "auto", None)
+        if conn is None or conn.closed:
+            conn = self._local.auto = self.connect(autocommit=True)
+        return conn
+
+    def lost_autocommit(self, conn: Any, e: BaseException) -> DatabaseUnavailable:
+        """Forget this thread's autocommit connection after ``e`` (the server went away); the error to raise."""
+        try:
+            conn.close()
+        except psycopg2.Error:
+            pass
+        self._local.auto = None
+        return DatabaseUnavailable(redact_url(f"PostgreSQL at {self.dsn}: {str(e).strip()}"))
 
     def write(self, fn: Callable[[Cursor], Any]) -> Any:
         return self._run(fn, psycopg2.extensions.ISOLATION_LEVEL_READ_COMMITTED)

@@ -24,12 +24,12 @@ from storage.pg_copy import (
     lines_need_escapes,
     received_chunk_formatter,
 )
-from storage.pg_db import Cursor, PgDatabase
+from storage.pg_db import Cursor, PgDatabase, prepared
 from storage.pg_wake import close_quietly, lost_connection, open_nonblocking, poll_word
 from storage.schema import COLUMN_TYPES, StreamSchema
 from storage.store import ApplyRefused, DatabaseUnavailable, StaleApply
 from storage.urls import redact_url
-from storage.worker_store import move_applied_token, token_bounds
+from storage.worker_store import expand_received, move_applied_token, move_applied_token_sql, token_bounds
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -118,7 +118,8 @@ class PgAsyncApply:
         try:
             self._cursor = self._conn.cursor()
             self._cursor.execute(
-                f"{prepare}EXECUTE {name} (%s, %s, %s)", (stream, token, orjson.dumps(received).decode())
+                f"{prepare}EXECUTE {name} (%s, %s, %s)",
+                (stream, token, orjson.dumps(expand_received(received)).decode()),
             )
         except psycopg2.Error as e:
             raise self._lost(e) from None
@@ -237,19 +238,12 @@ class PgWorkerStore:
                 self.apply(stream, token, effects)
                 return
 
-            def run(cur: Cursor) -> None:
-                move_applied_token(cur.execute, "%s", stream, token)
-                names = ", ".join(("token", "instance_name", *schema.column_names, "ts"))
-                cur.cursor.copy_expert(
-                    f"COPY {schema.replicated_table} ({names}) FROM STDIN", io.BytesIO(text), size=1 << 20
-                )
-
-            self.database.write(run)
+            self._copy_apply(stream, token, schema, text)
             return
         sql = self._replicate_sql.get(schema)
         if sql is None:
             sql = self._replicate_sql[schema] = replicate_json_sql(schema)
-        payload = orjson.dumps(received).decode()
+        payload = orjson.dumps(expand_received(received)).decode()
         try:
             ((moved,),) = self.database.query(sql, (stream, token, payload), prepare=True)
         except DatabaseUnavailable:
@@ -260,6 +254,30 @@ class PgWorkerStore:
             return
         if moved != 1:
             raise StaleApply(f"stream {stream!r}: token {token} is not above the applied token")
+
+    def _copy_apply(self, stream: str, token: int, schema: StreamSchema, text: bytes) -> None:
+        """The applied token and the rows by ``COPY`` in one transaction, in three round trips.
+
+        On this thread's autocommit connection: ``BEGIN`` goes with the
+        token's move (prepared), then the ``COPY``, then ``COMMIT`` (not four:
+        ``BEGIN``, move, ``COPY``, ``COMMIT`` each alone). Exactly once as
+        before: the token commits with the rows or neither does.
+        """
+        conn = self.database.autocommit_connection()
+        names = ", ".join(("token", "instance_name", *schema.column_names, "ts"))
+        try:
+            with conn.cursor() as cur:
+                cur.execute(BEGIN + prepared(cur, _MOVE_SQL), (stream, token))
+                if cur.rowcount != 1:
+                    cur.execute("ROLLBACK")
+                    raise StaleApply(f"stream {stream!r}: token {token} is not above the applied token")
+                cur.copy_expert(f"COPY {schema.replicated_table} ({names}) FROM STDIN", io.BytesIO(text), size=1 << 20)
+                cur.execute("COMMIT")
+        except psycopg2.OperationalError as e:
+            raise self.database.lost_autocommit(conn, e) from None
+        except BaseException:
+            _rollback_quietly(conn)
+            raise
 
     @staticmethod
     def _copy_text(schema: StreamSchema, received: Sequence[ReceivedRows]) -> bytes | None:
@@ -282,7 +300,7 @@ class PgWorkerStore:
         fmt = formatter(schema, with_ts=True)
         width = len(schema.columns)
         lines = []
-        for token, instance, rows in received:
+        for token, instance, rows in expand_received(received):
             prefix = f"{token}\t{_copy_text(instance)}\t"
             for row in rows:
                 text = fmt(row)
@@ -294,6 +312,20 @@ class PgWorkerStore:
                 lines.append(prefix + text)
         lines.append("")
         return "\n".join(lines).encode()
+
+
+BEGIN = "BEGIN ISOLATION LEVEL READ COMMITTED; "
+_MOVE_SQL = move_applied_token_sql("%s")  # prepared: its parameters typed by the insert's columns
+
+
+def _rollback_quietly(conn: Any) -> None:
+    """End an open transaction on an autocommit connection after an error (closing it if that fails)."""
+    try:
+        if not conn.closed and conn.get_transaction_status() != psycopg2.extensions.TRANSACTION_STATUS_IDLE:
+            with conn.cursor() as cur:
+                cur.execute("ROLLBACK")
+    except psycopg2.Error:
+        close_quietly(conn)
 
 
 _RECEIVED_CHUNKS: dict[StreamSchema, Callable[..., tuple[list[str] | None, int]] | None] = {}

@@ -12,10 +12,10 @@ read-only for a Spark snapshot: it never creates nor migrates it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from storage.contracts import ApplyTransaction, Effects, SnapshotReader, WorkerStore
+from storage.contracts import ApplyTransaction, Effects, ReceivedRows, SnapshotReader, WorkerStore
 from storage.store import StaleApply, require_postgres
 from storage.urls import DatabaseUrl, parse_database_url
 
@@ -32,19 +32,35 @@ __all__ = [
 Execute = Callable[[str, tuple[Any, ...]], Any]
 
 
+def expand_received(received: Sequence[ReceivedRows]) -> list[ReceivedRows]:
+    """``received`` with one entry per token: a run (a list of tokens, one per row) split into its tokens."""
+    if all(type(entry[0]) is int for entry in received):
+        return list(received)
+    out: list[ReceivedRows] = []
+    for token, instance, rows in received:
+        if type(token) is list:
+            out += [(t, instance, [row]) for t, row in zip(token, rows, strict=True)]
+        else:
+            out.append((token, instance, rows))
+    return out
+
+
+def move_applied_token_sql(p: str) -> str:
+    """The statement moving a stream's applied token forwards (parameters: stream, token); rowcount 1 if it moved."""
+    return (
+        f"INSERT INTO tickline_applied (stream, token) VALUES ({p}, {p}) "
+        "ON CONFLICT (stream) DO UPDATE SET token = excluded.token "
+        "WHERE tickline_applied.token < excluded.token"
+    )
+
+
 def move_applied_token(execute: Execute, placeholder: str, stream: str, token: int) -> None:
     """Inside an apply transaction: move the stream's applied token forwards, or :class:`StaleApply`.
 
     One statement moves the token only forwards (and locks the row); ``execute``
     returns a cursor with ``rowcount``.
     """
-    p = placeholder
-    moved = execute(
-        f"INSERT INTO tickline_applied (stream, token) VALUES ({p}, {p}) "
-        "ON CONFLICT (stream) DO UPDATE SET token = excluded.token "
-        "WHERE tickline_applied.token < excluded.token",
-        (stream, token),
-    ).rowcount
+    moved = execute(move_applied_token_sql(placeholder), (stream, token)).rowcount
     if moved != 1:
         raise StaleApply(f"stream {stream!r}: token {token} is not above the applied token")
 

@@ -160,10 +160,10 @@ class _Item:
         return self._split(self.raw[-1])[0] if self.raw else None
 
     def received(self) -> list[ReceivedRows]:
+        """The rows as received: a run of single-row tokens as one entry (its tokens' list), no object per row."""
         if self.tokens is None:
             return [(self.token, self.instance, self.raw)]
-        instance = self.instance
-        return [(token, instance, [row]) for token, row in zip(self.tokens, self.raw, strict=True)]
+        return [(self.tokens, self.instance, self.raw)]
 
 
 class StreamConsumer:

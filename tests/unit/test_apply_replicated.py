@@ -14,7 +14,7 @@ import pytest
 
 from storage.schema import Column, RowError, StreamSchema
 from storage.store import StaleApply
-from storage.worker_store import open_worker_store
+from storage.worker_store import expand_received, open_worker_store
 
 MIXED = StreamSchema(
     "mixed",
@@ -132,3 +132,41 @@ def test_a_row_that_does_not_fit_is_named_and_nothing_is_applied(db_url, row, me
     assert store.applied_tokens() == {}
     assert _back(store) == []
     store.close()
+
+
+PLAIN = StreamSchema("plain", (Column("t", "text"), Column("n", "bigint", True), Column("ok", "boolean")))
+
+
+@pytest.mark.parametrize("schema", [MIXED, PLAIN], ids=["json-careful", "chunk"])
+@pytest.mark.parametrize("count", [3, 120])  # one statement; COPY
+def test_a_run_of_single_row_tokens_applies_as_its_tokens(db_url, schema, count) -> None:
+    """A run (one entry, its tokens as a list, one per row) stores exactly what one entry per token does."""
+    store = open_worker_store(db_url)
+    store.create_replicated_table(schema)
+    if schema is MIXED:
+        rows = [[TEXTS[i % len(TEXTS)], i, 0.5 + i, i % 2 == 0, {"i": i}, 1000 + i] for i in range(count)]
+    else:
+        rows = [[f"row {i}", None if i % 3 else i, i % 2 == 0, 1000 + i] for i in range(count)]
+    tokens = list(range(10, 10 + count))
+    run = [(tokens, "w", rows)]
+    effects = _effects(schema, expand_received(run)) if db_url.startswith("sqlite") else _not_called
+    store.apply_replicated(schema.name, tokens[-1], schema, run, effects)
+    assert store.applied_tokens() == {schema.name: tokens[-1]}
+    names = ", ".join(("token", "instance_name", "ts", *schema.column_names))
+    back = store.database.read(
+        lambda c: c.execute(f"SELECT {names} FROM {schema.replicated_table} ORDER BY token").fetchall()
+    )
+    assert [(r[0], r[1], r[2]) for r in back] == [(t, "w", 1000 + i) for i, t in enumerate(tokens)]
+    assert [r[3] for r in back] == [row[0] for row in rows]
+    with pytest.raises(StaleApply):  # the same run again: nothing written
+        store.apply_replicated(schema.name, tokens[-1], schema, run, effects)
+    assert len(store.database.read(lambda c: c.execute(f"SELECT 1 FROM {schema.replicated_table}").fetchall())) == count
+    store.close()
+
+
+def test_expand_received_splits_runs_into_their_tokens() -> None:
+    assert expand_received([([3, 4], "w", [["a"], ["b"]]), (5, "v", [["c"], ["d"]])]) == [
+        (3, "w", [["a"]]),
+        (4, "w", [["b"]]),
+        (5, "v", [["c"], ["d"]]),
+    ]

@@ -117,3 +117,13 @@ def test_a_bad_line_in_a_run_stops_at_that_line_whatever_the_split(bad: bytes) -
     for size in (1, 5, len(data)):
         got, sent = feed([data[i : i + size] for i in range(0, len(data), size)])
         assert (got, sent) == (expected, expected_sent), size
+
+
+def test_the_per_name_split_patterns_stay_bounded() -> None:
+    """A peer choosing ever new instance names cannot grow the parser's cache of patterns."""
+    from replication import commands
+
+    for i in range(3 * commands._LINE_TOKENS_MAX):
+        parsed = parse_rdata_block(b"RDATA events w%d 1 [1]\nRDATA events w%d 2 [2]\n" % (i, i), 65536)
+        assert parsed is not None and parsed[1] == f"w{i}" and parsed[2] == [b"1", b"2"]
+        assert len(commands._LINE_TOKENS) <= commands._LINE_TOKENS_MAX
