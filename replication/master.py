@@ -53,6 +53,7 @@ from typing import Any
 from twisted.internet import defer, task
 from twisted.internet.error import ConnectionLost
 from twisted.internet.interfaces import IReadDescriptor
+from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from replication.client_commands import ClientCommandHandlers
@@ -144,6 +145,7 @@ class Master:
         self._wake_query: AsyncQuery[WakeResult] | None = None
         self._wake_call: WakeQuery | None = None  # what _wake_query drives
         self._reopening_wake = False
+        self._stopped = False
         self._db_error: str | None = None
         self.port: Any = None  # the reactor's listening port
         self.timeticks = TimeTicker(self, config.tick_interval)  # safe times and TICK
@@ -235,6 +237,7 @@ class Master:
 
     def stop_following(self) -> None:
         """Stop the periodic pass over the stream heads (``stop`` does this too)."""
+        self._stopped = True
         if self._poller is not None and self._poller.running:
             self._poller.stop()
         if self._watcher is not None and self._watcher.active():
@@ -414,10 +417,9 @@ class Master:
             self.notify()
         self._watcher = self.reactor.callLater(self.config.change_check_interval, self._check_changes)
 
-    def _slow_tick(self) -> defer.Deferred[None] | None:
+    def _slow_tick(self) -> defer.Deferred[Any] | None:
         # The periodic pass also looks for writers that went silent; wake-ups
         # by notification skip that sweep to keep commit -> RDATA short.
-        self._expire_writers = True
         if self._notifications is not None and self._notifications.broken and not self._relistening:
             # The reactor dropped the old reader; a new connection listens.
             self._relistening = True
@@ -425,7 +427,36 @@ class Master:
         wake = self._wake_query
         if self._notifications is not None and not self._reopening_wake and (wake is None or wake.broken):
             defer.ensureDeferred(self._open_wake())
+        if self.wakes_on_reactor():
+            # PostgreSQL with the wake-up on the reactor: the sweep runs on a
+            # database thread beside the fan-out, not as a pass of it (a pass
+            # holds every commit behind it); a pass follows it.
+            return self._sweep_writers()
+        self._expire_writers = True
         return self._follow_heads()
+
+    def wakes_on_reactor(self) -> bool:
+        """Whether wake-ups run on the reactor's non-blocking connection now (PostgreSQL)."""
+        wake = self._wake_query
+        return wake is not None and not wake.broken
+
+    def _sweep_writers(self) -> defer.Deferred[None]:
+        """Writers silent for ``writer_timeout`` are marked dead (a database thread), then a pass.
+
+        Apart from the passes: a sweep only moves safe positions up (a dead
+        writer no longer holds its stream back), and the next pass reads them
+        in its own snapshot, after the sweep committed.
+        """
+
+        def swept(_: object) -> None:
+            self._follow_heads()
+
+        def failed(failure: Failure) -> None:
+            # The passes report an unreachable database; this one says it at debug level.
+            logger.debug("sweeping silent writers failed: %s", failure.getErrorMessage())
+
+        d: defer.Deferred[Any] = self.db.run(self.store.safe_positions, True)
+        return d.addCallbacks(swept, failed)
 
     async def _open_wake(self) -> None:
         """Open the wake-up's non-blocking connection (off the reactor); log once if it fails."""
@@ -440,7 +471,7 @@ class Master:
             self._reopening_wake = False
         if query is None:
             return
-        if self._poller is None:  # stopped meanwhile
+        if self._stopped:  # stopped meanwhile
             query.close()
             return
         again = self._wake_query is not None
