@@ -68,18 +68,17 @@ class TimeTicker:
     def _pass(self) -> None:
         # While streams are idle nothing else makes the master look: do it.
         master = self.master
-        if master.wakes_on_reactor() and master.reactor.seconds() - self._allocated_at >= self.interval * 0.9:
+        due = master.reactor.seconds() - self._allocated_at >= self.interval * 0.9
+        if due and not self._allocating and master.wakes_on_reactor():
             # PostgreSQL: the fresh timestamp (a durable commit, milliseconds)
             # is taken on a database thread beside the fan-out, and the pass
             # after it reads the oracle's mark, at least that timestamp (the
             # wake-up reads the mark before the positions, as the proof in
             # docs/time.md needs). A pass that allocated would hold every
             # commit behind it.
-            if not self._allocating:
-                self._allocating = True
-                d = master.db.run(master.store.allocate_timestamps, 1)
-                d.addCallbacks(self._allocated, self._not_allocated)
-            return
+            self._allocating = True
+            d = master.db.run(master.store.allocate_timestamps, 1)
+            d.addCallbacks(self._allocated, self._not_allocated)
         master.followed()
 
     def _allocated(self, _: object) -> None:
