@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 from scripts.config import Config, ConfigError, load_config, setup_logging
@@ -250,24 +250,32 @@ def database_url(args: argparse.Namespace, config: Config) -> str:
     return url
 
 
-def _json_rows(texts: Sequence[str]) -> Iterator[tuple[str, Any]]:
+def _json_rows(texts: Sequence[str], order: Callable[[Any], Any] = lambda row: row) -> Iterator[tuple[str, Any]]:
     """``(where, row)`` for each ROW_JSON argument and each line of stdin for ``-``, read lazily.
 
     A line that is not JSON (or not UTF-8) raises UsageError naming its line
-    and column; blank lines are skipped.
+    and column; blank lines are skipped. ``order`` is applied to each parsed
+    row (the stream's ``in_column_order``: objects become values in column order).
     """
     import orjson
 
     for i, text in enumerate(texts, 1):
         if text != "-":
-            yield f"row {i}", _parse_json(orjson, f"row {i}", text.encode("utf-8", "surrogateescape"))
+            yield f"row {i}", order(_parse_json(orjson, f"row {i}", text.encode("utf-8", "surrogateescape")))
             continue
         stream = getattr(sys.stdin, "buffer", sys.stdin)
+        loads, bad_json = orjson.loads, orjson.JSONDecodeError
         for n, line in enumerate(stream, 1):
             raw = line if isinstance(line, bytes) else line.encode("utf-8", "surrogateescape")
-            raw = raw.rstrip(b"\r\n")
-            if raw.strip():
-                yield f"stdin line {n}", _parse_json(orjson, f"stdin line {n}", raw)
+            try:
+                # orjson checks UTF-8 and takes the line end as whitespace: a good line is one call.
+                row = loads(raw)
+            except bad_json:
+                raw = raw.rstrip(b"\r\n")
+                if not raw.strip():
+                    continue
+                row = _parse_json(orjson, f"stdin line {n}", raw)  # raises, naming what is wrong
+            yield f"stdin line {n}", order(row)
 
 
 def _parse_json(orjson: Any, where: str, raw: bytes) -> Any:
@@ -298,7 +306,8 @@ def run_write(args: argparse.Namespace, config: Config) -> int:
         if args.stream not in streams:
             raise UsageError(f"unknown stream {args.stream!r} (streams: {', '.join(sorted(streams))})")
         # One transaction for every row, streamed in chunks: all rows or none.
-        tokens = write_rows(store, args.stream, _json_rows(args.rows), args.instance, batch=args.batch)
+        rows = _json_rows(args.rows, streams[args.stream].in_column_order())
+        tokens = write_rows(store, args.stream, rows, args.instance, batch=args.batch)
     finally:
         store.close()  # a PostgreSQL writer stops holding the stream back
     if not tokens:

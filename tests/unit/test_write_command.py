@@ -83,3 +83,48 @@ def test_empty_stdin_is_a_clear_error(db, capsys, monkeypatch) -> None:
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
     code, _out, err = write(capsys, "--database", db, "--batch", "events", "-")
     assert code == 2 and "no rows to write" in err
+
+
+def test_objects_from_stdin_store_the_same_values_as_arrays_on_both_backends(db_url, capsys, monkeypatch) -> None:
+    """Objects take the writers' fast path (values in column order); missing nullable columns are null."""
+    lines = [
+        '{"event_id": "$a", "room_id": "!r", "type": "m.room.message"}',
+        '{"type": "m.room.member", "room_id": "!r", "event_id": "$b", "state_key": "@u"}\r',
+        "   ",
+        '["$c", "!r", "m.room.message", null, "$a"]',
+    ]
+    monkeypatch.setattr("sys.stdin", io.BytesIO(("\n".join(lines) + "\n").encode()))
+    assert write(capsys, "--database", db_url, "events", "-") == (0, "1\n2\n3\n", "")
+    rows = open_store(db_url).read_rows("events", 0, 10, 10)
+    assert [row[-5:] for row in rows] == [
+        ("$a", "!r", "m.room.message", None, None),
+        ("$b", "!r", "m.room.member", "@u", None),
+        ("$c", "!r", "m.room.message", None, "$a"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        (
+            '{"event_id": "$a", "room_id": "!r", "type": "m", "colour": "red"}',
+            "stdin line 2: stream 'events' has no column 'colour'",
+        ),
+        ('{"event_id": "$a", "type": "m"}', "stdin line 2: stream 'events': column 'room_id' may not be null"),
+        ('{"event_id": "$a", "room_id": 7, "type": "m"}', "'room_id' expects text"),
+        ('{"event_id": "$a", "room_id": "!r", "type": "m"', "stdin line 2 is not valid JSON"),
+    ],
+)
+def test_bad_objects_from_stdin_are_named_and_nothing_is_written(db_url, capsys, monkeypatch, line, message) -> None:
+    good = '{"event_id": "$z", "room_id": "!r", "type": "m.room.message"}'
+    monkeypatch.setattr("sys.stdin", io.BytesIO(f"{good}\n{line}\n".encode()))
+    code, out, err = write(capsys, "--database", db_url, "events", "-")
+    assert code == 2 and out == ""
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert open_store(db_url).heads().get("events", 0) == 0
+
+
+def test_a_line_that_is_not_utf8_is_named(db, capsys, monkeypatch) -> None:
+    monkeypatch.setattr("sys.stdin", io.BytesIO(b'["$e", "!r", "m", null, null]\n["\xff", "!r", "m", null, null]\n'))
+    code, out, err = write(capsys, "--database", db, "events", "-")
+    assert code == 2 and out == "" and "stdin line 2 is not valid UTF-8 at byte 3" in err
