@@ -55,7 +55,7 @@ def test_rows_and_claim_in_the_notification(store, pg_url) -> None:
         # The same lines the store's reads build.
         stored = [(0, token, b"w1", ts, values) for token, ts, values in c.rows]
         for with_ts in (False, True):
-            lines, last, count = store.read_lines_json("events", 0, 2, 10, "RDATA events ", with_ts)
+            lines, _, _ = store.read_lines_json("events", 0, 2, 10, "RDATA events ", with_ts)
             assert encode_json_rows("events", stored, with_ts)[0] == lines
     finally:
         notifier.close()
