@@ -53,6 +53,7 @@ from typing import Any
 from twisted.internet import defer, task
 from twisted.internet.error import ConnectionLost
 from twisted.internet.interfaces import IReadDescriptor
+from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from replication.client_commands import ClientCommandHandlers
@@ -80,7 +81,7 @@ from replication.timeline import TimelineService
 from replication.timeline_settings import TimelineSettings
 from replication.timeticks import TimeTicker, read_since
 from replication.window import Read, RecentWindow, SharedReads, WindowFiller
-from storage.contracts import ChangeWatch, Notifier, StreamStore, WakeQuery, WakeResult
+from storage.contracts import ChangeWatch, CommittedRows, Notifier, StreamStore, WakeQuery, WakeResult
 from storage.schema import StreamSchema
 from storage.store import TOKEN, StorageError
 from storage.time_index import TokenAt
@@ -144,6 +145,7 @@ class Master:
         self._wake_query: AsyncQuery[WakeResult] | None = None
         self._wake_call: WakeQuery | None = None  # what _wake_query drives
         self._reopening_wake = False
+        self._stopped = False
         self._db_error: str | None = None
         self.port: Any = None  # the reactor's listening port
         self.timeticks = TimeTicker(self, config.tick_interval)  # safe times and TICK
@@ -168,7 +170,7 @@ class Master:
         if notifier is not None:
             # PostgreSQL: commits and writer reports wake us (LISTEN/NOTIFY);
             # the slow loop only notices writers that went silent.
-            self._notifications = NotificationReader(notifier, self.notify)
+            self._notifications = NotificationReader(notifier, self.notified)
             self.reactor.addReader(self._notifications)
             interval = max(self.config.writer_timeout / 5, self.config.poll_interval)
             await self._open_wake()
@@ -235,6 +237,7 @@ class Master:
 
     def stop_following(self) -> None:
         """Stop the periodic pass over the stream heads (``stop`` does this too)."""
+        self._stopped = True
         if self._poller is not None and self._poller.running:
             self._poller.stop()
         if self._watcher is not None and self._watcher.active():
@@ -391,6 +394,55 @@ class Master:
         encoded = {v: encode_json_rows(stream, json_rows, v)[0] for v in variants}
         return encoded, json_rows[-1][TOKEN], len(json_rows)
 
+    def notified(self, plain: set[str], committed: list[CommittedRows]) -> None:
+        """Database notifications arrived: rows they carried are sent at once where they can be, else a pass.
+
+        Only while no pass runs (a pass may be reading the same rows). See
+        :meth:`_send_committed` and docs/time.md ("the commit's own claim").
+        """
+        if committed and not self._following and self._poller is not None and self._poller.running:
+            for rows in committed:
+                if not self._send_committed(rows):
+                    self.notify()
+                    return
+            if not plain:
+                return
+        self.notify()
+
+    def _send_committed(self, committed: CommittedRows) -> bool:
+        """Fan out the rows of one commit without reading them; False when a pass must read instead.
+
+        They are sent only when they follow what was sent (no gap: the live
+        token is just below the first) and the commit's claim covers the last
+        (every token up to it has committed or never will). The last row's
+        timestamp is then a safe time at that token: every later token is
+        allocated after this commit's, with a larger timestamp.
+        """
+        stream, rows = committed.stream, committed.rows
+        live = self._live.get(stream)
+        if live is None or stream not in self._schemas or not rows:
+            return False
+        first, last, last_ts = rows[0][0], rows[-1][0], rows[-1][1]
+        if live >= last:
+            return True  # a pass sent them already
+        if live != first - 1 or committed.safe is None or committed.safe < last:
+            return False
+        subs = self._live_subs[stream]
+        if subs or self.window.start(stream) is not None:
+            variants = tuple(sorted({target.with_ts for target in subs})) or (False,)
+            instance = committed.instance.encode()
+            stored = [(0, token, instance, ts, values) for token, ts, values in rows]
+            encoded = {v: encode_json_rows(stream, stored, v)[0] for v in variants}
+            limit = self.store.max_line_bytes
+            if limit is not None and any(len(line) > limit for data in encoded.values() for line in data.split(b"\n")):
+                return False
+            self._fan_out(stream, encoded, last, len(rows))
+        else:
+            self._live[stream] = last  # nobody live and nothing kept: no read
+        self._safe[stream] = max(self._safe.get(stream, 0), last)
+        self.timeticks.passed({stream: last_ts}, {stream: last})
+        return True
+
     def notify(self) -> None:
         """Rows were committed (a database notification, or a write of this process): fan them out now."""
         self._woken = True
@@ -414,10 +466,9 @@ class Master:
             self.notify()
         self._watcher = self.reactor.callLater(self.config.change_check_interval, self._check_changes)
 
-    def _slow_tick(self) -> defer.Deferred[None] | None:
+    def _slow_tick(self) -> defer.Deferred[Any] | None:
         # The periodic pass also looks for writers that went silent; wake-ups
         # by notification skip that sweep to keep commit -> RDATA short.
-        self._expire_writers = True
         if self._notifications is not None and self._notifications.broken and not self._relistening:
             # The reactor dropped the old reader; a new connection listens.
             self._relistening = True
@@ -425,7 +476,36 @@ class Master:
         wake = self._wake_query
         if self._notifications is not None and not self._reopening_wake and (wake is None or wake.broken):
             defer.ensureDeferred(self._open_wake())
+        if self.wakes_on_reactor():
+            # PostgreSQL with the wake-up on the reactor: the sweep runs on a
+            # database thread beside the fan-out, not as a pass of it (a pass
+            # holds every commit behind it); a pass follows it.
+            return self._sweep_writers()
+        self._expire_writers = True
         return self._follow_heads()
+
+    def wakes_on_reactor(self) -> bool:
+        """Whether wake-ups run on the reactor's non-blocking connection now (PostgreSQL)."""
+        wake = self._wake_query
+        return wake is not None and not wake.broken
+
+    def _sweep_writers(self) -> defer.Deferred[None]:
+        """Writers silent for ``writer_timeout`` are marked dead (a database thread), then a pass.
+
+        Apart from the passes: a sweep only moves safe positions up (a dead
+        writer no longer holds its stream back), and the next pass reads them
+        in its own snapshot, after the sweep committed.
+        """
+
+        def swept(_: object) -> None:
+            self._follow_heads()
+
+        def failed(failure: Failure) -> None:
+            # The passes report an unreachable database; this one says it at debug level.
+            logger.debug("sweeping silent writers failed: %s", failure.getErrorMessage())
+
+        d: defer.Deferred[Any] = self.db.run(self.store.safe_positions, True)
+        return d.addCallbacks(swept, failed)
 
     async def _open_wake(self) -> None:
         """Open the wake-up's non-blocking connection (off the reactor); log once if it fails."""
@@ -440,7 +520,7 @@ class Master:
             self._reopening_wake = False
         if query is None:
             return
-        if self._poller is None:  # stopped meanwhile
+        if self._stopped:  # stopped meanwhile
             query.close()
             return
         again = self._wake_query is not None
@@ -475,7 +555,7 @@ class Master:
         if self._notifications is None:  # stopped meanwhile
             notifier.close()
             return
-        self._notifications = NotificationReader(notifier, self.notify)
+        self._notifications = NotificationReader(notifier, self.notified)
         self.reactor.addReader(self._notifications)
         logger.info("listening for database notifications again")
         self.notify()
@@ -526,6 +606,10 @@ class Master:
     async def _advance(self) -> None:
         # The safe position: every row up to it has committed (see storage).
         expire, self._expire_writers = self._expire_writers, False
+        if expire and self.wakes_on_reactor():
+            # The sweep apart from the pass (see _slow_tick); this pass on the reactor.
+            self._sweep_writers()
+            expire = False
         # A pass woken by a commit reads the oracle's mark (the commit moved it);
         # the durable allocation that keeps idle streams' safe time moving is
         # left to the timer's passes, off the commit -> RDATA path.
@@ -666,7 +750,7 @@ def _dropped(ahead: tuple[int, tuple[bool, ...], defer.Deferred[Any]] | None) ->
 class NotificationReader:
     """Watches the store's notification connection on the reactor (non-blocking)."""
 
-    def __init__(self, notifier: Notifier, wake: Callable[[], None]) -> None:
+    def __init__(self, notifier: Notifier, wake: Callable[[set[str], list[CommittedRows]], None]) -> None:
         self._notifier = notifier
         # A duplicate descriptor of our own: psycopg2 closes its descriptor when the
         # server goes away, and the reactor must still be able to unregister ours.
@@ -679,8 +763,9 @@ class NotificationReader:
 
     def doRead(self) -> Exception | None:
         try:
-            if self._notifier.drain():
-                self._wake()
+            plain, committed = self._notifier.drain_committed()
+            if plain or committed:
+                self._wake(plain, committed)
         except Exception as e:
             # Returning an error makes the reactor drop this reader.
             return ConnectionLost(f"database notifications failed: {e}")
@@ -690,7 +775,7 @@ class NotificationReader:
         self.broken = True
         self.close()
         logger.warning("database notification connection lost (%s); listening again soon", reason.getErrorMessage())
-        self._wake()  # what was committed meanwhile is followed by the next pass
+        self._wake(set(), [])  # what was committed meanwhile is followed by the next pass
 
     def logPrefix(self) -> str:
         return "tickline-notifications"

@@ -51,6 +51,8 @@ class TimeTicker:
         # Per connection (its subscriptions) and stream: (safe time, token) of the last TICK sent.
         self._sent: dict[tuple[FanOutTarget, str], tuple[int, int]] = {}
         self._loop: task.LoopingCall | None = None
+        self._allocating = False  # a timestamp is being allocated apart from the passes
+        self._read_next = False  # the next pass reads the oracle's mark (one was just allocated)
 
     def start(self) -> None:
         self._loop = task.LoopingCall(self._pass)
@@ -65,6 +67,31 @@ class TimeTicker:
 
     def _pass(self) -> None:
         # While streams are idle nothing else makes the master look: do it.
+        master = self.master
+        due = master.reactor.seconds() - self._allocated_at >= self.interval * 0.9
+        if due and not self._allocating and master.wakes_on_reactor():
+            # PostgreSQL: the fresh timestamp (a durable commit, milliseconds)
+            # is taken on a database thread beside the fan-out, and the pass
+            # after it reads the oracle's mark, at least that timestamp (the
+            # wake-up reads the mark before the positions, as the proof in
+            # docs/time.md needs). A pass that allocated would hold every
+            # commit behind it.
+            self._allocating = True
+            d = master.db.run(master.store.allocate_timestamps, 1)
+            d.addCallbacks(self._allocated, self._not_allocated)
+        master.followed()
+
+    def _allocated(self, _: object) -> None:
+        self._allocating = False
+        self._allocated_at = self.master.reactor.seconds()
+        self._read_next = True
+        self.master.followed()
+
+    def _not_allocated(self, failure: Failure) -> None:
+        self._allocating = False
+        # The passes report an unreachable database; a pass still runs (it reads the mark).
+        logger.debug("allocating a timestamp for the safe time failed: %s", failure.getErrorMessage())
+        self._read_next = True
         self.master.followed()
 
     def wanted(self, allocate: bool = True) -> str | None:
@@ -78,6 +105,11 @@ class TimeTicker:
         would delay the fan-out) never ``"allocate"``.
         """
         now = self.master.reactor.seconds()
+        if self._read_next:
+            self._read_next = False
+            return "read"
+        if self.master.wakes_on_reactor():
+            allocate = False  # _pass allocates apart from the passes
         if not allocate:
             due = now - self._allocated_at >= self.interval * 0.9
             return "read" if due or any(conn.subscriptions.ticks for conn in self.master.connections) else None

@@ -23,7 +23,12 @@ latency     single-row commits paced at a requested rate (default 1,000/s)
             both); the line compares p99 (ratio = baseline p99 / tickline
             p99), followed by p50/p99 of both and the rate each reached, and
             tickline's commit -> RDATA at a bare TCP client of the master
-            (the master's part alone).
+            (the master's part alone; the master then sends to two
+            connections, the worker's and this one). The listeners (the
+            target's NOTIFY, the bare client) run in a process of their own,
+            for both, and the committing process runs with its garbage
+            collector off: neither's reads wait for the other's GIL or
+            collections.
 writer      the writer alone on the durable source: single-row appends
             against a plain INSERT + COMMIT of the same row (commits/s),
             and 1000-row appends against the same rows by COPY without
@@ -35,6 +40,7 @@ catch-up    rows written (1000-row transactions, ``COPY``) while the
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 import select
@@ -458,8 +464,92 @@ def _applied_listener(url: str) -> Iterator[dict[int, float]]:
         conn.close()
 
 
+def listen_main() -> None:
+    """The listeners' process (``_listeners``): ``argv``: target URL, master port (0: none).
+
+    Prints ``ready`` once listening, reads the last token from stdin, waits
+    until it was seen, prints ``{"applied": {token: time}, "rdata": {...}}``.
+    """
+    import json
+    import sys
+    from contextlib import nullcontext
+
+    url, port = sys.argv[1], int(sys.argv[2])
+    rdata: Any = _rdata_listener(port) if port else nullcontext({})
+    with _applied_listener(url) as seen, rdata as sent:
+        print("ready", flush=True)
+        last = int(sys.stdin.readline())
+        _wait(lambda: last in seen, "the last row to be applied", 60)
+        if port:
+            _wait(lambda: last in sent, "the last row's RDATA at the bare client", 60)
+        print(json.dumps({"applied": seen, "rdata": sent}), flush=True)
+
+
+@contextmanager
+def _listeners(url: str, port: int | None) -> Iterator[Callable[[int], tuple[dict[int, float], dict[int, float]]]]:
+    """The applied listener (and, with ``port``, the bare RDATA client) in a process of their own.
+
+    Apart from the committing process, so their reads never wait for its
+    GIL or its garbage collector, the same for tickline and the baseline
+    (``time.perf_counter`` is the system's monotonic clock: one clock for
+    both processes). Yields ``collect(last token)`` -> (applied, RDATA) times.
+    """
+    import json
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from scripts.bench_pg import listen_main; listen_main()", url, str(port or 0)],
+        cwd=ROOT,
+        env=_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        if proc.stdout.readline().strip() != "ready":
+            raise BenchError("the listeners' process did not start")
+
+        def collect(last: int) -> tuple[dict[int, float], dict[int, float]]:
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write(f"{last}\n")
+            proc.stdin.flush()
+            line = proc.stdout.readline()
+            if not line:
+                raise BenchError("the listeners' process ended without its figures (the last row was not seen)")
+            data = json.loads(line)
+            return (
+                {int(k): v for k, v in data["applied"].items()},
+                {int(k): v for k, v in data["rdata"].items()},
+            )
+
+        yield collect
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        proc.stdin.close()
+        proc.stdout.close()
+
+
 def _paced(commit: Callable[[int], int], rate: int, seconds: float) -> tuple[dict[int, float], float]:
-    """Commit single rows at ``rate``/s for ``seconds``: token -> commit time, and the rate reached."""
+    """Commit single rows at ``rate``/s for ``seconds``: token -> commit time, and the rate reached.
+
+    The collector is off meanwhile (what start-up built frozen first): a
+    full collection of the committing process would stop it for milliseconds,
+    the same for tickline and the baseline.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        return _paced_run(commit, rate, seconds)
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
+def _paced_run(commit: Callable[[int], int], rate: int, seconds: float) -> tuple[dict[int, float], float]:
     committed: dict[int, float] = {}
     interval = 1.0 / rate
     started = time.perf_counter()
@@ -486,15 +576,13 @@ def latency_once(clusters: Clusters, workdir: str, rate: int, seconds: float, wh
                 _wait(lambda: bool(_scalar(t.dst, "SELECT to_regclass('replicated_events') IS NOT NULL")), "table")
                 _add_applied_trigger(cur, "replicated_events")
             t.store.append("events", make_rows(0, 1), "bench-latency")  # warm up
-            with _applied_listener(t.dst_url) as seen, _rdata_listener(t.port) as sent:
+            with _listeners(t.dst_url, t.port) as collect:
 
                 def commit(n: int) -> int:
                     return t.store.append("events", make_rows(n, 1), "bench-latency")[0]
 
                 committed, reached = _paced(commit, rate, seconds)
-                last = max(committed)
-                _wait(lambda: last in seen, "the last row to be applied", 60)
-                _wait(lambda: last in sent, "the last row's RDATA at the bare client", 60)
+                seen, sent = collect(max(committed))
             result = _delays(committed, seen, reached)
             rdata = _delays(committed, sent, reached)
             result["rdata_p50"], result["rdata_p99"] = rdata["p50"], rdata["p99"]
@@ -504,7 +592,7 @@ def latency_once(clusters: Clusters, workdir: str, rate: int, seconds: float, wh
     b = Baseline(clusters, applied_trigger=True)
     conn = _connect(b.src_url, autocommit=False)
     try:
-        with _applied_listener(b.dst_url) as seen, conn.cursor() as cur:
+        with _listeners(b.dst_url, None) as collect, conn.cursor() as cur:
             now = int(time.time() * 1000) << 18
 
             def commit(n: int) -> int:
@@ -517,8 +605,7 @@ def latency_once(clusters: Clusters, workdir: str, rate: int, seconds: float, wh
                 return n + 1
 
             committed, reached = _paced(commit, rate, seconds)
-            last = max(committed)
-            _wait(lambda: last in seen, "the last row to be applied", 60)
+            seen, _ = collect(max(committed))
         return _delays(committed, seen, reached)
     finally:
         conn.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from typing import Any
 
@@ -78,6 +79,9 @@ def run_worker(args: argparse.Namespace, config: Config) -> int:
         worker.start()
         for consumer in timeline:
             consumer.start()
+        # As the master: what start-up built is moved out of the cyclic
+        # collector's way (full collections of 15-25 ms paused small applies).
+        gc.freeze()
 
     async def stop() -> None:
         for consumer in timeline:
@@ -86,7 +90,11 @@ def run_worker(args: argparse.Namespace, config: Config) -> int:
 
     def ready() -> defer.Deferred[str]:
         # READY=1 once connected and caught up with every stream.
-        return worker.when_caught_up().addCallback(lambda _: f"caught up; {status()}")
+        def caught_up(_: object) -> str:
+            gc.freeze()  # and what connecting and catching up built (modules, prepared statements)
+            return f"caught up; {status()}"
+
+        return worker.when_caught_up().addCallback(caught_up)
 
     def status() -> str:
         streams = ", ".join(f"{s}@{c.applied}" for s, c in sorted(worker.consumers.items()))

@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, TypeVar
 
+import attr
+
 from storage.schema import StreamSchema
 from storage.time_index import TokenAt
 
@@ -57,6 +59,24 @@ T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
 
 
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class CommittedRows:
+    """The rows of one committed single-statement append, as its notification told them (PostgreSQL).
+
+    ``safe``: every token of the stream up to it had committed, or never
+    will, when the notification was sent (the writer's claim, see
+    ``docs/time.md``; None: no claim). ``rows``: ``(token, ts, JSON array
+    of the values)`` in token order, one row per token, the same JSON the
+    store's reads build. The master may fan these out without a read when
+    they follow what it sent and ``safe`` covers them.
+    """
+
+    stream: str
+    instance: str
+    safe: int | None
+    rows: list[tuple[int, int, bytes]]
+
+
 class Notifier(Protocol):
     """Change notification (PostgreSQL ``LISTEN``): watched by the master's reactor."""
 
@@ -66,6 +86,11 @@ class Notifier(Protocol):
 
     def drain(self) -> set[str]:
         """The streams named by the notifications that arrived; never blocks."""
+        ...
+
+    def drain_committed(self) -> tuple[set[str], list[CommittedRows]]:
+        """As :meth:`drain`: the streams named by notifications that carried no rows, and the rows
+        the others carried, in the order they arrived (commit order)."""
         ...
 
     def close(self) -> None: ...

@@ -38,7 +38,7 @@ import psycopg2
 import psycopg2.extensions
 
 from storage import time_index
-from storage.contracts import JsonRow, Row, StoredRow
+from storage.contracts import CommittedRows, JsonRow, Row, StoredRow
 from storage.limits import DEFAULT_MAX_LINE_BYTES, check_batch_rows, check_rows, max_row_json_bytes
 from storage.pg_copy import _COPY_FORMATS, NULL_COPY, _copy_text, chunk_formatter, formatter, lines_need_escapes
 from storage.pg_db import Cursor, PgDatabase, prepared
@@ -131,6 +131,30 @@ END
 $fn$
 """
 
+# The safe position a single-statement append can claim in its NOTIFY (docs/time.md,
+# "the commit's own claim"): its writer's new position, or less where another live
+# writer of the stream has committed less. VOLATILE PL/pgSQL in READ COMMITTED: its
+# query takes a snapshot of its own when it runs, after the append's allocation (its
+# argument comes from the allocation), so every writer that allocated a lower token
+# had registered (committed) before that snapshot. In another isolation level the
+# snapshot would be the transaction's: no claim (NULL).
+CLAIM_FUNCTION = "tickline_claim_v1"
+_CLAIM_SQL = f"""
+CREATE FUNCTION {CLAIM_FUNCTION}(s text, writer text, own bigint) RETURNS bigint LANGUAGE plpgsql VOLATILE AS $fn$
+BEGIN
+    IF own IS NULL OR current_setting('transaction_isolation') <> 'read committed' THEN
+        RETURN NULL;
+    END IF;
+    RETURN LEAST(own, (SELECT MIN(w.position) FROM tickline_writers w
+        WHERE w.alive AND w.stream = s AND w.instance_name <> writer));
+END
+$fn$
+"""
+# A notification that carries its rows: this first word, then tab-separated stream,
+# claim (-1: none) and instance; then one line per row: token, ts, JSON array.
+ROWS_PAYLOAD = "tickline-rows/1"
+MAX_PAYLOAD_BYTES = 7900  # PostgreSQL refuses a NOTIFY payload of 8000 bytes or more
+
 
 def _release_oracle_lock(conn: Any) -> None:
     """After an error: the session may hold the oracle's lock (an error inside the function); release it."""
@@ -161,6 +185,8 @@ def _create_oracle(cur: Cursor) -> None:
         cur.execute(_ORACLE_SQL)
     if cur.execute("SELECT 1 FROM pg_proc WHERE proname = %s", (FENCED_FUNCTION,)).fetchone() is None:
         cur.execute(_FENCED_SQL)
+    if cur.execute("SELECT 1 FROM pg_proc WHERE proname = %s", (CLAIM_FUNCTION,)).fetchone() is None:
+        cur.execute(_CLAIM_SQL)
 
 
 def _rollback(conn: Any) -> None:
@@ -775,7 +801,11 @@ class WriteTransaction:
             cap = self._cap()
             if token_count == 0:
                 params.append(self._batch_token)
-            params += [cap, schema.name, state.writer_id, state.epoch, CHANNEL, schema.name]
+            params += [cap, schema.name, state.writer_id, state.epoch]
+            if batch or token_count == 0:
+                params += [CHANNEL, schema.name]
+            else:  # the claim's and the payload's (_Statements._build_small)
+                params += [schema.name, state.writer_id, CHANNEL, schema.name, self._instance, schema.name]
             try:
                 first_token, first_ts, _ = self._cur.execute(self._first(sql), params).fetchone()
             except psycopg2.Error as e:
@@ -888,15 +918,31 @@ class _Statements:
             else ("a.first_token" if batch else f"a.first_token + {count - 1}")
         )
         names = ", ".join(("seq", "token", "instance_name", "ts", *schema.column_names))
+        if batch or shared:
+            # A batch's rows share a token: its notification names the stream only.
+            returning, claim, payload = "", "", "%s"
+        else:
+            # The notification carries the rows and the writer's claim (CLAIM_FUNCTION), so the
+            # master can send them without reading them back (CommittedRows); the stream's name
+            # alone when that would not fit in a NOTIFY.
+            row_json = " || ',' || ".join(_pg_json_value(c.name, c.type) for c in schema.columns)
+            returning = f" RETURNING token, ts, '[' || {row_json} || ']' AS j"
+            claim = f", c AS (SELECT {CLAIM_FUNCTION}(%s, %s, (SELECT position FROM u)) AS claim)"
+            payload = (
+                f"COALESCE((SELECT CASE WHEN octet_length(p) <= {MAX_PAYLOAD_BYTES} THEN p END FROM "
+                f"(SELECT '{ROWS_PAYLOAD}' || E'\\t' || %s || E'\\t' || COALESCE(c.claim, -1)::text "
+                "|| E'\\t' || %s || string_agg(E'\\n' || ins.token::text || E'\\t' || ins.ts::text "
+                "|| E'\\t' || ins.j, '' ORDER BY ins.token) AS p FROM ins, c GROUP BY c.claim) AS pl), %s)"
+            )
         return (
             f"WITH a AS (SELECT first_token, first_ts FROM {ORACLE_FUNCTION}(%s::regclass, %s, %s, %s)), "
             f"ins AS (INSERT INTO {schema.table} ({names}) "
             f"SELECT a.first_ts + v._i - 1, {token}, %s, a.first_ts + v._i - 1, {aliases} "
-            f"FROM a, (VALUES {rows}) AS v(_i, {', '.join(schema.column_names)})), "
+            f"FROM a, (VALUES {rows}) AS v(_i, {', '.join(schema.column_names)}){returning}), "
             f"u AS (UPDATE tickline_writers SET position = GREATEST(position, LEAST({last}, %s)), "
             f"heartbeat_ms = {NOW_MS} FROM a "
-            "WHERE stream = %s AND instance_name = %s AND epoch = %s AND alive RETURNING 1) "
-            "SELECT a.first_token, a.first_ts, pg_notify(%s, %s) FROM a "
+            f"WHERE stream = %s AND instance_name = %s AND epoch = %s AND alive RETURNING position){claim} "
+            f"SELECT a.first_token, a.first_ts, pg_notify(%s, {payload}) FROM a "
             f"WHERE (SELECT count(*) FROM u) = 1 OR {FENCED_FUNCTION}()"
         )
 
@@ -1056,13 +1102,45 @@ class PgNotifier:
 
     def drain(self) -> set[str]:
         """The streams named by the notifications that arrived (never blocks)."""
+        plain, committed = self.drain_committed()
+        return plain | {rows.stream for rows in committed}
+
+    def drain_committed(self) -> tuple[set[str], list[CommittedRows]]:
+        """The streams named by notifications without rows, and the rows the others carried (never blocks)."""
         self._conn.poll()
-        streams = {n.payload for n in self._conn.notifies}
+        plain: set[str] = set()
+        committed: list[CommittedRows] = []
+        for n in self._conn.notifies:
+            payload = n.payload
+            if payload.startswith(ROWS_PAYLOAD + "\t"):
+                rows = _committed_rows(payload)
+                if rows is not None:
+                    committed.append(rows)
+                    continue
+                payload = payload.split("\t", 2)[1]
+            plain.add(payload)
         self._conn.notifies.clear()
-        return streams
+        return plain, committed
 
     def close(self) -> None:
         self._conn.close()
+
+
+def _committed_rows(payload: str) -> CommittedRows | None:
+    """A rows notification (``_Statements._build_small``) parsed; None if it is not one."""
+    head, *lines = payload.split("\n")
+    parts = head.split("\t")
+    if len(parts) != 4 or not lines:
+        return None
+    try:
+        claim = int(parts[2])
+        rows = []
+        for line in lines:
+            token, ts, values = line.split("\t", 2)
+            rows.append((int(token), int(ts), values.encode()))
+    except ValueError:
+        return None
+    return CommittedRows(parts[1], parts[3], None if claim < 0 else claim, rows)
 
 
 def _pg_json_value(name: str, kind: str) -> str:

@@ -1,0 +1,152 @@
+"""PostgreSQL: a single-statement append's NOTIFY carries its rows and the writer's claim (docs/time.md).
+
+The master sends such rows without reading them back only when the claim
+covers them; a writer still in flight below them holds them back (they come
+by a pass once it commits), so order and exactly-once hold.
+"""
+
+from __future__ import annotations
+
+import select
+import time
+
+import psycopg2
+import pytest
+
+from replication.rows import encode_json_rows
+from replication.streams import EVENTS
+from storage.pg_store import MAX_PAYLOAD_BYTES, PgNotifier, PgStreamStore
+from storage.store import open_store
+from tests.integration.procs import wait_for
+
+ROW = ["$a", "!r", "m.room.message", None, None]
+
+
+def drain(notifier: PgNotifier, want: int, timeout: float = 10.0):
+    """Notifications until ``want`` carried rows arrived (or the timeout)."""
+    plain: set[str] = set()
+    committed = []
+    deadline = time.monotonic() + timeout
+    while len(committed) < want and time.monotonic() < deadline:
+        select.select([notifier.fileno()], [], [], 0.05)
+        more_plain, more = notifier.drain_committed()
+        plain |= more_plain
+        committed += more
+    return plain, committed
+
+
+@pytest.fixture
+def store(pg_url):
+    s = open_store(pg_url)
+    assert isinstance(s, PgStreamStore)
+    s.register_stream(EVENTS)
+    yield s
+    s.close()
+
+
+def test_rows_and_claim_in_the_notification(store, pg_url) -> None:
+    notifier = store.notifier()
+    try:
+        assert store.append("events", [ROW, ["$b", "!r", "t", "k", None]], "w1") == [1, 2]
+        _, committed = drain(notifier, 1)
+        (c,) = committed
+        assert (c.stream, c.instance, c.safe) == ("events", "w1", 2)
+        assert [token for token, _, _ in c.rows] == [1, 2]
+        # The same lines the store's reads build.
+        stored = [(0, token, b"w1", ts, values) for token, ts, values in c.rows]
+        for with_ts in (False, True):
+            lines, _, _ = store.read_lines_json("events", 0, 2, 10, "RDATA events ", with_ts)
+            assert encode_json_rows("events", stored, with_ts)[0] == lines
+    finally:
+        notifier.close()
+
+
+def test_claim_stays_below_a_writer_in_flight(store, pg_url) -> None:
+    """A writer that allocated a lower token and has not committed holds the claim below it."""
+    other = open_store(pg_url)
+    notifier = store.notifier()
+    try:
+        store.append("events", [ROW], "w1")  # token 1
+        with other.writing("events", "w2") as txn:
+            assert txn.append([ROW]) == [2]  # in flight
+            assert store.append("events", [ROW], "w1") == [3]
+            _, committed = drain(notifier, 2)
+            assert [c.rows[0][0] for c in committed] == [1, 3]
+            assert committed[1].safe is not None and committed[1].safe < 2
+    finally:
+        notifier.close()
+        other.close()
+
+
+def test_large_or_batch_appends_notify_the_stream_only(store, pg_url) -> None:
+    notifier = store.notifier()
+    try:
+        big = ["$" + "x" * (MAX_PAYLOAD_BYTES // 2), "!r", "t", None, None]
+        store.append("events", [big, big], "w1")
+        store.append("events", [ROW, ROW], "w1", batch=True)
+        plain: set[str] = set()
+        wait_for(lambda: bool(plain.update(notifier.drain_committed()[0]) or plain), 10, "the notifications")
+        assert plain == {"events"}
+        select.select([notifier.fileno()], [], [], 0.2)
+        assert notifier.drain_committed()[1] == []
+    finally:
+        notifier.close()
+
+
+def rdata(client, count: int, timeout: float = 10.0) -> list[int]:
+    tokens: list[int] = []
+    deadline = time.monotonic() + timeout
+    while len(tokens) < count and (left := deadline - time.monotonic()) > 0:
+        line = client.try_line(left)
+        if line is None:
+            break
+        if line.startswith("RDATA events "):
+            tokens.append(int(line.split(" ", 4)[3]))
+    return tokens
+
+
+def test_master_sends_the_rows_of_a_notification_without_a_read(master, pg_url) -> None:
+    """Rows arrive while every read of the master would wait for a lock: they came with the commit."""
+    m = master(database=pg_url)
+    client = m.connect()
+    client.handshake()
+    client.send("REPLICATE events 0")
+    client.expect("POSITION")
+    assert m.append("events", [ROW]) == [1]
+    assert rdata(client, 1) == [1]
+    locker = psycopg2.connect(pg_url)
+    try:
+        with locker.cursor() as cur:
+            # Every read of the master's (wake-up or threads) reads the positions of both streams.
+            cur.execute("LOCK TABLE stream_caches IN ACCESS EXCLUSIVE MODE")
+            assert m.append("events", [ROW]) == [2]
+            assert m.append("events", [ROW, ROW]) == [3, 4]
+            assert rdata(client, 3) == [2, 3, 4]
+        locker.commit()
+    finally:
+        locker.close()
+    assert m.append("events", [ROW]) == [5]
+    assert rdata(client, 1) == [5]
+
+
+def test_master_waits_for_a_writer_in_flight(master, pg_url) -> None:
+    """A commit above a writer still in flight is sent only after it, by a pass: in order, once."""
+    m = master(database=pg_url)
+    client = m.connect()
+    client.handshake()
+    client.send("REPLICATE events 0")
+    client.expect("POSITION")
+    assert m.append("events", [ROW]) == [1]
+    assert rdata(client, 1) == [1]
+    slow = open_store(pg_url)
+    try:
+        with slow.writing("events", "slow") as txn:
+            assert txn.append([ROW]) == [2]
+            assert m.append("events", [ROW]) == [3]
+            assert rdata(client, 1, timeout=1.0) == []  # 3 waits for 2
+        assert rdata(client, 2) == [2, 3]
+        assert m.append("events", [ROW]) == [4]
+        assert rdata(client, 1) == [4]
+        assert rdata(client, 1, timeout=0.5) == []  # nothing twice
+    finally:
+        slow.close()
