@@ -108,3 +108,16 @@ def peak_rss_kb(pid: int) -> int | None:
     except OSError:
         return None
     return None
+
+
+def rdata_tokens(client, count: int, timeout: float = 15.0) -> list[int]:
+    """Tokens of the next ``count`` ``RDATA events`` lines a test client reads (fewer at the timeout)."""
+    tokens: list[int] = []
+    deadline = time.monotonic() + timeout
+    while len(tokens) < count and (left := deadline - time.monotonic()) > 0:
+        line = client.try_line(left)
+        if line is None:
+            break
+        if line.startswith("RDATA events "):
+            tokens.append(int(line.split(" ", 4)[3]))
+    return tokens

@@ -17,6 +17,7 @@ from replication.rows import encode_json_rows
 from replication.streams import EVENTS
 from storage.pg_store import MAX_PAYLOAD_BYTES, PgNotifier, PgStreamStore
 from storage.store import open_store
+from tests.integration.procs import rdata_tokens as rdata
 from tests.integration.procs import wait_for
 
 ROW = ["$a", "!r", "m.room.message", None, None]
@@ -93,20 +94,8 @@ def test_large_or_batch_appends_notify_the_stream_only(store, pg_url) -> None:
         notifier.close()
 
 
-def rdata(client, count: int, timeout: float = 10.0) -> list[int]:
-    tokens: list[int] = []
-    deadline = time.monotonic() + timeout
-    while len(tokens) < count and (left := deadline - time.monotonic()) > 0:
-        line = client.try_line(left)
-        if line is None:
-            break
-        if line.startswith("RDATA events "):
-            tokens.append(int(line.split(" ", 4)[3]))
-    return tokens
-
-
-def test_master_sends_the_rows_of_a_notification_without_a_read(master, pg_url) -> None:
-    """Rows arrive while every read of the master would wait for a lock: they came with the commit."""
+def subscribed(master, pg_url):
+    """A master on ``pg_url`` and a client following ``events`` that has received the first row's RDATA."""
     m = master(database=pg_url)
     client = m.connect()
     client.handshake()
@@ -114,6 +103,12 @@ def test_master_sends_the_rows_of_a_notification_without_a_read(master, pg_url) 
     client.expect("POSITION")
     assert m.append("events", [ROW]) == [1]
     assert rdata(client, 1) == [1]
+    return m, client
+
+
+def test_master_sends_the_rows_of_a_notification_without_a_read(master, pg_url) -> None:
+    """Rows arrive while every read of the master would wait for a lock: they came with the commit."""
+    m, client = subscribed(master, pg_url)
     locker = psycopg2.connect(pg_url)
     try:
         with locker.cursor() as cur:
@@ -131,13 +126,7 @@ def test_master_sends_the_rows_of_a_notification_without_a_read(master, pg_url) 
 
 def test_master_waits_for_a_writer_in_flight(master, pg_url) -> None:
     """A commit above a writer still in flight is sent only after it, by a pass: in order, once."""
-    m = master(database=pg_url)
-    client = m.connect()
-    client.handshake()
-    client.send("REPLICATE events 0")
-    client.expect("POSITION")
-    assert m.append("events", [ROW]) == [1]
-    assert rdata(client, 1) == [1]
+    m, client = subscribed(master, pg_url)
     slow = open_store(pg_url)
     try:
         with slow.writing("events", "slow") as txn:

@@ -7,7 +7,7 @@ import time
 
 import psycopg2
 
-from tests.integration.procs import query_pg, wait_for
+from tests.integration.procs import query_pg, rdata_tokens, wait_for
 
 CONFIG = "master:\n  writer_timeout: 2.0\n"
 EVENT = '["$e{}", "!r", "t", null, null]'
@@ -23,18 +23,6 @@ def wake_backends(url: str, waiting: bool = False) -> list[int]:
 def terminate(url: str, pids: list[int]) -> None:
     for pid in pids:
         query_pg(url, f"SELECT pg_terminate_backend({pid})")
-
-
-def rdata_tokens(client, count: int, timeout: float = 15.0) -> list[int]:
-    tokens: list[int] = []
-    deadline = time.monotonic() + timeout
-    while len(tokens) < count and (left := deadline - time.monotonic()) > 0:
-        line = client.try_line(left)
-        if line is None:
-            break
-        if line.startswith("RDATA events "):
-            tokens.append(int(line.split(" ", 4)[3]))
-    return tokens
 
 
 def test_wake_connection_terminated_during_a_call(master, pg_url) -> None:
