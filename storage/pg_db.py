@@ -23,6 +23,27 @@ from storage.urls import redact_url
 MIGRATION_LOCK = 0x7469636B  # "tick"
 
 
+def session_settings(server_version: int, settings: dict[str, str] | None = None) -> dict[str, str]:
+    """What every tickline connection SETs for its session: ``settings``, then these defaults.
+
+    - ``extra_float_digits = 3``: a double's text is then exact (the shortest
+      text that reads back the same double, from PostgreSQL 12 on). With the
+      server's or a role's setting at 0 or below, ``float8`` text is rounded to
+      15 digits or fewer: rows read back, and lines built by the server
+      (``storage.pg_lines``), would carry other numbers than the ones written.
+    - ``plan_cache_mode = force_generic_plan`` (PostgreSQL 12 on): prepared
+      statements (see ``prepared``) keep one generic plan. With the default,
+      PostgreSQL plans range reads such as the master's lines anew on every
+      call (a custom plan looked cheaper), which cost more than running them.
+      Ad-hoc statements are not affected.
+    """
+    values = dict(settings or {})
+    values.setdefault("extra_float_digits", "3")
+    if server_version >= 120000:
+        values.setdefault("plan_cache_mode", "force_generic_plan")
+    return values
+
+
 class Cursor:
     """A psycopg2 cursor with SQLite's ``execute`` returning the cursor."""
 
@@ -97,13 +118,7 @@ class PgDatabase:
         except psycopg2.Error as e:
             message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise DatabaseUnavailable(redact_url(f"cannot connect to PostgreSQL at {self.dsn}: {message}")) from None
-        settings = dict(self._settings)
-        if conn.server_version >= 120000:
-            # Prepared statements (see ``prepared``) keep one generic plan: with
-            # the default, PostgreSQL plans range reads such as the master's lines
-            # anew on every call (a custom plan looked cheaper), which cost more
-            # than running them. Ad-hoc statements are not affected.
-            settings.setdefault("plan_cache_mode", "force_generic_plan")
+        settings = session_settings(conn.server_version, self._settings)
         if settings:
             conn.autocommit = True
             with conn.cursor() as cur:

@@ -77,9 +77,11 @@ def value_json_sql(column: str, kind: str) -> str:
     if kind == "json":
         return f"coalesce({column}::text, 'null')"
     if kind == "double":
-        # orjson writes integral doubles as 2.0; to_json would write 2.
+        # orjson writes integral doubles as 2.0; to_json would write 2. The integer's text has no
+        # sign for -0.0, whose own text ('-0', exact under the session's extra_float_digits) does.
         return (
-            f"CASE WHEN {column} IS NULL THEN 'null' WHEN {column} = trunc({column}) AND abs({column}) < 1e15"
+            f"CASE WHEN {column} IS NULL THEN 'null' WHEN {column} = 0 THEN {column}::text || '.0'"
+            f" WHEN {column} = trunc({column}) AND abs({column}) < 1e16"
             f" THEN trunc({column})::bigint::text || '.0' ELSE to_json({column})::text END"
         )
     if kind == "bigint":

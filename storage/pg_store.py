@@ -903,7 +903,13 @@ class _Statements:
 
     def _build_small(self, count: int, batch: bool, shared: bool) -> str:
         schema = self.schema
-        casts = ", ".join(f"(%s)::{COLUMN_TYPES[c.type][1]}" for c in schema.columns)
+        # (%s)::type: the value as a literal in parentheses, so that -9223372036854775808 is one
+        # bigint, not the negation of one too large. A double without them: psycopg2 writes -0.0,
+        # which in parentheses is the numeric 0 (no sign); -0.0::float8 negates the double 0.0.
+        casts = ", ".join(
+            f"%s::{COLUMN_TYPES[c.type][1]}" if c.type == "double" else f"(%s)::{COLUMN_TYPES[c.type][1]}"
+            for c in schema.columns
+        )
         rows = ", ".join([f"(%s::int, {casts})"] * count)
         aliases = ", ".join(f"v.{name}" for name in schema.column_names)
         if shared:

@@ -47,6 +47,7 @@ import psycopg2
 import psycopg2.extensions
 
 from storage.contracts import WakeReads, WakeResult
+from storage.pg_db import session_settings
 from storage.pg_store import _ORACLE_LAST_SQL, PgStreamStore, _pg_json_value, _seq
 from storage.schema import StreamSchema
 from storage.store import DatabaseUnavailable
@@ -295,9 +296,9 @@ def open_nonblocking(dsn: str, application_name: str, settings: dict[str, str] |
     try:
         conn = psycopg2.connect(dsn, async_=1, connect_timeout=5, application_name=application_name)
         _wait(conn)
-        values = {"default_transaction_isolation": "read committed", **(settings or {})}
-        if conn.server_version >= 120000:
-            values.setdefault("plan_cache_mode", "force_generic_plan")
+        values = session_settings(
+            conn.server_version, {"default_transaction_isolation": "read committed", **(settings or {})}
+        )
         with conn.cursor() as cur:
             cur.execute(
                 "; ".join(["SELECT set_config(%s, %s, false)"] * len(values)), [x for kv in values.items() for x in kv]

@@ -4,12 +4,13 @@ batches marked, a long line refused, and the plan it is written for (index order
 
 from __future__ import annotations
 
+import orjson
 import psycopg2
 import pytest
 
 from replication.rows import encode_rows, row_encoder
 from storage.pg_lines import lines_function_sql
-from storage.pg_store import PgStreamStore
+from storage.pg_store import COPY_ROWS, PgStreamStore
 from storage.schema import Column, StreamSchema
 from storage.store import open_store
 
@@ -109,3 +110,32 @@ def test_the_function_reads_the_index_in_order_without_a_sort(pg_url) -> None:
     assert "Sort" not in text and "Index" in text
     # The function itself carries these settings.
     assert "SET " + settings.replace(", ", " SET ") in lines_function_sql("x", TEXTS, False)
+
+
+DOUBLES = StreamSchema("doubles", (Column("x", "double", True),))
+# Exact only with enough digits (0.1 + 0.2, 1/3); a zero with its sign; integral and halves.
+EXACT_DOUBLES = [0.1 + 0.2, 1 / 3, -0.0, 0.0, -2.5, 2.0, -(2.0**52), 123456.789012345, 1e15, -9999999999999998.0]
+
+
+def test_doubles_are_exact_and_keep_the_sign_of_zero_whatever_the_databases_float_digits(pg_url) -> None:
+    """A database whose default rounds ``float8`` text (``extra_float_digits = 0``) still gets exact lines."""
+    conn = psycopg2.connect(pg_url)
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        cur.execute("SELECT current_database()")
+        (name,) = cur.fetchone()
+        cur.execute(f'ALTER DATABASE "{name}" SET extra_float_digits = 0')
+    conn.close()
+    store = open_store(pg_url)
+    assert isinstance(store, PgStreamStore)
+    store.register_stream(DOUBLES)
+    # A small append (one INSERT statement) and a large one (COPY).
+    values = EXACT_DOUBLES + EXACT_DOUBLES * (COPY_ROWS // len(EXACT_DOUBLES) + 1)
+    store.append("doubles", [[x] for x in EXACT_DOUBLES], "w")
+    store.append("doubles", [[x] for x in values[len(EXACT_DOUBLES) :]], "w")
+    n = len(values)
+    expected = b"".join(b"RDATA doubles w %d [%s]\n" % (i, orjson.dumps(x)) for i, x in enumerate(values, 1))
+    assert b"[-0.0]" in expected
+    assert store.read_lines_json("doubles", 0, n, 1000, "RDATA doubles ", False) == (expected, n, n)
+    read = [row[-1] for row in store.read_rows("doubles", 0, n, 1000)]
+    assert [orjson.dumps(x) for x in read] == [orjson.dumps(x) for x in values]
