@@ -62,8 +62,8 @@ class Cursor:
             psycopg2.extras.execute_batch(self.cursor, sql, rows, page_size=1000)
         return self.cursor
 
-    def execute_values(self, sql: str, rows: Sequence[Any], page_size: int = 5000) -> Any:
-        psycopg2.extras.execute_values(self.cursor, sql, rows, page_size=page_size)
+    def execute_values(self, sql: str, rows: Sequence[Any], page_size: int = 5000, template: str | None = None) -> Any:
+        psycopg2.extras.execute_values(self.cursor, sql, rows, template=template, page_size=page_size)
         return self.cursor
 
     @property

@@ -42,7 +42,7 @@ BEGIN
 END
 $fn$
 """
-# jsonb types a column's received value may have (besides null where nullable).
+# JSON types a column's received value may have (besides null where nullable).
 _JSON_TYPES = {"text": "string", "bigint": "number", "double": "number", "boolean": "boolean"}
 
 
@@ -56,6 +56,8 @@ def replicate_json_sql(schema: StreamSchema) -> str:
     hold one fail the statement, and the caller applies the rows the general
     way, which names the row). The rows are inserted only if the token moved;
     the statement returns whether it did. Atomic as any single statement.
+    The rows are read as ``json``, not ``jsonb``: ``jsonb`` holds numbers as
+    ``numeric``, which has no negative zero (a ``-0.0`` would arrive as 0).
     """
     width = len(schema.columns)
     values = []
@@ -63,12 +65,12 @@ def replicate_json_sql(schema: StreamSchema) -> str:
         value = f"r->{k}"
         kind, sql_type = column.type, COLUMN_TYPES[column.type][1]
         if kind == "json":
-            expr = f"CASE WHEN jsonb_typeof({value}) = 'null' THEN NULL ELSE {value} END"
+            expr = f"CASE WHEN json_typeof({value}) = 'null' THEN NULL ELSE ({value})::jsonb END"
         else:
             text = f"r->>{k}" if kind == "text" else f"(r->>{k})::{sql_type}"
             expected = _JSON_TYPES[kind]
             expr = (
-                f"CASE jsonb_typeof({value}) WHEN '{expected}' THEN {text} WHEN 'null' THEN NULL "
+                f"CASE json_typeof({value}) WHEN '{expected}' THEN {text} WHEN 'null' THEN NULL "
                 f"ELSE {MISFIT_FUNCTION}('column {column.name}')::text::{sql_type} END"
             )
         values.append(expr)
@@ -79,8 +81,8 @@ def replicate_json_sql(schema: StreamSchema) -> str:
         "WHERE tickline_applied.token < excluded.token RETURNING 1), "
         f"ins AS (INSERT INTO {schema.replicated_table} ({names}) "
         f"SELECT (i->>0)::bigint, i->>1, (r->>{width})::bigint, {', '.join(values)} "
-        "FROM moved, jsonb_array_elements(%s::jsonb) AS i, jsonb_array_elements(i->2) AS r "
-        f"WHERE jsonb_array_length(r) = {width + 1} OR {MISFIT_FUNCTION}('row width')) "
+        "FROM moved, json_array_elements(%s::json) AS i, json_array_elements(i->2) AS r "
+        f"WHERE json_array_length(r) = {width + 1} OR {MISFIT_FUNCTION}('row width')) "
         "SELECT count(*) FROM moved"
     )
 
@@ -171,7 +173,9 @@ class PgApplyTransaction:
         if len(rows) >= COPY_ROWS:
             copy_rows(self.connection.cursor, schema.replicated_table, schema, rows)
         else:
-            self.connection.execute_values(schema.insert_replicated_values_sql(), rows)
+            self.connection.execute_values(
+                schema.insert_replicated_values_sql(), rows, template=schema.replicated_values_template()
+            )
 
 
 class PgWorkerStore:

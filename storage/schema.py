@@ -324,6 +324,16 @@ class StreamSchema:
         names = ", ".join(("token", "instance_name", "ts", *self.column_names))
         return f"INSERT INTO {self.replicated_table} ({names}) VALUES %s"
 
+    def replicated_values_template(self) -> str:
+        """``execute_values``' template for one row of :meth:`insert_replicated_values_sql`.
+
+        A double is cast where it stands: psycopg2 writes ``-0.0``, which alone
+        is a ``numeric`` (no negative zero); ``-0.0::DOUBLE PRECISION`` negates
+        the double 0.0 and keeps the sign.
+        """
+        casts = ["%s::DOUBLE PRECISION" if c.type == "double" else "%s" for c in self.columns]
+        return "(" + ", ".join(["%s", "%s", "%s", *casts]) + ")"
+
     def replicated_range_sql(self, after: int | None, upto: int, alias: str = "snap") -> str:
         """A subquery of the rows of ``replicated_<stream>`` with ``after < token <= upto``.
 
