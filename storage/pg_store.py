@@ -214,32 +214,14 @@ class Fenced(Exception):
     """This writer was declared dead: its transaction may not commit."""
 
 
-RESERVED = 0  # the key of a reserved window in _WriterState.inflight (transaction ids start at 1)
-
-
 class _WriterState:
-    __slots__ = ("epoch", "inflight", "reported", "reserved", "writer_id")
+    __slots__ = ("epoch", "inflight", "reported", "writer_id")
 
     def __init__(self, writer_id: str, epoch: int) -> None:
         self.writer_id = writer_id  # "<instance>/<host>:<pid>:<nonce>": one per process
         self.epoch = epoch
-        self.inflight: dict[int, int] = {}  # transaction id (or RESERVED) -> its lowest token
+        self.inflight: dict[int, int] = {}  # transaction id -> its lowest token
         self.reported = -1
-        # A window of tokens and timestamps allocated by the last large append's commit for the
-        # next one: (first token, first timestamp, rows). In flight (inflight[RESERVED]) until a
-        # large append takes it, or it is dropped (any other allocation, or the next report).
-        self.reserved: tuple[int, int, int] | None = None
-
-    def drop_reservation(self) -> None:
-        """Give up the reserved window (under the store's lock): its tokens are never written."""
-        if self.reserved is not None:
-            self.reserved = None
-            del self.inflight[RESERVED]
-
-    def reserve(self, first_token: int, first_ts: int, rows: int) -> None:
-        """Keep a window allocated by a commit (under the store's lock), replacing any earlier one."""
-        self.reserved = (first_token, first_ts, rows)
-        self.inflight[RESERVED] = first_token
 
 
 def _seq(schema: StreamSchema) -> str:
@@ -544,9 +526,6 @@ class PgStreamStore:
         for (stream, instance), state in writers:
             schema = self.schema(stream)
             with self._lock, self._side_cursor() as cur:
-                # A reserved window still unused at a report is dropped: an idle writer
-                # holds its stream back for at most one report interval.
-                state.drop_reservation()
                 if state.inflight:
                     position = min(state.inflight.values()) - 1
                 else:
@@ -728,22 +707,6 @@ _FINISH_SQL = (
     f"heartbeat_ms = {NOW_MS} WHERE stream = %s::text AND instance_name = %s::text AND epoch = %s::bigint AND alive "
     f"RETURNING 1) SELECT pg_notify(%s::text, %s::text) WHERE (SELECT count(*) FROM u) = 1 OR {FENCED_FUNCTION}()"
 )
-# The same, also allocating the next large append's window (the tokens and timestamps of
-# ``_ALLOCATE_SQL``), so that append starts with its COPY: one round trip fewer. psycopg2 gives
-# only the last result of a query string, and the COMMIT comes after this statement, so the
-# window is kept in a session setting (set_config, not local: kept by the COMMIT, undone by a
-# rollback) with the transaction's id, and read back by a last statement after the COMMIT.
-RESERVED_SETTING = "tickline.reserved"
-_FINISH_RESERVE_SQL = (
-    "WITH u AS (UPDATE tickline_writers SET position = GREATEST(position, %s::bigint), "
-    f"heartbeat_ms = {NOW_MS} WHERE stream = %s::text AND instance_name = %s::text AND epoch = %s::bigint AND alive "
-    f"RETURNING 1), a AS (SELECT first_token, first_ts FROM {ORACLE_FUNCTION}(%s::regclass, %s::integer, "
-    "%s::integer, %s::bigint)) "
-    f"SELECT pg_notify(%s::text, %s::text), set_config('{RESERVED_SETTING}', "
-    "%s::text || ' ' || a.first_token || ' ' || a.first_ts, false) "
-    f"FROM a WHERE (SELECT count(*) FROM u) = 1 OR {FENCED_FUNCTION}()"
-)
-_RESERVED_SQL = f"SELECT current_setting('{RESERVED_SETTING}', true)"
 
 
 class WriteTransaction:
@@ -780,7 +743,6 @@ class WriteTransaction:
         self._position_sent = 0  # the last token whose position update is already in the transaction
         self._batch_token: int | None = None
         self._batch_rows = 0  # rows of this transaction's batch token so far
-        self._reserve = 0  # rows of the window the commit reserves for the next append (its last large one)
         self._statements = _statements(schema)
 
     def append(self, rows: Iterable[Row], batch: bool = False) -> list[int]:
@@ -795,10 +757,8 @@ class WriteTransaction:
         limit = self._store.max_line_bytes
         if count >= COPY_ROWS:
             first_token, _ = self._append_copy(rows, count, batch, limit)
-            self._reserve = 0 if batch else count
         else:
             first_token, _ = self._append_small(check_rows(self._schema, rows, limit), batch)
-            self._reserve = 0
         tokens = [first_token] * count if batch else list(range(first_token, first_token + count))
         self._last_token = tokens[-1]
         return tokens
@@ -838,7 +798,6 @@ class WriteTransaction:
         # Allocation and registration as in flight happen under the lock, so
         # a concurrent report never claims a token still in flight.
         with store._lock:
-            state.drop_reservation()  # this allocation comes after it: it would never be used
             cap = self._cap()
             if token_count == 0:
                 params.append(self._batch_token)
@@ -863,26 +822,17 @@ class WriteTransaction:
         The transaction then rolls back: the tokens and timestamps allocated
         are skipped, as for any rolled-back write.
         """
-        store, schema, state = self._store, self._schema, self._state
+        store, schema = self._store, self._schema
         token_count = self._token_count(count, batch)
-        copy = self._statements.copy
         with store._lock:
-            window = state.reserved
-            state.drop_reservation()
-            if window is not None and not batch and count <= window[2]:
-                # The window the last commit reserved: no allocation here, the COPY opens the
-                # transaction (tokens and timestamps past ``count`` are skipped, like a rollback's).
-                first_token, first_ts = window[0], window[1]
-                copy = self._first(copy)
-            else:
-                first_token, first_ts = self._cur.execute(
-                    self._first(prepared(self._cur.cursor, _ALLOCATE_SQL)),
-                    (_seq(schema), count, token_count, store._now_ms()),
-                ).fetchone()
+            first_token, first_ts = self._cur.execute(
+                self._first(prepared(self._cur.cursor, _ALLOCATE_SQL)),
+                (_seq(schema), count, token_count, store._now_ms()),
+            ).fetchone()
             first = self._allocated(first_token, batch)
         source = _CopySource(self._statements, rows, self._instance, first, 0 if batch else 1, first_ts, limit)
         try:
-            self._cur.cursor.copy_expert(copy, source, size=1 << 20)
+            self._cur.cursor.copy_expert(self._statements.copy, source, size=1 << 20)
         except psycopg2.Error:
             if source.error is not None:  # psycopg2 ended the COPY with our error as its text
                 raise source.error from None
@@ -908,35 +858,19 @@ class WriteTransaction:
         if not self._last_token or self._last_token <= self._position_sent:
             self._cur.execute("COMMIT")
             return
-        store, state, name = self._store, self._state, self._schema.name
+        store = self._store
         with store._lock:
             cap = self._cap()
         position = min(self._last_token, cap)
-        reserve = self._reserve
         try:
-            if not reserve:
-                self._cur.execute(
-                    prepared(self._cur.cursor, _FINISH_SQL) + "; COMMIT",
-                    (position, name, state.writer_id, state.epoch, CHANNEL, name),
-                )
-                return
-            # Also reserve the next append's window (docs/time.md, "reserved windows").
-            (found,) = self._cur.execute(
-                prepared(self._cur.cursor, _FINISH_RESERVE_SQL) + "; COMMIT; " + _RESERVED_SQL,
-                (
-                    *(position, name, state.writer_id, state.epoch),
-                    *(_seq(self._schema), reserve, reserve, store._now_ms()),
-                    *(CHANNEL, name, str(self._id)),
-                ),
-            ).fetchone()
+            self._cur.execute(
+                prepared(self._cur.cursor, _FINISH_SQL) + "; COMMIT",
+                (position, self._schema.name, self._state.writer_id, self._state.epoch, CHANNEL, self._schema.name),
+            )
         except psycopg2.Error as e:
             if e.pgcode == FENCED_CODE:
                 raise Fenced(self._instance) from None
             raise
-        parts = (found or "").split(" ")
-        if len(parts) == 3 and parts[0] == str(self._id):  # always, as the statement ran
-            with store._lock:
-                state.reserve(int(parts[1]), int(parts[2]), reserve)
 
 
 class _Statements:
