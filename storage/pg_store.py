@@ -1144,7 +1144,7 @@ def _committed_rows(payload: str) -> CommittedRows | None:
 
 
 def _pg_json_value(name: str, kind: str) -> str:
-    """SQL for one column's JSON text in a line built by PostgreSQL (the wake-up's lines, ``storage.pg_wake``)."""
+    """SQL for one column's JSON text (a committed row's JSON in its notification; ``storage.pg_lines``)."""
     return value_json_sql(name, kind)
 
 
