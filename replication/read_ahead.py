@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 from twisted.internet import defer
 
@@ -81,6 +82,55 @@ class ReadAhead:
     def drop(self) -> None:
         """Let every read go (the loop left, or they are not used): their results or failures are ignored."""
         while self._reads:
-            self._reads.popleft()[3].addErrback(
-                lambda f: logger.debug("a read ahead was not used: %s", f.getErrorMessage())
-            )
+            _let_go(self._reads.popleft()[3])
+
+
+Read = tuple[bytes, int, int]  # (lines, last token, rows): a replay's read (replication.window.Read)
+
+
+class ReplayAhead:
+    """The next chunk of each replay from storage, read while this one is delivered.
+
+    After a replay's read of ``(after, upto]`` answers with rows up to
+    ``last < upto``, the read of ``(last, upto]`` starts at once (``read``:
+    the master's shared replay read); the replay's next ask of that start
+    takes it (:meth:`take`). At most ``max_reads`` are kept, the oldest let
+    go first (a replay that went away leaves its read until then): memory is
+    bounded by ``max_reads`` reads of ``catchup_rows`` rows, whatever the
+    clients do.
+    """
+
+    def __init__(self, read: Callable[[str, int, int, int, bool], defer.Deferred[Read]], max_reads: int) -> None:
+        self._read = read
+        self._max = max_reads
+        # (stream, after, with_ts) -> (upto, the read); oldest first
+        self._reads: dict[tuple[str, int, bool], tuple[int, defer.Deferred[Read]]] = {}
+
+    def take(self, stream: str, after: int, upto: int, with_ts: bool) -> defer.Deferred[Read] | None:
+        """The read of ``(after, ...]`` if one was started (and ends at or below ``upto``), else None."""
+        found = self._reads.pop((stream, after, with_ts), None)
+        if found is None:
+            return None
+        if found[0] > upto:
+            _let_go(found[1])
+            return None
+        return found[1]
+
+    def answered(self, result: Read, stream: str, upto: int, limit: int, with_ts: bool) -> Read:
+        """A replay's read answered: start the next one (a callback; passes the result on)."""
+        _data, last, count = result
+        key = (stream, last, with_ts)
+        if self._max > 0 and count and last < upto and key not in self._reads:
+            while len(self._reads) >= self._max:
+                _let_go(self._reads.pop(next(iter(self._reads)))[1])
+            self._reads[key] = (upto, self._read(stream, last, upto, limit, with_ts))
+        return result
+
+    def drop(self) -> None:
+        """Let every read go."""
+        while self._reads:
+            _let_go(self._reads.popitem()[1][1])
+
+
+def _let_go(d: defer.Deferred[Any]) -> None:
+    d.addErrback(lambda f: logger.debug("a read ahead was not used: %s", f.getErrorMessage()))

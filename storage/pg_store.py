@@ -233,7 +233,7 @@ class PgStreamStore:
 
     max_line_bytes: int | None = DEFAULT_MAX_LINE_BYTES  # refuse rows whose RDATA line could be longer
     # The server builds the lines (storage.pg_lines): two backends build two chunks at once.
-    live_reads = 2
+    parallel_reads = 2
 
     def __init__(
         self,
