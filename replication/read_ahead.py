@@ -94,17 +94,21 @@ class ReplayAhead:
     After a replay's read of ``(after, upto]`` answers with rows up to
     ``last < upto``, the read of ``(last, upto]`` starts at once (``read``:
     the master's shared replay read); the replay's next ask of that start
-    takes it (:meth:`take`). At most ``max_reads`` are kept, the oldest let
-    go first (a replay that went away leaves its read until then): memory is
+    takes it (:meth:`take`). At most ``max_reads`` are kept: memory is
     bounded by ``max_reads`` reads of ``catchup_rows`` rows, whatever the
-    clients do.
+    clients do. When they are all taken, no read ahead starts, unless the
+    oldest is stale (kept while ``4 * max_reads`` other reads answered: its
+    replay went away, or is served from the window now); it is let go. So
+    more replays from storage than that, at different places, do not read
+    twice: some of them go without a read ahead.
     """
 
     def __init__(self, read: Callable[[str, int, int, int, bool], defer.Deferred[Read]], max_reads: int) -> None:
         self._read = read
         self._max = max_reads
         # (stream, after, with_ts) -> (upto, the read); oldest first
-        self._reads: dict[tuple[str, int, bool], tuple[int, defer.Deferred[Read]]] = {}
+        self._reads: dict[tuple[str, int, bool], tuple[int, int, defer.Deferred[Read]]] = {}  # + answers then
+        self._answers = 0
 
     def take(self, stream: str, after: int, upto: int, with_ts: bool) -> defer.Deferred[Read] | None:
         """The read of ``(after, ...]`` if one was started (and ends at or below ``upto``), else None."""
@@ -112,24 +116,29 @@ class ReplayAhead:
         if found is None:
             return None
         if found[0] > upto:
-            _let_go(found[1])
+            _let_go(found[2])
             return None
-        return found[1]
+        return found[2]
 
     def answered(self, result: Read, stream: str, upto: int, limit: int, with_ts: bool) -> Read:
         """A replay's read answered: start the next one (a callback; passes the result on)."""
         _data, last, count = result
+        self._answers += 1
         key = (stream, last, with_ts)
-        if self._max > 0 and count and last < upto and key not in self._reads:
-            while len(self._reads) >= self._max:
-                _let_go(self._reads.pop(next(iter(self._reads)))[1])
-            self._reads[key] = (upto, self._read(stream, last, upto, limit, with_ts))
+        if self._max == 0 or not count or last >= upto or key in self._reads:
+            return result
+        if len(self._reads) >= self._max:
+            oldest = next(iter(self._reads))
+            if self._answers - self._reads[oldest][1] <= 4 * self._max:
+                return result  # all in use
+            _let_go(self._reads.pop(oldest)[2])
+        self._reads[key] = (upto, self._answers, self._read(stream, last, upto, limit, with_ts))
         return result
 
     def drop(self) -> None:
         """Let every read go."""
         while self._reads:
-            _let_go(self._reads.popitem()[1][1])
+            _let_go(self._reads.popitem()[1][2])
 
 
 def _let_go(d: defer.Deferred[Any]) -> None:

@@ -107,15 +107,21 @@ def test_a_replays_next_read_starts_when_its_read_answers_and_is_taken_by_its_ne
 def test_reads_ahead_of_replays_are_bounded_and_let_go() -> None:
     reads = ReplayReads()
     ahead = ReplayAhead(reads, 2)
-    for last in (10, 20, 30):  # three replays: the oldest read is let go
+    for last in (10, 20, 30):  # three replays: the third goes without (no read is stale yet)
         ahead.answered((b"x", last, 1), "s", 100, 10, False)
+    assert [a[1] for a in reads.asked] == [10, 20]
+    assert ahead.take("s", 30, 100, False) is None
+    for _ in range(8):  # many answers later, the oldest read ahead is stale: let go for a new one
+        ahead.answered((b"x", 100, 1), "s", 100, 10, False)
+    ahead.answered((b"x", 40, 1), "s", 100, 10, False)
+    assert [a[1] for a in reads.asked] == [10, 20, 40]
     assert ahead.take("s", 10, 100, False) is None
     reads.pending[0].errback(Failure(RuntimeError("lost")))  # let go: its failure is swallowed
     assert ahead.take("s", 20, 15, False) is None  # a read beyond the asker's end is not used
     reads.pending[1].errback(Failure(RuntimeError("lost")))
     ahead.drop()
     reads.pending[2].errback(Failure(RuntimeError("lost")))
-    assert ahead.take("s", 30, 100, False) is None
+    assert ahead.take("s", 40, 100, False) is None
     none = ReplayAhead(reads, 0)  # SQLite: no reads ahead
     none.answered((b"x", 40, 1), "s", 100, 10, False)
     assert len(reads.asked) == 3
