@@ -660,35 +660,37 @@ class Master:
                 continue
             # The next chunks are read while this one is fanned out (replication.read_ahead).
             ahead = ReadAhead(self._read_chunk, stream, self.config.fanout_rows, self.store.parallel_reads)
-            while self._live[stream] < head:
-                subs = self._live_subs[stream]
-                if not subs and self.window.start(stream) is None:
-                    self._live[stream] = head  # nobody live and nothing kept: no read
-                    break
-                variants = tuple(sorted({target.with_ts for target in subs})) or (False,)
-                after = self._live[stream]
-                pre = first.pop(stream, None)
-                read = None if pre is not None and pre[0] == after else ahead.take(after, variants)
-                end = head  # the read covers (after, end]
-                if pre is not None and pre[0] == after:
-                    encoded, last_token, count = pre[1]
-                elif read is not None:
-                    end = read[0]
-                    encoded, last_token, count = await read[1]
-                else:
-                    encoded, last_token, count = await self._read_chunk(
-                        stream, after, head, self.config.fanout_rows, variants
-                    )
-                if count == 0:
-                    if end < head:
-                        ahead.drop()  # a range read ahead without rows: read on from here
-                        continue
-                    self._timetick(stream, head)
-                    break
-                ahead.chunk_read(after, last_token, count)
-                ahead.fill(last_token, head, variants)
-                self._fan_out(stream, encoded, last_token, count)
-            ahead.drop()
+            try:
+                while self._live[stream] < head:
+                    subs = self._live_subs[stream]
+                    if not subs and self.window.start(stream) is None:
+                        self._live[stream] = head  # nobody live and nothing kept: no read
+                        break
+                    variants = tuple(sorted({target.with_ts for target in subs})) or (False,)
+                    after = self._live[stream]
+                    pre = first.pop(stream, None)
+                    read = None if pre is not None and pre[0] == after else ahead.take(after, variants)
+                    end = head  # the read covers (after, end]
+                    if pre is not None and pre[0] == after:
+                        encoded, last_token, count = pre[1]
+                    elif read is not None:
+                        end = read[0]
+                        encoded, last_token, count = await read[1]
+                    else:
+                        encoded, last_token, count = await self._read_chunk(
+                            stream, after, head, self.config.fanout_rows, variants
+                        )
+                    if count == 0:
+                        if end < head:
+                            ahead.drop()  # a range read ahead without rows: read on from here
+                            continue
+                        self._timetick(stream, head)
+                        break
+                    ahead.chunk_read(after, last_token, count)
+                    ahead.fill(last_token, head, variants)
+                    self._fan_out(stream, encoded, last_token, count)
+            finally:
+                ahead.drop()  # the reads not used (also when a read failed)
         self.timeticks.passed(safe_times, heads)
 
     def _wake(
