@@ -71,7 +71,7 @@ from replication.limits import (
 from replication.pg_async import AsyncQuery
 from replication.protocol import ProtocolConfig
 from replication.reactor_types import DelayedCall, Reactor
-from replication.read_ahead import ReadAhead, ReplayAhead
+from replication.read_ahead import ReadAhead
 from replication.rows import encode_json_rows
 from replication.server import ServerProtocol
 from replication.settings import LimitsConfig, MasterConfig, TLSConfig
@@ -125,9 +125,6 @@ class Master:
         self.window = RecentWindow(config.recent_bytes)
         # Answers of replay reads kept for other replays of the same range.
         self.shared_reads = SharedReads(config.recent_bytes // 8)
-        # Replays' next reads from storage, started while they send (one per replay, at most
-        # db_threads kept; PostgreSQL only: replication.read_ahead).
-        self.replay_ahead = ReplayAhead(self._shared_read, config.db_threads if self.store.parallel_reads > 1 else 0)
         # Fills the window from storage in large reads: on start, and for replays below it.
         self.filler = WindowFiller(self.window, self._read_range, self.live_token)
         self.connections: set[ServerProtocol] = set()
@@ -267,7 +264,6 @@ class Master:
         for conn in list(self.connections):
             conn.close()
         self.timeline.stop()
-        self.replay_ahead.drop()
         await self.db.run(self.store.retire_writers)
         self.db.stop()
 
@@ -339,14 +335,6 @@ class Master:
 
         Replays asking for the same start at the same time share one read.
         """
-        d = self.replay_ahead.take(stream, after, upto, with_ts)
-        if d is None:
-            d = self._shared_read(stream, after, upto, limit, with_ts)
-        # With parallel reads (PostgreSQL), the replay's next chunk is read while this one is sent.
-        return d.addCallback(self.replay_ahead.answered, stream, upto, limit, with_ts)
-
-    def _shared_read(self, stream: str, after: int, upto: int, limit: int, with_ts: bool) -> defer.Deferred[Read]:
-        """A replay's read from storage, shared with the replays that ask for the same start (off the reactor)."""
 
         def start() -> defer.Deferred[Read]:
             d: defer.Deferred[Any] = self.db.run(self._read_encoded, stream, after, upto, limit, (with_ts,))

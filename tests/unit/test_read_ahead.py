@@ -6,7 +6,7 @@ from __future__ import annotations
 from twisted.internet import defer
 from twisted.python.failure import Failure
 
-from replication.read_ahead import ReadAhead, ReplayAhead
+from replication.read_ahead import ReadAhead
 
 
 class Reads:
@@ -73,55 +73,3 @@ def test_reads_let_go_swallow_their_failures() -> None:
         d.errback(Failure(RuntimeError("connection lost")))
         d.addErrback(failures.append)  # nothing left to catch: the drop handled it
     assert failures == []
-
-
-class ReplayReads:
-    def __init__(self) -> None:
-        self.asked: list[tuple[str, int, int, int, bool]] = []
-        self.pending: list[defer.Deferred] = []
-
-    def __call__(self, stream: str, after: int, upto: int, limit: int, with_ts: bool) -> defer.Deferred:
-        self.asked.append((stream, after, upto, limit, with_ts))
-        d: defer.Deferred = defer.Deferred()
-        self.pending.append(d)
-        return d
-
-
-def test_a_replays_next_read_starts_when_its_read_answers_and_is_taken_by_its_next_ask() -> None:
-    reads = ReplayReads()
-    ahead = ReplayAhead(reads, 2)
-    result = (b"lines", 10, 10)
-    assert ahead.answered(result, "s", 100, 10, False) is result
-    assert reads.asked == [("s", 10, 100, 10, False)]
-    ahead.answered(result, "s", 100, 10, False)  # already started: not again
-    assert len(reads.asked) == 1
-    assert ahead.take("s", 10, 100, True) is None  # another variant
-    assert ahead.take("s", 10, 120, False) is reads.pending[0]  # a later head takes it
-    assert ahead.take("s", 10, 120, False) is None  # taken once
-    # Nothing after a read without rows, or one that reached its end.
-    ahead.answered((b"", 100, 0), "s", 200, 10, False)
-    ahead.answered((b"x", 100, 1), "s", 100, 10, False)
-    assert len(reads.asked) == 1
-
-
-def test_reads_ahead_of_replays_are_bounded_and_let_go() -> None:
-    reads = ReplayReads()
-    ahead = ReplayAhead(reads, 2)
-    for last in (10, 20, 30):  # three replays: the third goes without (no read is stale yet)
-        ahead.answered((b"x", last, 1), "s", 100, 10, False)
-    assert [a[1] for a in reads.asked] == [10, 20]
-    assert ahead.take("s", 30, 100, False) is None
-    for _ in range(8):  # many answers later, the oldest read ahead is stale: let go for a new one
-        ahead.answered((b"x", 100, 1), "s", 100, 10, False)
-    ahead.answered((b"x", 40, 1), "s", 100, 10, False)
-    assert [a[1] for a in reads.asked] == [10, 20, 40]
-    assert ahead.take("s", 10, 100, False) is None
-    reads.pending[0].errback(Failure(RuntimeError("lost")))  # let go: its failure is swallowed
-    assert ahead.take("s", 20, 15, False) is None  # a read beyond the asker's end is not used
-    reads.pending[1].errback(Failure(RuntimeError("lost")))
-    ahead.drop()
-    reads.pending[2].errback(Failure(RuntimeError("lost")))
-    assert ahead.take("s", 40, 100, False) is None
-    none = ReplayAhead(reads, 0)  # SQLite: no reads ahead
-    none.answered((b"x", 40, 1), "s", 100, 10, False)
-    assert len(reads.asked) == 3

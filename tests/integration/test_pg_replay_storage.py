@@ -1,5 +1,5 @@
-"""Replays from storage on PostgreSQL read their next chunk ahead (``replication.read_ahead.ReplayAhead``):
-batches, burnt tokens and single rows arrive once each, in token order, every batch whole."""
+"""A replay from storage on PostgreSQL in small reads (lines built by the server, ``storage.pg_lines``):
+batches larger than a read, burnt tokens and single rows arrive once each, in token order, every batch whole."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def _row(i: int) -> list:
     return [f"$r{i}", "!r", "t", None, None]
 
 
-def test_a_replay_from_storage_reads_ahead_in_order(master, pg_url) -> None:
+def test_a_replay_from_storage_in_small_reads_is_in_order(master, pg_url) -> None:
     m = master(CONFIG, database=pg_url)
     expected: list[tuple[str, str]] = []  # (token or batch, event id)
     n = 0
