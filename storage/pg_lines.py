@@ -9,7 +9,8 @@ here:
 - **The value expressions.** ``to_json(text)`` looks the type up on every
   call. A stream whose columns are all text builds the whole JSON array with
   one ``array_to_json(ARRAY[...])`` (the same escaping, ``null`` for NULL,
-  no spaces: the Python encoder's bytes); other types get cheaper forms
+  no spaces: the Python encoder's bytes; with ``ts``, that array with ``,<ts>``
+  put before its closing bracket); other types get cheaper forms
   (``bigint::text``, a ``CASE`` for booleans).
 - **Batch or token.** A line ends in ``batch`` when the next row has the
   same token. A ``lead()`` window copied every wide row into a tuple store;
@@ -92,9 +93,11 @@ def value_json_sql(column: str, kind: str) -> str:
 def row_json_sql(schema: StreamSchema, with_ts: bool, alias: str = "t") -> str:
     """SQL for a row's JSON array text ``[v1,...,vn]`` (``ts`` last when ``with_ts``)."""
     columns = [f"{alias}.{c.name}" for c in schema.columns]
-    if not with_ts and all(c.type == "text" for c in schema.columns):
+    if schema.columns and all(c.type == "text" for c in schema.columns):
         # One call for the whole array: the type is looked up once, not per value.
-        return f"array_to_json(ARRAY[{', '.join(columns)}]::text[])::text"
+        array = f"array_to_json(ARRAY[{', '.join(columns)}]::text[])::text"
+        # With ts: the array without its closing bracket, then the ts.
+        return f"left({array}, -1) || ',' || {alias}.ts::text || ']'" if with_ts else array
     values = [value_json_sql(name, c.type) for name, c in zip(columns, schema.columns, strict=True)]
     if with_ts:
         values.append(f"{alias}.ts::text")
