@@ -71,6 +71,7 @@ from replication.limits import (
 from replication.pg_async import AsyncQuery
 from replication.protocol import ProtocolConfig
 from replication.reactor_types import DelayedCall, Reactor
+from replication.read_ahead import ReadAhead
 from replication.rows import encode_json_rows
 from replication.server import ServerProtocol
 from replication.settings import LimitsConfig, MasterConfig, TLSConfig
@@ -368,6 +369,15 @@ class Master:
         """The subscriptions that are live on ``stream`` (for ``TICK``)."""
         return list(self._live_subs.get(stream, {}).items())
 
+    def _read_chunk(
+        self, stream: str, after: int, upto: int, limit: int, variants: tuple[bool, ...]
+    ) -> defer.Deferred[tuple[dict[bool, bytes], int, int]]:
+        """:meth:`_read_encoded` on a database thread."""
+        d: defer.Deferred[tuple[dict[bool, bytes], int, int]] = self.db.run(
+            self._read_encoded, stream, after, upto, limit, variants
+        )
+        return d
+
     def _read_encoded(
         self, stream: str, after: int, upto: int, limit: int, variants: tuple[bool, ...]
     ) -> tuple[dict[bool, bytes], int, int]:
@@ -636,36 +646,39 @@ class Master:
                     logger.info("stream %s appeared (head %s)", stream, head)
                     self._live[stream] = head
                 continue
-            # The next chunk is read while this one is fanned out (one read ahead).
-            ahead: tuple[int, tuple[bool, ...], defer.Deferred[Any]] | None = None
-            while self._live[stream] < head:
-                subs = self._live_subs[stream]
-                if not subs and self.window.start(stream) is None:
-                    self._live[stream] = head  # nobody live and nothing kept: no read
-                    break
-                variants = tuple(sorted({target.with_ts for target in subs})) or (False,)
-                pre = first.pop(stream, None)
-                if pre is not None and pre[0] == self._live[stream]:
-                    encoded, last_token, count = pre[1]
-                elif ahead is not None and ahead[:2] == (self._live[stream], variants):
-                    encoded, last_token, count = await ahead[2]
-                else:
-                    encoded, last_token, count = await self.db.run(
-                        self._read_encoded, stream, self._live[stream], head, self.config.fanout_rows, variants
-                    )
-                _dropped(ahead)
-                ahead = None
-                if count == 0:
-                    self._timetick(stream, head)
-                    break
-                if last_token < head:
-                    ahead = (
-                        last_token,
-                        variants,
-                        self.db.run(self._read_encoded, stream, last_token, head, self.config.fanout_rows, variants),
-                    )
-                self._fan_out(stream, encoded, last_token, count)
-            _dropped(ahead)
+            # The next chunks are read while this one is fanned out (replication.read_ahead).
+            ahead = ReadAhead(self._read_chunk, stream, self.config.fanout_rows, self.store.parallel_reads)
+            try:
+                while self._live[stream] < head:
+                    subs = self._live_subs[stream]
+                    if not subs and self.window.start(stream) is None:
+                        self._live[stream] = head  # nobody live and nothing kept: no read
+                        break
+                    variants = tuple(sorted({target.with_ts for target in subs})) or (False,)
+                    after = self._live[stream]
+                    pre = first.pop(stream, None)
+                    read = None if pre is not None and pre[0] == after else ahead.take(after, variants)
+                    end = head  # the read covers (after, end]
+                    if pre is not None and pre[0] == after:
+                        encoded, last_token, count = pre[1]
+                    elif read is not None:
+                        end = read[0]
+                        encoded, last_token, count = await read[1]
+                    else:
+                        encoded, last_token, count = await self._read_chunk(
+                            stream, after, head, self.config.fanout_rows, variants
+                        )
+                    if count == 0:
+                        if end < head:
+                            ahead.drop()  # a range read ahead without rows: read on from here
+                            continue
+                        self._timetick(stream, head)
+                        break
+                    ahead.chunk_read(after, last_token, count)
+                    ahead.fill(last_token, head, variants)
+                    self._fan_out(stream, encoded, last_token, count)
+            finally:
+                ahead.drop()  # the reads not used (also when a read failed)
         self.timeticks.passed(safe_times, heads)
 
     def _wake(
@@ -738,12 +751,6 @@ class Master:
 
     def count_catchup_rows(self, count: int) -> None:
         self._catchup_rows += count
-
-
-def _dropped(ahead: tuple[int, tuple[bool, ...], defer.Deferred[Any]] | None) -> None:
-    """A read ahead that is not used (the loop left, or the variants changed): its result or failure is let go."""
-    if ahead is not None:
-        ahead[2].addErrback(lambda f: logger.debug("a read ahead was not used: %s", f.getErrorMessage()))
 
 
 @implementer(IReadDescriptor)

@@ -170,6 +170,9 @@ class StreamStore(Protocol):
 
     # Rows whose RDATA line could be longer are refused (storage.limits); None: unchecked.
     max_line_bytes: int | None
+    # Live reads of one stream the master runs at once (replication.read_ahead): 1, the next chunk
+    # read while one is fanned out; more where reads on other connections run beside each other.
+    parallel_reads: int
 
     def register_stream(self, schema: StreamSchema) -> None:
         """Create the stream's table if missing; :class:`~storage.store.SchemaMismatch` if declared otherwise."""

@@ -9,7 +9,8 @@ here:
 - **The value expressions.** ``to_json(text)`` looks the type up on every
   call. A stream whose columns are all text builds the whole JSON array with
   one ``array_to_json(ARRAY[...])`` (the same escaping, ``null`` for NULL,
-  no spaces: the Python encoder's bytes); other types get cheaper forms
+  no spaces: the Python encoder's bytes; with ``ts``, that array with ``,<ts>``
+  put before its closing bracket); other types get cheaper forms
   (``bigint::text``, a ``CASE`` for booleans).
 - **Batch or token.** A line ends in ``batch`` when the next row has the
   same token. A ``lead()`` window copied every wide row into a tuple store;
@@ -66,7 +67,7 @@ _COPY_OPTIONS = "(FORMAT csv, DELIMITER E'\\x01', QUOTE E'\\x02')"
 # tokens merged in, no sort. Without statistics (a table just filled) a generic plan would
 # scan by bitmap, hash and sort (about 1.4x the time); these settings hold only while the
 # function runs (a function's SET clause), and only steer: a plan they rule out stays possible.
-_PLAN_SETTINGS = "SET enable_sort = off SET enable_hashjoin = off SET enable_hashagg = off SET enable_bitmapscan = off"
+PLAN_SETTINGS = "SET enable_sort = off SET enable_hashjoin = off SET enable_hashagg = off SET enable_bitmapscan = off"
 
 # Per connection: (table, with_ts) -> the name of its temporary lines function.
 _FUNCTIONS: weakref.WeakKeyDictionary[Any, dict[tuple[str, bool], str]] = weakref.WeakKeyDictionary()
@@ -94,13 +95,55 @@ def value_json_sql(column: str, kind: str) -> str:
 def row_json_sql(schema: StreamSchema, with_ts: bool, alias: str = "t") -> str:
     """SQL for a row's JSON array text ``[v1,...,vn]`` (``ts`` last when ``with_ts``)."""
     columns = [f"{alias}.{c.name}" for c in schema.columns]
-    if not with_ts and all(c.type == "text" for c in schema.columns):
+    if schema.columns and all(c.type == "text" for c in schema.columns):
         # One call for the whole array: the type is looked up once, not per value.
-        return f"array_to_json(ARRAY[{', '.join(columns)}]::text[])::text"
+        array = f"array_to_json(ARRAY[{', '.join(columns)}]::text[])::text"
+        # With ts: the array without its closing bracket, then the ts.
+        return f"left({array}, -1) || ',' || {alias}.ts::text || ']'" if with_ts else array
     values = [value_json_sql(name, c.type) for name, c in zip(columns, schema.columns, strict=True)]
     if with_ts:
         values.append(f"{alias}.ts::text")
     return "'[' || " + " || ',' || ".join(values) + " || ']'"
+
+
+def line_sql(schema: StreamSchema, with_ts: bool, prefix: str) -> str:
+    """SQL for a row's whole line without its newline: ``<prefix><instance> <token or batch> [values]``.
+
+    ``prefix`` is an SQL expression (``RDATA <stream> ``); the row is ``t``,
+    the batch marks ``b`` of :func:`lines_select_sql`. The one place that
+    says how PostgreSQL builds a line (the master's reads and its wake-up).
+    """
+    return (
+        f"{prefix} || t.instance_name || ' ' || CASE WHEN t.seq < b.last_seq THEN 'batch' ELSE t.token::text END"
+        f" || ' ' || {row_json_sql(schema, with_ts)}"
+    )
+
+
+def last_token_sql(table: str, after: str, upto: str, limit: str) -> str:
+    """SQL for the token of the ``limit``-th row after ``after`` (at most ``upto``; NULL if none)."""
+    return (
+        f"SELECT max(x.token) AS upper_token FROM (SELECT r.token FROM {table} r "
+        f"WHERE r.token > {after} AND r.token <= {upto} ORDER BY r.token LIMIT {limit}) AS x"
+    )
+
+
+def lines_select_sql(schema: StreamSchema, lines: dict[str, str], after: str, last: str) -> str:
+    """``SELECT t.token, t.seq, <line> AS <name>, ...`` of the rows ``after < token <= last`` in ``(token, seq)`` order.
+
+    ``lines``: output name -> line expression (:func:`line_sql`); ``after``
+    and ``last`` are SQL expressions. Rows below their token's last ``seq``
+    are marked by joining the range's multi-row tokens (``b``), found from
+    the ``(token, seq)`` index alone. ``OFFSET 0`` keeps the query whole when
+    it is a subquery: pulled up, each reference to a line would build it again.
+    """
+    table = schema.table
+    built = ", ".join(f"{expression} AS {name}" for name, expression in lines.items())
+    return (
+        f"SELECT t.token, t.seq, {built} FROM {table} t LEFT JOIN ("
+        f"SELECT s.token, max(s.seq) AS last_seq FROM {table} s WHERE s.token > {after} AND s.token <= {last} "
+        "GROUP BY s.token HAVING count(*) > 1) AS b ON b.token = t.token "
+        f"WHERE t.token > {after} AND t.token <= {last} ORDER BY t.token, t.seq OFFSET 0"
+    )
 
 
 def lines_function_sql(function: str, schema: StreamSchema, with_ts: bool) -> str:
@@ -110,28 +153,18 @@ def lines_function_sql(function: str, schema: StreamSchema, with_ts: bool) -> st
     of the ``max_rows``-th row after ``after`` (at most ``upto``), in
     ``(token, seq)`` order; a line over ``max_bytes`` (NULL: no limit) is
     returned empty. Every column reference is qualified (a stream column may
-    have any name): the only names left bare are the function's own.
-    ``OFFSET 0`` keeps the subquery whole: pulled up, the two references to
-    ``line`` would build each line twice. Its rows come in the subquery's
-    order already, so the outer ``ORDER BY`` costs no sort.
+    have any name): the only names left bare are the function's own. The
+    rows of the subquery come in its order already, so the outer ``ORDER
+    BY`` costs no sort.
     """
-    table = schema.table
-    line = (
-        "$4 || t.instance_name || ' ' || CASE WHEN t.seq < b.last_seq THEN 'batch' ELSE t.token::text END"
-        f" || ' ' || {row_json_sql(schema, with_ts)}"
-    )
+    select = lines_select_sql(schema, {"line": line_sql(schema, with_ts, "$4")}, "$1", "last_token")
     return (
         f"CREATE FUNCTION pg_temp.{function}(bigint, bigint, integer, text, integer) RETURNS SETOF text "
-        f"LANGUAGE plpgsql STABLE {_PLAN_SETTINGS} AS $fn$\n#variable_conflict use_variable\n"
+        f"LANGUAGE plpgsql STABLE {PLAN_SETTINGS} AS $fn$\n#variable_conflict use_variable\n"
         "DECLARE\n    last_token bigint;\nBEGIN\n"
-        f"    SELECT max(x.token) INTO last_token FROM (SELECT r.token FROM {table} r "
-        "WHERE r.token > $1 AND r.token <= $2 ORDER BY r.token LIMIT $3) AS x;\n"
+        f"    {last_token_sql(schema.table, '$1', '$2', '$3')} INTO last_token;\n"
         "    RETURN QUERY SELECT CASE WHEN octet_length(l.line) > $5 THEN '' ELSE l.line END FROM ("
-        f"SELECT t.token, t.seq, {line} AS line FROM {table} t LEFT JOIN ("
-        f"SELECT s.token, max(s.seq) AS last_seq FROM {table} s WHERE s.token > $1 AND s.token <= last_token "
-        "GROUP BY s.token HAVING count(*) > 1) AS b ON b.token = t.token "
-        "WHERE t.token > $1 AND t.token <= last_token ORDER BY t.token, t.seq OFFSET 0) AS l "
-        "ORDER BY l.token, l.seq;\n"
+        f"{select}) AS l ORDER BY l.token, l.seq;\n"
         "END\n$fn$"
     )
 

@@ -232,6 +232,8 @@ class PgStreamStore:
     """Implements :class:`storage.contracts.StreamStore`; holds its :class:`PgDatabase`."""
 
     max_line_bytes: int | None = DEFAULT_MAX_LINE_BYTES  # refuse rows whose RDATA line could be longer
+    # The server builds the lines (storage.pg_lines): two backends build two chunks at once.
+    parallel_reads = 2
 
     def __init__(
         self,
@@ -1150,7 +1152,7 @@ def _committed_rows(payload: str) -> CommittedRows | None:
 
 
 def _pg_json_value(name: str, kind: str) -> str:
-    """SQL for one column's JSON text in a line built by PostgreSQL (the wake-up's lines, ``storage.pg_wake``)."""
+    """SQL for one column's JSON text (a committed row's JSON in its notification; ``storage.pg_lines``)."""
     return value_json_sql(name, kind)
 
 

@@ -14,7 +14,8 @@ connection's own session, so masters never share or race on it), which runs
 2. one query: the positions (one snapshot), and per stream and variant
    (with or without ``ts``) the lines of the rows after the token fanned out
    so far, up to the position just read, about ``limit`` rows, never part of
-   a token (the same lines as ``PgStreamStore.read_lines_json``).
+   a token (the same lines as ``PgStreamStore.read_lines_json``, built by
+   the same SQL: ``storage.pg_lines``).
 
 **Order.** The proof of the safe time (docs/time.md) needs the mark read
 before the live writers and the positions (a snapshot) and before the
@@ -48,7 +49,8 @@ import psycopg2.extensions
 
 from storage.contracts import WakeReads, WakeResult
 from storage.pg_db import session_settings
-from storage.pg_store import _ORACLE_LAST_SQL, PgStreamStore, _pg_json_value, _seq
+from storage.pg_lines import PLAN_SETTINGS, last_token_sql, line_sql, lines_select_sql
+from storage.pg_store import _ORACLE_LAST_SQL, PgStreamStore, _seq
 from storage.schema import StreamSchema
 from storage.store import DatabaseUnavailable
 from storage.urls import redact_url
@@ -63,29 +65,33 @@ def _literal(text: str) -> str:
 def _lines_cte(index: int, schema: StreamSchema, variants: tuple[bool, ...]) -> str:
     """The lines of stream ``index`` (1-based in the arrays) up to its position, in each variant asked.
 
-    Each row's JSON values are built once; the lines without and with ``ts``
-    are two aggregates over the same rows.
+    Two CTEs: ``u<index>``, the token of the ``max_rows``-th row, and
+    ``l<index>``, the lines of each variant gathered in order, the last
+    token, the count and the longest line. The lines are built by
+    ``storage.pg_lines`` (the same SQL as the master's reads), each variant
+    a column of the same rows.
     """
-    row_json = " || ',' || ".join(_pg_json_value(c.name, c.type) for c in schema.columns)
-    table = schema.table
+    after = f"afters[{index}]"
+    position = f"(SELECT pos.position FROM pos WHERE pos.name = {_literal(schema.name)})"
     prefix = _literal(f"RDATA {schema.name} ")
-    name = _literal(schema.name)
-    plain = "string_agg(head || ' [' || vals || ']', E'\\n' ORDER BY token, seq) || E'\\n'"
-    timed = "string_agg(head || ' [' || vals || ',' || ts::text || ']', E'\\n' ORDER BY token, seq) || E'\\n'"
+    select = lines_select_sql(
+        schema,
+        {f"line_{int(v)}": line_sql(schema, v, prefix) for v in variants},
+        after,
+        f"(SELECT u{index}.upper_token FROM u{index})",
+    )
+
+    def gathered(variant: bool) -> str:
+        if variant not in variants:
+            return "NULL::text"
+        return f"string_agg(x.line_{int(variant)}, E'\\n' ORDER BY x.token, x.seq) || E'\\n'"
+
     # The longest line: the variant with ts where it is asked (the longer one).
-    extra = "3 + 1 + octet_length(ts::text)" if True in variants else "3"
     return (
-        f"l{index} AS (SELECT {plain if False in variants else 'NULL::text'} AS lines, "
-        f"{timed if True in variants else 'NULL::text'} AS lines_ts, "
-        "max(token) AS last, count(*) AS cnt, "
-        f"COALESCE(max(octet_length(head) + octet_length(vals) + {extra}), 0)::integer AS longest FROM "
-        f"(SELECT token, seq, ts, {prefix} || instance_name || ' ' || "
-        "CASE WHEN lead(token) OVER (ORDER BY token, seq) = token THEN 'batch' ELSE token::text END AS head, "
-        f"{row_json} AS vals FROM {table}, "
-        f"(SELECT max(token) AS upper_token FROM (SELECT token FROM {table} WHERE token > afters[{index}] "
-        f"AND token <= (SELECT pos.position FROM pos WHERE pos.name = {name}) "
-        "ORDER BY token LIMIT max_rows) AS x) AS u "
-        f"WHERE token > afters[{index}] AND token <= u.upper_token) AS lines_{index})"
+        f"u{index} AS ({last_token_sql(schema.table, after, position, 'max_rows')}), "
+        f"l{index} AS (SELECT {gathered(False)} AS lines, {gathered(True)} AS lines_ts, "
+        f"max(x.token) AS last, count(*) AS cnt, COALESCE(max(octet_length(x.line_{int(max(variants))})), 0)::integer "
+        f"AS longest FROM ({select}) AS x)"
     )
 
 
@@ -123,7 +129,7 @@ def wake_function_sql(function: str, schemas: list[StreamSchema], reads: list[tu
         f"CREATE FUNCTION pg_temp.{function}(read_mark boolean, max_rows integer, afters bigint[]) "
         "RETURNS TABLE(r_name text, r_position bigint, r_head bigint, r_live boolean, r_last_ts bigint, r_mark bigint, "
         "r_lines text, r_lines_ts text, r_last bigint, r_count bigint, r_longest integer) "
-        "LANGUAGE plpgsql VOLATILE AS $fn$\nDECLARE\n    mark bigint;\nBEGIN\n"
+        f"LANGUAGE plpgsql VOLATILE {PLAN_SETTINGS} AS $fn$\nDECLARE\n    mark bigint;\nBEGIN\n"
         f"    IF read_mark THEN\n        {_ORACLE_LAST_SQL} INTO mark;\n    END IF;\n"
         f"    RETURN QUERY {query};\nEND\n$fn$"
     )

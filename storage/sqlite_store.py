@@ -25,6 +25,7 @@ class SqliteStreamStore:
     """Implements :class:`storage.contracts.StreamStore`; holds its :class:`SqliteDatabase`."""
 
     max_line_bytes: int | None = DEFAULT_MAX_LINE_BYTES  # refuse rows whose RDATA line could be longer
+    parallel_reads = 1  # concurrent reads of one database cost more than they give (docs/benchmarks.md)
 
     def __init__(
         self,

@@ -8,8 +8,9 @@ import psycopg2
 import pytest
 
 from replication.streams import CACHES, EVENTS
+from storage.pg_lines import line_sql
 from storage.pg_store import PgStreamStore
-from storage.pg_wake import PgWake
+from storage.pg_wake import PgWake, wake_function_sql
 from storage.schema import Column, StreamSchema
 from storage.store import DatabaseUnavailable, open_store
 
@@ -64,7 +65,7 @@ def test_same_answer_as_the_threaded_statements(stores) -> None:
         writer.append("events", [[f"$e{i}", "!r", "m.room.message", None, None]], "w")
     writer.append("events", [["$b1", "!r", "t", "sk", None], ["$b2", "!r", "t", None, "$x"]], "w", batch=True)
     writer.append("caches", [["c", [1, "k", None, {"a": 2.5}], 7]], "w")
-    writer.append("numbers", [[2.0, True], [None, False], [1e300, True], [-0.5, False]], "w")
+    writer.append("numbers", [[2.0, True], [None, False], [1e300, True], [-0.5, False], [-0.0, True], [0.1 + 0.2, False]], "w")
     reads = {"events": (2, (False, True)), "caches": (0, (True,)), "numbers": (0, (False,))}
     wake.start(True, reads, 1000)
     got = drive(wake)
@@ -141,3 +142,29 @@ def test_a_terminated_connection_raises_database_unavailable(stores) -> None:
     with pytest.raises(DatabaseUnavailable):
         wake.start(True, {"events": (0, (False,))}, 1000)
         drive(wake)
+
+
+def test_the_wake_ups_lines_are_the_python_encoders_bytes(stores) -> None:
+    """Awkward values, mixed types, a batch, both variants: the bytes of the Python encoder, built by the
+    SQL of ``storage.pg_lines`` (one place says how PostgreSQL builds a line)."""
+    from tests.unit.test_pg_lines import MIXED, MIXED_ROWS, TEXT_ROWS, TEXTS, _python
+
+    writer, reader, wake = stores
+    for schema, rows in ((TEXTS, TEXT_ROWS), (MIXED, MIXED_ROWS)):
+        writer.register_stream(schema)
+        writer.append(schema.name, rows, "w1")
+        writer.append(schema.name, rows[:3], "w1", batch=True)  # one writer: its position is the head
+    reader.catalog()
+    reads = {TEXTS.name: (0, (False, True)), MIXED.name: (1, (False, True))}
+    wake.start(True, reads, 1000)
+    first = drive(wake)[2]
+    for schema, rows in ((TEXTS, TEXT_ROWS), (MIXED, MIXED_ROWS)):
+        after = reads[schema.name][0]
+        encoded, last, count = first[schema.name][1]
+        assert (last, count) == (len(rows) + 1, len(rows) + 3 - after)
+        for variant in (False, True):
+            assert encoded[variant] == _python(reader, schema, after, last, variant)
+        assert encoded[False].count(b" batch ") == 2
+    schemas = reader._catalog.known()
+    sql = wake_function_sql("f", schemas, [(schemas.index(TEXTS) + 1, (False, True))])
+    assert line_sql(TEXTS, True, "'RDATA texts '") in sql and "lead(" not in sql
