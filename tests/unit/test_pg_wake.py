@@ -65,7 +65,9 @@ def test_same_answer_as_the_threaded_statements(stores) -> None:
         writer.append("events", [[f"$e{i}", "!r", "m.room.message", None, None]], "w")
     writer.append("events", [["$b1", "!r", "t", "sk", None], ["$b2", "!r", "t", None, "$x"]], "w", batch=True)
     writer.append("caches", [["c", [1, "k", None, {"a": 2.5}], 7]], "w")
-    writer.append("numbers", [[2.0, True], [None, False], [1e300, True], [-0.5, False], [-0.0, True], [0.1 + 0.2, False]], "w")
+    writer.append(
+        "numbers", [[2.0, True], [None, False], [1e300, True], [-0.5, False], [-0.0, True], [0.1 + 0.2, False]], "w"
+    )
     reads = {"events": (2, (False, True)), "caches": (0, (True,)), "numbers": (0, (False,))}
     wake.start(True, reads, 1000)
     got = drive(wake)
