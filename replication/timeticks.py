@@ -79,6 +79,7 @@ class TimeTicker:
             self._allocating = True
             d = master.db.run(master.store.allocate_timestamps, 1)
             d.addCallbacks(self._allocated, self._not_allocated)
+            return  # the pass follows the allocation (either way it ends)
         master.followed()
 
     def _allocated(self, _: object) -> None:
