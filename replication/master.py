@@ -463,7 +463,7 @@ class Master:
         else:
             self._live[stream] = last  # nobody live and nothing kept: no read
         self._safe[stream] = max(self._safe.get(stream, 0), last)
-        self.timeticks.passed({stream: last_ts}, {stream: last})
+        self.timeticks.passed_rows(stream, last_ts, last)
         return True
 
     def notify(self) -> None:

@@ -19,8 +19,6 @@ from replication.protocol import ProtocolConfig
 from storage.contracts import CommittedRows
 from tests.unit.test_protocol import Conn, Env, event, tokens
 
-ROW_JSON = b'["$e","!room","m.type",null,null]'
-
 
 @pytest.fixture
 def env(tmp_path: Path) -> Iterator[Env]:
@@ -40,9 +38,10 @@ def subscribed(env: Env) -> Conn:
 
 
 def commit(env: Env, claim: int | None = None) -> CommittedRows:
-    """Rows written to the store, and the notification their commit would send."""
+    """A row written to the store, and the notification its commit would send (PostgreSQL's, faked)."""
     (token,) = env.write("events", [event(2)])
-    return CommittedRows("events", "writer", token if claim is None else claim, [(token, token, ROW_JSON)])
+    ((_, _, _, ts, values),) = env.store.read_rows_json("events", token - 1, token, 1)
+    return CommittedRows("events", "writer", token if claim is None else claim, [(token, ts, values)])
 
 
 def pass_in_flight(env: Env) -> tuple[Any, ...]:
@@ -103,3 +102,20 @@ def test_held_commits_are_bounded(env: Env) -> None:
     assert env.master._held == []
     d.callback(answer)
     assert tokens(conn.commands()) == [2]
+
+
+def test_rows_sent_from_a_notification_are_followed_by_a_tick_at_their_last_timestamp(env: Env) -> None:
+    env.write("events", [event(1)])
+    env.follow()
+    conn = env.connected()
+    conn.send("OPTIONS tick ts", "REPLICATE events 1")
+    env.follow()
+    conn.commands()
+    committed = commit(env)
+    token, ts, _ = committed.rows[0]
+    env.master.notified(set(), [committed])
+    lines = conn.commands()
+    assert [line.split(" ")[0] for line in lines] == ["RDATA", "TICK"]
+    assert lines[1] == f"TICK events {token} {ts}"
+    env.master.notified(set(), [committed])  # nothing new: no second TICK
+    assert conn.commands() == []
