@@ -406,7 +406,13 @@ def _rdata_listener(port: int, stream: str = "events") -> Iterator[dict[int, flo
 
     def run() -> None:
         buffer = b""
+        pinged = time.monotonic()
         while not stop.is_set():
+            if time.monotonic() - pinged >= 1.0:
+                # A command every second of our own: the master sends rows rather than PING
+                # while it has rows to send, and closes a peer silent for ping_timeout.
+                sock.sendall(b"PING 0\n")
+                pinged = time.monotonic()
             if not select.select([sock], [], [], 0.05)[0]:
                 continue
             data = sock.recv(1 << 16)
@@ -422,8 +428,6 @@ def _rdata_listener(port: int, stream: str = "events") -> Iterator[dict[int, flo
                         seen.setdefault(int(token), now)
                 elif line.startswith(ready):
                     positioned.set()
-                elif line.startswith(b"PING"):
-                    sock.sendall(b"PING 0\n")
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
