@@ -89,6 +89,8 @@ from storage.time_index import TokenAt
 from storage.timeline_contract import TimelineStore
 
 logger = logging.getLogger(__name__)
+# Commits with their rows held while a pass runs (Master.notified); beyond, a pass reads them.
+MAX_HELD_COMMITS = 256
 
 
 class Master:
@@ -140,6 +142,8 @@ class Master:
         self._woken = False  # the next pass was asked for by a commit (notify)
         self._follow_waiters: list[defer.Deferred[None]] = []
         self._notifications: NotificationReader | None = None
+        # Commits notified with their rows while a pass ran: sent after it (notified).
+        self._held: list[CommittedRows] = []
         self._relistening = False
         # PostgreSQL: the wake-up in one round trip on the reactor (replication.pg_async);
         # None (SQLite, or not open yet) or broken: the database threads read instead.
@@ -407,10 +411,21 @@ class Master:
     def notified(self, plain: set[str], committed: list[CommittedRows]) -> None:
         """Database notifications arrived: rows they carried are sent at once where they can be, else a pass.
 
-        Only while no pass runs (a pass may be reading the same rows). See
-        :meth:`_send_committed` and docs/time.md ("the commit's own claim").
+        Not while a pass runs (it may be reading the same rows): the rows are
+        then held and sent when it ends (:meth:`_send_held`), a second pass
+        only if they cannot be. See :meth:`_send_committed` and docs/time.md
+        ("the commit's own claim").
         """
-        if committed and not self._following and self._poller is not None and self._poller.running:
+        if committed and self._poller is not None and self._poller.running:
+            if self._following:
+                if len(self._held) + len(committed) > MAX_HELD_COMMITS:
+                    self._held.clear()  # a pass reads them all
+                    self.notify()
+                    return
+                self._held.extend(committed)
+                if plain:
+                    self.notify()
+                return
             for rows in committed:
                 if not self._send_committed(rows):
                     self.notify()
@@ -418,6 +433,14 @@ class Master:
             if not plain:
                 return
         self.notify()
+
+    def _send_held(self) -> None:
+        """After a pass: the commits notified during it, sent in order; a pass again if one cannot be."""
+        held, self._held = self._held, []
+        for rows in held:
+            if not self._send_committed(rows):
+                self.notify()  # the pass reads this one and every later one
+                return
 
     def _send_committed(self, committed: CommittedRows) -> bool:
         """Fan out the rows of one commit without reading them; False when a pass must read instead.
@@ -450,7 +473,7 @@ class Master:
         else:
             self._live[stream] = last  # nobody live and nothing kept: no read
         self._safe[stream] = max(self._safe.get(stream, 0), last)
-        self.timeticks.passed({stream: last_ts}, {stream: last})
+        self.timeticks.passed_rows(stream, last_ts, last)
         return True
 
     def notify(self) -> None:
@@ -608,6 +631,13 @@ class Master:
                         self._db_error = None
                 for d in waiters:
                     d.callback(None)
+                if self._held and not self._follow_again:
+                    try:
+                        self._send_held()
+                    except Exception:
+                        logger.exception("sending the rows of notified commits failed; a pass reads them")
+                        self._held = []
+                        self._follow_again = True
                 if not self._follow_again:
                     return
         finally:

@@ -79,6 +79,7 @@ class TimeTicker:
             self._allocating = True
             d = master.db.run(master.store.allocate_timestamps, 1)
             d.addCallbacks(self._allocated, self._not_allocated)
+            return  # the pass follows the allocation (either way it ends)
         master.followed()
 
     def _allocated(self, _: object) -> None:
@@ -156,6 +157,27 @@ class TimeTicker:
                 self._sent[(target, stream)] = (max(tick_ts, last_ts), sub.sent_token)
                 line = TickCommand(stream, sub.sent_token, tick_ts).encode()
                 target.send_live(sub, line, sub.sent_token, sub.sent_token, "TICK")
+
+    def passed_rows(self, stream: str, safe_ts: int, token: int) -> None:
+        """Rows of one stream up to ``token`` were fanned out without a pass (the commit's own claim).
+
+        The same ``TICK`` lines as :meth:`passed` for that stream alone, without
+        its look at every stream and connection (the next pass forgets what
+        was sent to connections that went away).
+        """
+        master = self.master
+        tick_ts = self.safe_ts[stream] = max(safe_ts, self.safe_ts.get(stream, 0))
+        sent = self._sent
+        for target, sub in master.live_subscriptions(stream):
+            at = sub.sent_token
+            if not target.ticks or at < token:
+                continue
+            key = (target, stream)
+            last_ts, last_token = sent.get(key, (-1, -1))
+            if tick_ts <= last_ts and at == last_token:
+                continue
+            sent[key] = (max(tick_ts, last_ts), at)
+            target.send_live(sub, TickCommand(stream, at, tick_ts).encode(), at, at, "TICK")
 
     def safe_time_ms(self, stream: str) -> int | None:
         """The stream's latest safe time as Unix milliseconds (None: none yet)."""

@@ -456,7 +456,13 @@ class PgStreamStore:
             txn_id = self._next_txn
         try:
             with self._side_cursor() as raw:
-                return WriteTransaction(self, schema, instance_name, state, txn_id, Cursor(raw)).append(rows, batch)
+                txn = WriteTransaction(self, schema, instance_name, state, txn_id, Cursor(raw))
+                tokens = txn.append(rows, batch)
+            # The statement moved the writer's position and notified the master with its
+            # commit: a report of the same position need not notify again (report_positions).
+            if txn.position_written is not None:
+                state.reported = txn.position_written
+            return tokens
         except Fenced:
             with self._lock:
                 if self._writers.get((stream, instance_name)) is state:
@@ -743,6 +749,7 @@ class WriteTransaction:
         self._cur = cur
         self._last_token = 0
         self._position_sent = 0  # the last token whose position update is already in the transaction
+        self.position_written: int | None = None  # at least, by the last small append's statement
         self._batch_token: int | None = None
         self._batch_rows = 0  # rows of this transaction's batch token so far
         self._statements = _statements(schema)
@@ -816,6 +823,7 @@ class WriteTransaction:
                 raise
             first = self._allocated(first_token, batch)
         self._position_sent = first if batch else first + count - 1
+        self.position_written = min(self._position_sent, cap)
         return first, first_ts
 
     def _append_copy(self, rows: list[Row], count: int, batch: bool, limit: int | None) -> tuple[int, int]:

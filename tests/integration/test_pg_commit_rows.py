@@ -139,3 +139,24 @@ def test_master_waits_for_a_writer_in_flight(master, pg_url) -> None:
         assert rdata(client, 1, timeout=0.5) == []  # nothing twice
     finally:
         slow.close()
+
+
+def test_a_report_of_the_position_an_append_notified_does_not_notify_again(store, pg_url) -> None:
+    """The statement's own NOTIFY told the master; a report moving the position further still notifies."""
+    notifier = store.notifier()
+    other = open_store(pg_url)
+    try:
+        store.append("events", [ROW], "w1")
+        assert len(drain(notifier, 1)[1]) == 1
+        store.report_positions()  # the same position: nothing to tell
+        select.select([notifier.fileno()], [], [], 0.2)
+        assert notifier.drain_committed() == (set(), [])
+        assert other.append("events", [ROW], "w2") == [2]
+        assert len(drain(notifier, 1)[1]) == 1
+        store.report_positions()  # w1 is idle: its position moves to the head, 2
+        plain: set[str] = set()
+        wait_for(lambda: bool(plain.update(notifier.drain_committed()[0]) or plain), 10, "the report's notification")
+        assert plain == {"events"}
+    finally:
+        other.close()
+        notifier.close()

@@ -1,0 +1,121 @@
+"""Commits notified with their rows while a pass runs: held, sent when it ends, no second pass.
+
+The master is the real one on a SQLite store with :class:`ManualDB` (see
+``test_protocol``): a pass's database call is held so a notification arrives
+while the pass is in flight, as it does on PostgreSQL (``Master.notified``,
+docs/time.md "the commit's own claim").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from replication.master import MAX_HELD_COMMITS, MasterConfig
+from replication.protocol import ProtocolConfig
+from storage.contracts import CommittedRows
+from tests.unit.test_protocol import Conn, Env, event, tokens
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[Env]:
+    made = Env(tmp_path, ProtocolConfig(), MasterConfig(server_name="unit"))
+    yield made
+    made.master.stop_following()
+    made.store.close()
+
+
+def subscribed(env: Env) -> Conn:
+    env.write("events", [event(1)])
+    env.follow()
+    conn = env.connected()
+    conn.send("REPLICATE events 1")
+    assert conn.commands() == ["POSITION events master 1 1"]
+    return conn
+
+
+def commit(env: Env, claim: int | None = None) -> CommittedRows:
+    """A row written to the store, and the notification its commit would send (PostgreSQL's, faked)."""
+    (token,) = env.write("events", [event(2)])
+    ((_, _, _, ts, values),) = env.store.read_rows_json("events", token - 1, token, 1)
+    return CommittedRows("events", "writer", token if claim is None else claim, [(token, ts, values)])
+
+
+def pass_in_flight(env: Env) -> tuple[Any, ...]:
+    """A pass started and waiting for its database answer (taken before the next writes)."""
+    env.db.hold = "_wake"
+    env.master.notify()
+    ((fn, args, kwargs, d),) = env.db.held
+    env.db.held.clear()
+    env.db.hold = False
+    return fn(*args, **kwargs), d
+
+
+def wakes(env: Env) -> int:
+    return env.db.calls.count("_wake")
+
+
+def test_rows_notified_during_a_pass_are_sent_when_it_ends_without_a_second_pass(env: Env) -> None:
+    conn = subscribed(env)
+    answer, d = pass_in_flight(env)  # the pass's heads are read before the commit below
+    before = wakes(env)
+    env.master.notified(set(), [commit(env)])
+    assert tokens(conn.commands()) == []  # not while the pass runs
+    d.callback(answer)
+    assert tokens(conn.commands()) == [2]
+    assert wakes(env) == before  # sent from the notification, no read
+    assert env.master.live_token("events") == 2
+
+
+def test_held_rows_that_do_not_follow_what_was_sent_make_a_pass_read_them(env: Env) -> None:
+    conn = subscribed(env)
+    answer, d = pass_in_flight(env)
+    before = wakes(env)
+    env.master.notified(set(), [commit(env, claim=1)])  # the claim does not cover the row
+    d.callback(answer)
+    assert wakes(env) == before + 1  # a pass read it
+    assert tokens(conn.commands()) == [2]
+
+
+def test_rows_the_pass_sent_already_are_not_sent_twice(env: Env) -> None:
+    conn = subscribed(env)
+    env.db.hold = "_wake"
+    env.master.notify()
+    committed = commit(env)  # before the pass reads: it sends the row itself
+    env.master.notified(set(), [committed])
+    env.db.release()
+    assert tokens(conn.commands()) == [2]
+    env.master.notified(set(), [committed])
+    assert tokens(conn.commands()) == []
+
+
+def test_held_commits_are_bounded(env: Env) -> None:
+    conn = subscribed(env)
+    answer, d = pass_in_flight(env)
+    first = commit(env)
+    env.master.notified(set(), [first] * MAX_HELD_COMMITS)
+    assert len(env.master._held) == MAX_HELD_COMMITS
+    env.master.notified(set(), [first])  # one more: none held, a pass reads them
+    assert env.master._held == []
+    d.callback(answer)
+    assert tokens(conn.commands()) == [2]
+
+
+def test_rows_sent_from_a_notification_are_followed_by_a_tick_at_their_last_timestamp(env: Env) -> None:
+    env.write("events", [event(1)])
+    env.follow()
+    conn = env.connected()
+    conn.send("OPTIONS tick ts", "REPLICATE events 1")
+    env.follow()
+    conn.commands()
+    committed = commit(env)
+    token, ts, _ = committed.rows[0]
+    env.master.notified(set(), [committed])
+    lines = conn.commands()
+    assert [line.split(" ")[0] for line in lines] == ["RDATA", "TICK"]
+    assert lines[1] == f"TICK events {token} {ts}"
+    env.master.notified(set(), [committed])  # nothing new: no second TICK
+    assert conn.commands() == []
