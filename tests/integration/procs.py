@@ -121,3 +121,54 @@ def rdata_tokens(client, count: int, timeout: float = 15.0) -> list[int]:
         if line.startswith("RDATA events "):
             tokens.append(int(line.split(" ", 4)[3]))
     return tokens
+
+
+def event_row(i: int) -> list:
+    """An ``events`` row whose event id names ``i`` (``$r<i>``)."""
+    return [f"$r{i}", "!r", "t", None, None]
+
+
+def append_mixed(master, pg_url: str, steps: int, first: int) -> tuple[list[tuple[str, str]], int]:
+    """Appends through ``master`` on PostgreSQL: batches of 3 and more rows, single rows, burnt tokens.
+
+    Returns the ``(token or "batch", event id)`` each ``RDATA events`` line
+    must carry, in order, and the next row number.
+    """
+    import psycopg2  # the postgres extra, as in query_pg
+
+    expected: list[tuple[str, str]] = []
+    n = first
+    conn = psycopg2.connect(pg_url)
+    conn.autocommit = True
+    try:
+        for step in range(steps):
+            if step % 4 == 1:
+                rows = [event_row(n + i) for i in range(step + 2)]  # 3 rows and more in one token
+                (token,) = set(master.append("events", rows, batch=True))
+                expected += [("batch", f"$r{n + i}") for i in range(len(rows) - 1)]
+                expected.append((str(token), f"$r{n + len(rows) - 1}"))
+            else:
+                rows = [event_row(n + i) for i in range(step % 3 + 1)]
+                expected += [(str(t), f"$r{n + i}") for i, t in enumerate(master.append("events", rows))]
+            n += len(rows)
+            if step % 5 == 2:
+                with conn.cursor() as cur:  # tokens burnt: no rows will ever have them
+                    cur.execute("SELECT nextval('stream_events_token_seq') FROM generate_series(1, 4)")
+    finally:
+        conn.close()
+    return expected, n
+
+
+def rdata_events(client, count: int, timeout: float = 20.0) -> list[tuple[str, str]]:
+    """``(token or "batch", event id)`` of the next ``count`` ``RDATA events`` lines (fails at the timeout)."""
+    got: list[tuple[str, str]] = []
+
+    def arrived() -> bool:
+        line = client.try_line(0.5)
+        if line is not None and line.startswith("RDATA events "):
+            parts = line.split(" ", 4)
+            got.append((parts[3], parts[4].split('"')[1]))
+        return len(got) >= count
+
+    wait_for(arrived, timeout, "every row")
+    return got

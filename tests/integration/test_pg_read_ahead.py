@@ -4,15 +4,9 @@ arrive once each, in token order, every batch whole."""
 
 from __future__ import annotations
 
-import psycopg2
-
-from tests.integration.procs import wait_for
+from tests.integration.procs import append_mixed, event_row, rdata_events
 
 CONFIG = "master:\n  fanout_rows: 3\n"
-
-
-def _row(i: int) -> list:
-    return [f"$r{i}", "!r", "t", None, None]
 
 
 def test_rows_seen_at_once_are_read_ahead_in_order(master, pg_url) -> None:
@@ -22,38 +16,9 @@ def test_rows_seen_at_once_are_read_ahead_in_order(master, pg_url) -> None:
     client.send("REPLICATE events 0")
     client.expect("POSITION")
     # A second writer alive below the rows holds the safe position: everything after comes at once.
-    assert m.append("events", [_row(0)], instance="slow") == [1]
+    assert m.append("events", [event_row(0)], instance="slow") == [1]
     assert client.expect("RDATA events slow 1 ").endswith('["$r0","!r","t",null,null]')
-    expected: list[tuple[str, str]] = []  # (token or batch, event id)
-    n = 1
-    conn = psycopg2.connect(pg_url)
-    conn.autocommit = True
-    for step in range(12):
-        if step % 4 == 1:
-            rows = [_row(n + i) for i in range(step + 2)]  # 3 to 12 rows in one token
-            (token,) = set(m.append("events", rows, batch=True))
-            expected += [("batch", f"$r{n + i}") for i in range(len(rows) - 1)] + [
-                (str(token), f"$r{n + len(rows) - 1}")
-            ]
-        else:
-            rows = [_row(n + i) for i in range(step % 3 + 1)]
-            tokens = m.append("events", rows)
-            expected += [(str(t), f"$r{n + i}") for i, t in enumerate(tokens)]
-        n += len(rows)
-        if step % 5 == 2:
-            with conn.cursor() as cur:  # tokens burnt: no rows will ever have them
-                cur.execute("SELECT nextval('stream_events_token_seq') FROM generate_series(1, 4)")
-    conn.close()
-    token = m.append("events", [_row(n)], instance="slow")[0]
+    expected, n = append_mixed(m, pg_url, 12, 1)
+    token = m.append("events", [event_row(n)], instance="slow")[0]
     expected.append((str(token), f"$r{n}"))
-    got: list[tuple[str, str]] = []
-
-    def arrived() -> bool:
-        line = client.try_line(0.5)
-        if line is not None and line.startswith("RDATA events "):
-            parts = line.split(" ", 4)
-            got.append((parts[3], parts[4].split('"')[1]))
-        return len(got) >= len(expected)
-
-    wait_for(arrived, 20, "every row")
-    assert got == expected
+    assert rdata_events(client, len(expected)) == expected
