@@ -760,23 +760,28 @@ def plot(results: dict[str, dict[str, Any]], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    names, ratios = [], []
+    # Each ratio with issue 11's target for it: green where met, red where not.
+    names, ratios, targets = [], [], []
     if "writer" in results:
         w = results["writer"]
         names += ["writer\nsingle row", "writer\nbulk (COPY)"]
         ratios += [w["tickline"]["single"] / w["plain"]["single"], w["tickline"]["bulk"] / w["plain"]["bulk"]]
+        targets += [0.8, 1.0]
     if "end-to-end" in results:
         r = results["end-to-end"]
         names += ["end-to-end\nvs COPY", "end-to-end\nvs execute_values"]
         ratios += [r["tickline"] / r["copy"], r["tickline"] / r["execute_values"]]
+        targets += [1.0, 1.0]
     if "catch-up" in results:
         c = results["catch-up"]
         names.append("catch-up")
         ratios.append(c["tickline"] / c["baseline"])
+        targets.append(1.0)
     if "latency" in results:
         t, b = results["latency"]["tickline"], results["latency"]["baseline"]
         names.append("latency\n(p99 ratio)")
         ratios.append(b["p99"] / t["p99"])
+        targets.append(0.5)
         width = 0.27
         xs = range(2)
         right.bar([x - width for x in xs], [t["p50"], t["p99"]], width, label="tickline, commit -> applied")
@@ -787,7 +792,9 @@ def plot(results: dict[str, dict[str, Any]], path: str) -> None:
         right.set_ylabel("commit -> applied (ms)")
         right.set_title("single-row commits, paced")
         right.legend()
-    left.bar(names, ratios, color=["tab:green" if r >= 1.0 else "tab:red" for r in ratios])
+    left.bar(names, ratios, color=["tab:green" if r >= t else "tab:red" for r, t in zip(ratios, targets, strict=True)])
+    left.scatter(names, targets, marker="_", s=900, color="black", label="target", zorder=3)
+    left.legend(loc="upper left")
     left.tick_params(axis="x", labelsize=8)
     left.axhline(1.0, color="black", linewidth=0.8)
     left.set_ylabel("tickline / logical replication (>1: tickline better)")
