@@ -136,3 +136,20 @@ def test_ordered_scenario_is_ordered_and_exactly_once(tmp_path) -> None:
     assert r["ordered"]["exactly_once"] and r["unordered"]["exactly_once"]
     assert r["replay-ordered"] > 0 and r["replay-unordered"] > 0
     bench_ordered.print_results(r)
+
+
+def test_the_postgresql_plot_draws_every_ratio_against_its_target(tmp_path) -> None:
+    from scripts.bench_pg import plot
+
+    results = {
+        "writer": {"tickline": {"single": 900, "bulk": 90}, "plain": {"single": 1000, "bulk": 100}},
+        "end-to-end": {"tickline": 80, "copy": 100, "execute_values": 40},
+        "catch-up": {"tickline": 3, "baseline": 1},
+        "latency": {
+            "tickline": {"p50": 1.0, "p99": 6.0, "rdata_p50": 0.5, "rdata_p99": 5.0},
+            "baseline": {"p50": 0.2, "p99": 2.0},
+        },
+    }
+    path = tmp_path / "pg.png"
+    plot(results, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
