@@ -142,21 +142,29 @@ def test_master_waits_for_a_writer_in_flight(master, pg_url) -> None:
 
 
 def test_a_report_of_the_position_an_append_notified_does_not_notify_again(store, pg_url) -> None:
-    """The statement's own NOTIFY told the master; a report moving the position further still notifies."""
+    """The statement's own NOTIFY told the master; a report moving the position further still notifies.
+
+    The writer's store reports only when the test calls ``report_positions``
+    (its own thread would report every 0.2 s, and could send the second
+    notification before the test asks for it).
+    """
+    quiet = open_store(pg_url, report_interval=3600)
+    assert isinstance(quiet, PgStreamStore)
     notifier = store.notifier()
     other = open_store(pg_url)
     try:
-        store.append("events", [ROW], "w1")
+        quiet.append("events", [ROW], "w1")
         assert len(drain(notifier, 1)[1]) == 1
-        store.report_positions()  # the same position: nothing to tell
+        quiet.report_positions()  # the same position: nothing to tell
         select.select([notifier.fileno()], [], [], 0.2)
         assert notifier.drain_committed() == (set(), [])
         assert other.append("events", [ROW], "w2") == [2]
         assert len(drain(notifier, 1)[1]) == 1
-        store.report_positions()  # w1 is idle: its position moves to the head, 2
+        quiet.report_positions()  # w1 is idle: its position moves to the head, 2
         plain: set[str] = set()
         wait_for(lambda: bool(plain.update(notifier.drain_committed()[0]) or plain), 10, "the report's notification")
         assert plain == {"events"}
     finally:
+        quiet.close()
         other.close()
         notifier.close()
