@@ -44,6 +44,20 @@ def session_settings(server_version: int, settings: dict[str, str] | None = None
     return values
 
 
+def rollback_explicit(conn: Any) -> None:
+    """End an explicit transaction on an autocommit connection after an error (psycopg2's ``rollback``
+    would not); the connection is closed if even that fails."""
+    try:
+        if not conn.closed and conn.get_transaction_status() != psycopg2.extensions.TRANSACTION_STATUS_IDLE:
+            with conn.cursor() as cur:
+                cur.execute("ROLLBACK")
+    except psycopg2.Error:
+        try:
+            conn.close()
+        except psycopg2.Error:
+            pass
+
+
 class Cursor:
     """A psycopg2 cursor with SQLite's ``execute`` returning the cursor."""
 

@@ -41,7 +41,7 @@ from storage import time_index
 from storage.contracts import CommittedRows, JsonRow, Row, StoredRow
 from storage.limits import DEFAULT_MAX_LINE_BYTES, check_batch_rows, check_rows, max_row_json_bytes
 from storage.pg_copy import _COPY_FORMATS, NULL_COPY, _copy_text, chunk_formatter, formatter, lines_need_escapes
-from storage.pg_db import Cursor, PgDatabase, prepared
+from storage.pg_db import Cursor, PgDatabase, prepared, rollback_explicit
 from storage.pg_lines import read_lines, value_json_sql
 from storage.schema import COLUMN_TYPES, RowError, StreamSchema, check_instance_name
 from storage.store import FIRST_VALUE, DatabaseUnavailable, StreamCatalog
@@ -187,19 +187,6 @@ def _create_oracle(cur: Cursor) -> None:
         cur.execute(_FENCED_SQL)
     if cur.execute("SELECT 1 FROM pg_proc WHERE proname = %s", (CLAIM_FUNCTION,)).fetchone() is None:
         cur.execute(_CLAIM_SQL)
-
-
-def _rollback(conn: Any) -> None:
-    """End an explicit transaction on an autocommit connection (psycopg2's ``rollback`` would not)."""
-    try:
-        if not conn.closed and conn.get_transaction_status() != psycopg2.extensions.TRANSACTION_STATUS_IDLE:
-            with conn.cursor() as cur:
-                cur.execute("ROLLBACK")
-    except psycopg2.Error:
-        try:
-            conn.close()
-        except psycopg2.Error:
-            pass
 
 
 def _upgrade_stream_tables(cur: Cursor) -> None:
@@ -501,14 +488,14 @@ class PgStreamStore:
                 pass
             raise DatabaseUnavailable(redact_url(f"PostgreSQL at {self.database.dsn}: {str(e).strip()}")) from None
         except Fenced:
-            _rollback(conn)
+            rollback_explicit(conn)
             with self._lock:
                 if self._writers.get((stream, instance_name)) is state:
                     del self._writers[(stream, instance_name)]
             raise
         except BaseException:
             if not conn.closed:
-                _rollback(conn)
+                rollback_explicit(conn)
                 _release_oracle_lock(conn)
             raise
         finally:
@@ -941,7 +928,7 @@ class _Statements:
             # The notification carries the rows and the writer's claim (CLAIM_FUNCTION), so the
             # master can send them without reading them back (CommittedRows); the stream's name
             # alone when that would not fit in a NOTIFY.
-            row_json = " || ',' || ".join(_pg_json_value(c.name, c.type) for c in schema.columns)
+            row_json = " || ',' || ".join(value_json_sql(c.name, c.type) for c in schema.columns)
             returning = f" RETURNING token, ts, '[' || {row_json} || ']' AS j"
             claim = f", c AS (SELECT {CLAIM_FUNCTION}(%s, %s, (SELECT position FROM u)) AS claim)"
             payload = (
@@ -1157,11 +1144,6 @@ def _committed_rows(payload: str) -> CommittedRows | None:
     except ValueError:
         return None
     return CommittedRows(parts[1], parts[3], None if claim < 0 else claim, rows)
-
-
-def _pg_json_value(name: str, kind: str) -> str:
-    """SQL for one column's JSON text (a committed row's JSON in its notification; ``storage.pg_lines``)."""
-    return value_json_sql(name, kind)
 
 
 def _json_encoder(schema: StreamSchema) -> Callable[[StoredRow], bytes]:

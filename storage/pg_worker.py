@@ -24,7 +24,7 @@ from storage.pg_copy import (
     lines_need_escapes,
     received_chunk_formatter,
 )
-from storage.pg_db import Cursor, PgDatabase, prepared
+from storage.pg_db import Cursor, PgDatabase, prepared, rollback_explicit
 from storage.pg_wake import close_quietly, lost_connection, open_nonblocking, poll_word
 from storage.schema import COLUMN_TYPES, StreamSchema
 from storage.store import ApplyRefused, DatabaseUnavailable, StaleApply
@@ -76,9 +76,7 @@ def replicate_json_sql(schema: StreamSchema) -> str:
         values.append(expr)
     names = ", ".join(("token", "instance_name", "ts", *schema.column_names))
     return (
-        "WITH moved AS (INSERT INTO tickline_applied (stream, token) VALUES (%s, %s) "
-        "ON CONFLICT (stream) DO UPDATE SET token = excluded.token "
-        "WHERE tickline_applied.token < excluded.token RETURNING 1), "
+        f"WITH moved AS ({move_applied_token_sql('%s')} RETURNING 1), "
         f"ins AS (INSERT INTO {schema.replicated_table} ({names}) "
         f"SELECT (i->>0)::bigint, i->>1, (r->>{width})::bigint, {', '.join(values)} "
         "FROM moved, json_array_elements(%s::json) AS i, json_array_elements(i->2) AS r "
@@ -280,7 +278,7 @@ class PgWorkerStore:
         except psycopg2.OperationalError as e:
             raise self.database.lost_autocommit(conn, e) from None
         except BaseException:
-            _rollback_quietly(conn)
+            rollback_explicit(conn)
             raise
 
     @staticmethod
@@ -320,16 +318,6 @@ class PgWorkerStore:
 
 BEGIN = "BEGIN ISOLATION LEVEL READ COMMITTED; "
 _MOVE_SQL = move_applied_token_sql("%s")  # prepared: its parameters typed by the insert's columns
-
-
-def _rollback_quietly(conn: Any) -> None:
-    """End an open transaction on an autocommit connection after an error (closing it if that fails)."""
-    try:
-        if not conn.closed and conn.get_transaction_status() != psycopg2.extensions.TRANSACTION_STATUS_IDLE:
-            with conn.cursor() as cur:
-                cur.execute("ROLLBACK")
-    except psycopg2.Error:
-        close_quietly(conn)
 
 
 _RECEIVED_CHUNKS: dict[StreamSchema, Callable[..., tuple[list[str] | None, int]] | None] = {}
