@@ -291,12 +291,12 @@ class SqliteStreamStore:
             "WHERE token > ? AND token <= ? ORDER BY token DESC, seq DESC LIMIT 1"
         )
         rows_in = f"SELECT count(*) FROM {table} INDEXED BY {table}_token WHERE token > ? AND token <= ?"
-        separator = f"CASE instance_name WHEN ?1 THEN ?2 || token || ' ' ELSE ?3 || instance_name || ' ' || token || ' ' END"
+        separator = (
+            "CASE instance_name WHEN ?1 THEN ?2 || token || ' ' ELSE ?3 || instance_name || ' ' || token || ' ' END"
+        )
         # ?6: the first line's start; the whole value is built by SQLite (no copy of it in Python).
         lines = f"CAST(?6 || group_concat({value}, {separator}) || char(10) AS BLOB)"
-        by_seq = (
-            f"SELECT {lines}, count(*), total(token - seq <> ?7) FROM {table} WHERE seq >= ?4 AND seq <= ?5"
-        )
+        by_seq = f"SELECT {lines}, count(*), total(token - seq <> ?7) FROM {table} WHERE seq >= ?4 AND seq <= ?5"
         by_token = (
             f"SELECT {lines}, count(*), min(token), max(token) "
             f"FROM {table} INDEXED BY {table}_token WHERE token > ?4 AND token <= ?5"

@@ -65,7 +65,12 @@ def test_rows_written_by_tickline_are_read_as_a_seq_range(tmp_path, monkeypatch,
         txn.append(_rows(7, 1))
     write_rows(store, "ev", ((f"line {i}", row) for i, row in enumerate(_rows(8, 5))), "w1", chunk_rows=2)  # 8-12
     paths = Paths(monkeypatch)
-    for after, upto, limit, last, count in ((4, 12, 100, 12, 8), (0, 3, 100, 3, 3), (5, 12, 3, 8, 3), (7, 9, 100, 9, 2)):
+    for after, upto, limit, last, count in (
+        (4, 12, 100, 12, 8),
+        (0, 3, 100, 3, 3),
+        (5, 12, 3, 8, 3),
+        (7, 9, 100, 9, 2),
+    ):
         got = store.read_lines_json("ev", after, upto, limit, PREFIX, with_ts)
         assert got == (_expected(store, after, last, with_ts), last, count)
     assert paths.seq_used == paths.seq == 4 and paths.token == 0
@@ -145,9 +150,7 @@ def test_random_writes_and_deletes_read_exactly(tmp_path, seed: int) -> None:
                 n += count
     head = store.heads()["ev"]
     doomed = rng.sample(range(1, head + 1), head // 6)
-    store.database.write(
-        lambda conn: conn.executemany("DELETE FROM stream_ev WHERE token = ?", [(t,) for t in doomed])
-    )
+    store.database.write(lambda conn: conn.executemany("DELETE FROM stream_ev WHERE token = ?", [(t,) for t in doomed]))
     batched = {t for (t,) in store.database.query("SELECT token FROM stream_ev GROUP BY token HAVING count(*) > 1")}
     for _ in range(60):
         after = rng.randint(0, head)
