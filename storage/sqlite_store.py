@@ -258,58 +258,127 @@ class SqliteStreamStore:
 
         Reads the tokens ``(after, min(upto, after + limit)]`` (SQLite's tokens
         are dense, so that is about ``limit`` rows; over a gap it moves to the
-        next row's token first). One ``group_concat`` over the ``(token, seq)``
-        order of the token index: each row's stored JSON, the separator before
-        it carrying its line's start (``\n<prefix><instance> <token> ``,
-        prepared once for the first row's writer), so no stored bytes are
-        concatenated per row; SQLite adds the first line's start and the last
-        newline too (the value is not copied again in Python, under the GIL). The same statement counts the rows and their tokens'
-        range:
+        next row's token first). One ``group_concat`` of each row's stored
+        JSON, the separator before it carrying its line's start
+        (``\n<prefix><instance> <token> ``, prepared once for the first row's
+        writer), so no stored bytes are concatenated per row; SQLite adds the
+        first line's start and the last newline too (the value is not copied
+        again in Python, under the GIL).
 
-        Batches: SQLite's tokens are dense (a write allocates its tokens from
-        the head under the write lock and commits all of its rows or none;
-        tickline never deletes rows), so ``count == last - first + 1`` means
-        one row per token, and more rows than that means rows sharing a token
-        (None: the caller builds ``batch`` lines). Fewer (a gap: rows deleted
-        by hand) is checked exactly (``count(DISTINCT token)``).
+        The rows are scanned as a range of ``seq`` (the rowid: no lookup from
+        the token index into the table per row) when the range is laid out as
+        tickline writes it (:meth:`_read_seq_range`), else through the token
+        index in ``(token, seq)`` order (:meth:`_read_token_range`).
+
+        Batches (rows sharing a token: None, the caller builds ``batch``
+        lines): the seq range proves one row per token; through the token
+        index, more rows than tokens in ``[first, last]`` is a batch, and
+        otherwise the distinct tokens are counted (an index-only scan, on this
+        path only): rows deleted by hand (a gap) can hide a batch of as many
+        rows from a count alone.
         """
         schema = self.schema(stream)
         table = schema.table
         value = self._row_json(schema)
         if with_ts:
             value = f"substr({value}, 1, length({value}) - 1) || ',' || ts || ']'"
-        head = (
-            f"SELECT instance_name, token FROM {table} INDEXED BY {table}_token "
+        first_row = (
+            f"SELECT instance_name, token, seq FROM {table} INDEXED BY {table}_token "
             "WHERE token > ? AND token <= ? ORDER BY token, seq LIMIT 1"
         )
-        # ?6: the first line's start; the whole value is built by SQLite (no copy of it in Python).
-        lines = (
-            f"SELECT CAST(?6 || group_concat({value}, CASE instance_name WHEN ?1 THEN ?2 || token || ' ' "
-            f"ELSE ?3 || instance_name || ' ' || token || ' ' END) || char(10) AS BLOB), count(*), min(token), "
-            f"max(token) FROM {table} INDEXED BY {table}_token WHERE token > ?4 AND token <= ?5"
+        last_row = (
+            f"SELECT token, seq FROM {table} INDEXED BY {table}_token "
+            "WHERE token > ? AND token <= ? ORDER BY token DESC, seq DESC LIMIT 1"
         )
-        distinct = f"SELECT count(DISTINCT token) FROM {table} WHERE token > ? AND token <= ?"
-        separator = "\n" + prefix
+        rows_in = f"SELECT count(*) FROM {table} INDEXED BY {table}_token WHERE token > ? AND token <= ?"
+        separator = (
+            "CASE instance_name WHEN ?1 THEN ?2 || token || ' ' ELSE ?3 || instance_name || ' ' || token || ' ' END"
+        )
+        # ?6: the first line's start; the whole value is built by SQLite (no copy of it in Python).
+        lines = f"CAST(?6 || group_concat({value}, {separator}) || char(10) AS BLOB)"
+        by_seq = f"SELECT {lines}, count(*), total(token - seq <> ?7) FROM {table} WHERE seq >= ?4 AND seq <= ?5"
+        by_token = (
+            f"SELECT {lines}, count(*), min(token), max(token) "
+            f"FROM {table} INDEXED BY {table}_token WHERE token > ?4 AND token <= ?5"
+        )
+        distinct = f"SELECT count(DISTINCT token) FROM {table} INDEXED BY {table}_token WHERE token > ? AND token <= ?"
+        separator_text = "\n" + prefix
 
         def run(conn: sqlite3.Connection) -> tuple[bytes, int, int] | None:
-            found = conn.execute(head, (after, upto)).fetchone()
+            found = conn.execute(first_row, (after, upto)).fetchone()
             if found is None:
                 return b"", after, 0
-            instance, token = found
+            instance, token, seq = found
             # From the first row's token (past a gap, if any), about limit tokens.
             end = min(upto, max(after, token - 1) + max(limit, 1))
-            data, count, low, last = conn.execute(
-                lines, (instance, f"{separator}{instance} ", separator, after, end, f"{prefix}{instance} {token} ")
-            ).fetchone()
-            if count != last - low + 1:
-                if count > last - low + 1:
-                    return None  # rows sharing a token: batch lines, built by the caller
-                (tokens,) = conn.execute(distinct, (after, end)).fetchone()
-                if tokens != count:
-                    return None
-            return data, last, count
+            params = (instance, f"{separator_text}{instance} ", separator_text)
+            start = f"{prefix}{instance} {token} "
+            read = self._read_seq_range(conn, by_seq, last_row, rows_in, params, start, after, end, token, seq)
+            if read is not None:
+                return read
+            return self._read_token_range(conn, by_token, distinct, params, start, after, end)
 
         return self.database.read(run)
+
+    @staticmethod
+    def _read_seq_range(
+        conn: sqlite3.Connection,
+        by_seq: str,
+        last_row: str,
+        rows_in: str,
+        params: tuple[str, str, str],
+        start: str,
+        after: int,
+        end: int,
+        token: int,
+        seq: int,
+    ) -> tuple[bytes, int, int] | None:
+        """The lines of the tokens ``(after, end]`` scanned as the rowid range of their first and last rows.
+
+        None when that cannot be proven to be exactly those rows in token
+        order (the caller reads through the token index). tickline's writes
+        insert rows with a larger ``seq`` than every row before them (the
+        rowid, allocated on insert) and take their tokens from the head
+        under the same write lock, in the same transaction, so ``seq`` order
+        is token order and, where no token holds several rows, ``token - seq``
+        is the same for every row of a range: the first row's ``c``. The
+        proof, for the rows of ``[first seq, last seq]``: each has ``token =
+        seq + c`` (so their tokens rise with ``seq``, one row per token, all
+        within the first and the last row's tokens, so inside ``(after,
+        end]``), and there are as many of them as the token index counts in
+        ``(after, end]``: they are every row of the token range, in token
+        order. A batch, a row written by hand or anything else off that
+        layout fails a check, and the token index is read instead.
+        """
+        last_token, last_seq = conn.execute(last_row, (after, end)).fetchone()
+        offset = token - seq
+        if last_token - last_seq != offset:
+            return None  # a batch (or rows not laid out as tickline writes them) in between
+        data, count, off_layout = conn.execute(by_seq, (*params, seq, last_seq, start, offset)).fetchone()
+        if off_layout or count != conn.execute(rows_in, (after, end)).fetchone()[0]:
+            return None
+        return data, last_token, count
+
+    @staticmethod
+    def _read_token_range(
+        conn: sqlite3.Connection,
+        by_token: str,
+        distinct: str,
+        params: tuple[str, str, str],
+        start: str,
+        after: int,
+        end: int,
+    ) -> tuple[bytes, int, int] | None:
+        """The lines of the tokens ``(after, end]`` in ``(token, seq)`` order of the token index; None: a batch."""
+        data, count, low, last = conn.execute(by_token, (*params, after, end, start)).fetchone()
+        if count > last - low + 1:
+            return None  # rows sharing a token: batch lines, built by the caller
+        # As many rows as tokens or fewer: one row per token, or rows deleted by hand
+        # (a gap) as many as a batch has rows too; only the distinct tokens tell.
+        (tokens,) = conn.execute(distinct, (after, end)).fetchone()
+        if tokens != count:
+            return None
+        return data, last, count
 
     def _read_range(self, schema: StreamSchema, columns: str, after: int, upto: int, limit: int) -> list[Any]:
         first = f"SELECT {columns} FROM {schema.table} WHERE token > ? AND token <= ? ORDER BY token, seq LIMIT ?"

@@ -153,3 +153,57 @@ def test_the_postgresql_plot_draws_every_ratio_against_its_target(tmp_path) -> N
     path = tmp_path / "pg.png"
     plot(results, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _fanout_clients_against(lines: list[int], rows: int, first: int) -> dict:
+    """The bench's counting client (one connection) against a socket that sends RDATA lines with these tokens."""
+    import json
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+
+    def send() -> None:
+        conn, _ = server.accept()
+        with conn:
+            data = b"".join(b'RDATA events master %d ["x",%d]\n' % (t, t) for t in lines)
+            try:
+                for i in range(0, len(data), 4096):  # many buffers, lines cut anywhere
+                    conn.sendall(data[i : i + 4096])
+                conn.recv(1)  # until the client closes
+            except OSError:
+                pass  # the client stopped reading (done, or found an error)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    args = ["_fanout-clients", "--port", str(server.getsockname()[1]), "--rows", str(rows), "--clients", "1"]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "benchmark.py"), *args, "--first", str(first), "--timeout", "20"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    server.close()
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_fanout_clients_check_every_token_in_order() -> None:
+    """The counting clients take consecutive tokens (from a given first token, or token by token
+    from the first seen) and catch a repeat, a swap or a gap anywhere in a buffer."""
+    rows = 3000
+    ok = _fanout_clients_against(list(range(5, 5 + rows + 2000)), rows + 1500, 5)  # more rows than asked
+    assert "error" not in ok and ok["rows"] >= rows + 1500
+    assert "error" not in _fanout_clients_against(list(range(1, rows + 1)), rows, 0)  # first seen
+    good = list(range(1, rows + 1))
+    for bad in (
+        [*good[:1000], 1000, *good[1000:]],  # a repeat
+        [*good[:1000], good[1001], good[1000], *good[1002:]],  # a swap
+        good[:1000] + good[1001:] + [rows + 1],  # a gap
+        [10, *good[1:]],  # a wrong first token
+    ):
+        got = _fanout_clients_against(bad, rows, 1)
+        assert "rows out of order" in got.get("error", ""), got
