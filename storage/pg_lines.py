@@ -10,7 +10,8 @@ here:
   call. A stream whose columns are all text builds the whole JSON array with
   one ``array_to_json(ARRAY[...])`` (the same escaping, ``null`` for NULL,
   no spaces: the Python encoder's bytes; with ``ts``, that array with ``,<ts>``
-  put before its closing bracket); other types get cheaper forms
+  put before its closing bracket, the bracket cut as a byte, since
+  ``left(text, -1)`` counts every character of the line twice); other types get cheaper forms
   (``bigint::text``, a ``CASE`` for booleans).
 - **Batch or token.** A line ends in ``batch`` when the next row has the
   same token. A ``lead()`` window copied every wide row into a tuple store;
