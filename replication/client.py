@@ -50,9 +50,7 @@ from storage.limits import MAX_BATCH_ROWS
 
 logger = logging.getLogger(__name__)
 _BATCH = BATCH.encode("ascii")
-_MUST_PARSE = (b"RDATA ", b"POSITION ")
-_RDATA_START = b"RDATA "
-_RDATA_LINE = b"\nRDATA "  # lines a client may not skip
+_MUST_PARSE = (b"RDATA ", b"POSITION ")  # lines a client may not skip
 
 
 def unusable_line(raw: bytes) -> str | None:
@@ -211,11 +209,6 @@ class ClientProtocol(LineCommandProtocol):
     def _lines_received(self, block: bytes) -> None:
         # Most of what arrives is runs of RDATA lines: each run is parsed in one
         # call (see parse_rdata_block); the other lines go one by one.
-        if block.startswith(_RDATA_START) and block.count(_RDATA_LINE) == block.count(b"\n") - 1:
-            # Every line an RDATA line (the usual block): one run, found by two byte counts
-            # instead of the expression's walk over every byte.
-            self._rdata_run(block)
-            return
         done = 0
         for run in RDATA_RUN.finditer(block):
             start, end = run.span()
