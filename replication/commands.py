@@ -305,8 +305,9 @@ _BATCH_BYTES = BATCH.encode("ascii")
 # Whole RDATA lines at once (the client's receiving hot path). A run of lines
 # that start with "RDATA " and all carry the same stream and instance (raw
 # newlines occur in JSON text only where lines end, so "\nRDATA <stream>
-# <instance> " is a line start, counted once) is split at that prefix and
-# each line's token by one regular expression, and its rows are parsed
+# <instance> " is a line start) is split at that prefix and each line's
+# token by one regular expression (one match per line, or the run is not
+# taken), and its rows are parsed
 # by orjson in one call. Anything that is not exactly one well-formed line per
 # newline leaves the run to the per-line parser.
 RDATA_RUN = re.compile(rb"^(?:RDATA [^\n]*\n)+", re.M)
@@ -346,10 +347,10 @@ def parse_rdata_block(block: bytes, max_line_bytes: int) -> tuple[str, str, list
         instance = _word(block[first_space + 1 : second_space].decode("ascii"), "instance")
     except (UnicodeDecodeError, MalformedCommand):
         return None
-    framed = b"\n" + block
-    if framed.count(prefix) != lines:
-        return None
-    parts = _line_token(prefix).split(framed)
+    # Every line starts with the prefix and a well-formed token: the split finds one per line. A
+    # raw newline occurs only where a line ends, so each match is at a line start; fewer matches
+    # than lines means a line of another stream or instance, or a bad token (then None).
+    parts = _line_token(prefix).split(b"\n" + block)
     tokens = parts[1::2]
     if parts[0] or len(tokens) != lines:
         return None

@@ -10,7 +10,8 @@ here:
   call. A stream whose columns are all text builds the whole JSON array with
   one ``array_to_json(ARRAY[...])`` (the same escaping, ``null`` for NULL,
   no spaces: the Python encoder's bytes; with ``ts``, that array with ``,<ts>``
-  put before its closing bracket); other types get cheaper forms
+  put before its closing bracket, the bracket cut as a byte, since
+  ``left(text, -1)`` counts every character of the line twice); other types get cheaper forms
   (``bigint::text``, a ``CASE`` for booleans).
 - **Batch or token.** A line ends in ``batch`` when the next row has the
   same token. A ``lead()`` window copied every wide row into a tuple store;
@@ -98,8 +99,17 @@ def row_json_sql(schema: StreamSchema, with_ts: bool, alias: str = "t") -> str:
     if schema.columns and all(c.type == "text" for c in schema.columns):
         # One call for the whole array: the type is looked up once, not per value.
         array = f"array_to_json(ARRAY[{', '.join(columns)}]::text[])::text"
-        # With ts: the array without its closing bracket, then the ts.
-        return f"left({array}, -1) || ',' || {alias}.ts::text || ']'" if with_ts else array
+        if not with_ts:
+            return array
+        # With ts: the array without its closing bracket, then the ts. The bracket is cut as a byte
+        # (rtrim of bytea): left(text, -1) counts the characters of the whole line twice (about
+        # 0.45 us per row of the wake-up's 0.7 us for the ts). The array ends in exactly one ']'
+        # (its last value is a JSON string or null). In a UTF8 database convert_to and convert_from
+        # only check the bytes (fast); in another they convert there and back, losing nothing.
+        return (
+            f"convert_from(rtrim(convert_to({array}, 'UTF8'), '\\x5d'::bytea), 'UTF8') "
+            f"|| ',' || {alias}.ts::text || ']'"
+        )
     values = [value_json_sql(name, c.type) for name, c in zip(columns, schema.columns, strict=True)]
     if with_ts:
         values.append(f"{alias}.ts::text")

@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 import attr
+import orjson
 from twisted.internet import defer
 from twisted.internet.protocol import ReconnectingClientFactory
 from twisted.python.failure import Failure
@@ -400,7 +401,9 @@ class Worker(ReplicationHandler):
         if consumer is None:
             return True  # not a stream of ours: nothing to do per token either
         self._rows_on_connection = True
-        consumer.rows_run(instance, list(map(int, tokens)), rows, client.rows_have_ts)
+        # The tokens are digits (0 or at most 18, no leading zero: parse_rdata_block checked them),
+        # so they are a JSON array of integers: one orjson call, not one int() per row.
+        consumer.rows_run(instance, orjson.loads(b"[" + b",".join(tokens) + b"]"), rows, client.rows_have_ts)
         self._count_received(client, len(rows))
         return True
 

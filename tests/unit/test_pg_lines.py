@@ -35,6 +35,8 @@ MIXED = StreamSchema(
 # Every byte that JSON escapes, the CSV delimiter and quote bytes of the COPY, unicode, empty strings.
 AWKWARD = ["ctl \x01\x02\x1f\x7f", 'q " b \\ / \t \n \r', "é ünï ☃ 🎉 \u2028", "", "\\N", "RDATA x 1 [\n"]
 TEXT_ROWS = [[a, b, c, d] for a, b, c, d in zip(AWKWARD, [None, *AWKWARD[:-1]], AWKWARD[::-1], [None] * 6, strict=True)]
+# The last value ends in brackets or is non-ASCII (the line with ts cuts the array's closing bracket as a byte).
+TEXT_ROWS += [["a", None, None, "]]"], ["b", "x", "y", "☃]"], ["c", None, None, '"]']]
 MIXED_ROWS = [
     [1, True, "x", 0.5],
     [-(2**63), False, None, 2.0],

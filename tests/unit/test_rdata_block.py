@@ -127,3 +127,38 @@ def test_the_per_name_split_patterns_stay_bounded() -> None:
         parsed = parse_rdata_block(b"RDATA events w%d 1 [1]\nRDATA events w%d 2 [2]\n" % (i, i), 65536)
         assert parsed is not None and parsed[1] == f"w{i}" and parsed[2] == [b"1", b"2"]
         assert len(commands._LINE_TOKENS) <= commands._LINE_TOKENS_MAX
+
+
+class RunRecorder(Recorder):
+    """Takes runs of single-row tokens in one call, as the worker does."""
+
+    def on_rows_run(self, client: ClientProtocol, stream: str, instance: str, tokens: list, rows: list) -> bool:
+        self.events.append(("run", stream, instance, list(tokens), rows))
+        return True
+
+
+def _feed_runs(data: bytes) -> list[Any]:
+    handler = RunRecorder()
+    proto = ClientProtocol(handler, "w", ProtocolConfig(max_line_bytes=200), MemoryReactorClock())
+    proto.makeConnection(StringTransport())
+    proto.dataReceived(b"POSITION events m 0 0\n")
+    proto.dataReceived(data)
+    return handler.events
+
+
+def test_a_buffer_of_only_rdata_lines_is_one_run_and_other_lines_split_it() -> None:
+    lines = [b"RDATA events w1 %d [%d]" % (n, n) for n in range(1, 5)]
+    assert _feed_runs(b"\n".join(lines) + b"\n") == [
+        ("run", "events", "w1", [b"1", b"2", b"3", b"4"], [[1], [2], [3], [4]])
+    ]
+    # A line of another command inside: two runs around it, nothing lost or reordered.
+    mixed = [*lines[:2], b"PING 1700000000000", *lines[2:]]
+    assert _feed_runs(b"\n".join(mixed) + b"\n") == [
+        ("run", "events", "w1", [b"1", b"2"], [[1], [2]]),
+        ("run", "events", "w1", [b"3", b"4"], [[3], [4]]),
+    ]
+    # An RDATA look-alike inside a JSON string is not a line start: still one run.
+    tricky = [lines[0], b'RDATA events w1 2 ["x\\nRDATA events w1 9 [9]"]']
+    assert _feed_runs(b"\n".join(tricky) + b"\n") == [
+        ("run", "events", "w1", [b"1", b"2"], [[1], ["x\nRDATA events w1 9 [9]"]])
+    ]

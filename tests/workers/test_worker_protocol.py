@@ -146,6 +146,22 @@ def test_rows_are_applied_with_token_instance_and_ts(h) -> None:
     assert h.applied() == 2
 
 
+def test_a_block_of_only_rdata_lines_is_applied_with_its_exact_tokens(h) -> None:
+    """A buffer holding nothing but RDATA lines is one run (the client's fast path), its tokens
+    integers however long (up to 18 digits), in order."""
+    h.send("SERVER s", "POSITION events m 0 0")
+    big = 10**17
+    h.send(
+        *(f"RDATA events w1 {token} {ev(n)}" for n, token in enumerate([big + 1, big + 2, 999_999_999_999_999_999], 1))
+    )
+    assert h.rows() == [
+        (big + 1, "w1", TS + 1, "$e1"),
+        (big + 2, "w1", TS + 2, "$e2"),
+        (999_999_999_999_999_999, "w1", TS + 3, "$e3"),
+    ]
+    assert h.applied() == 999_999_999_999_999_999
+
+
 def test_rdata_before_its_position_is_dropped(h) -> None:
     h.send("SERVER s", f"RDATA events m 1 {ev(1)}")
     h.send("POSITION events m 0 0", f"RDATA events m 2 {ev(2)}")
