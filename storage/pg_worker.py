@@ -203,7 +203,7 @@ class PgAsyncApply:
         self._conn = conn
         self._dsn = dsn
         self._prepared: dict[StreamSchema, str] = {}
-        self._prepared_one: dict[StreamSchema, str] = {}  # replicate_one_sql
+        self._prepared_one: dict[StreamSchema, str] = {}  # the EXECUTE of replicate_one_sql
         self._cursor: Any = None
         self._refused: psycopg2.Error | None = None
 
@@ -239,27 +239,25 @@ class PgAsyncApply:
         """One row by :func:`replicate_one_sql` (prepared once per stream, in its first use's round trip).
 
         False, nothing sent, if psycopg2 will not quote a value (a lone
-        surrogate): the JSON statement then takes the row.
+        surrogate; it checks every value before it sends anything): the JSON
+        statement then takes the row.
         """
-        name = self._prepared_one.get(schema)
+        execute = self._prepared_one.get(schema)
         prepare = ""
-        if name is None:
+        if execute is None:
             name = f"tickline_apply_one_{len(self._prepared_one) + 1}"
             prepare = f"PREPARE {name} {replicate_one_sql(schema)};\n".replace("%", "%%")
-        placeholders = ", ".join(["%s"] * (2 + len(params)))
+            execute = f"EXECUTE {name} ({', '.join(['%s'] * (2 + len(params)))})"
         try:
-            query = self._conn.cursor().mogrify(f"{prepare}EXECUTE {name} ({placeholders})", [stream, token, *params])
+            self._cursor = self._conn.cursor()
+            self._cursor.execute(prepare + execute, [stream, token, *params])
         except (ValueError, UnicodeEncodeError):
+            self._cursor = None
             return False
         except psycopg2.Error as e:
             raise self._lost(e) from None
-        try:
-            self._cursor = self._conn.cursor()
-            self._cursor.execute(query)
-        except psycopg2.Error as e:
-            raise self._lost(e) from None
         if prepare:
-            self._prepared_one[schema] = name  # if the call fails, the connection goes with it
+            self._prepared_one[schema] = execute  # if the call fails, the connection goes with it
         return True
 
     def poll(self) -> str:

@@ -223,3 +223,14 @@ def test_one_row_prepares_once_and_a_stale_token_commits_nothing(mixed_db) -> No
     assert store.applied_tokens() == {"mixed": 2}
     count = store.database.read(lambda cur: cur.execute("SELECT count(*) FROM replicated_mixed").fetchone()[0])
     assert count == 2
+
+
+def test_a_value_psycopg2_will_not_quote_sends_nothing_and_the_connection_stays_usable(mixed_db) -> None:
+    """A lone surrogate (no RDATA line carries one: the client's JSON parser refuses it): not this path."""
+    store, call = mixed_db
+    params = one_row_params(MIXED, [(1, "w", [["a\ud800", 1, 1.0, True, None, 1]])])
+    assert params is not None
+    assert not call._start_one("mixed", 1, MIXED, params)
+    assert call.start("mixed", 1, MIXED, [(1, "w", [["a", 1, 1.0, True, None, 1]])])
+    drive(call)
+    assert store.applied_tokens() == {"mixed": 1}
