@@ -144,6 +144,9 @@ class Master:
         self._notifications: NotificationReader | None = None
         # Commits notified with their rows while a pass ran: sent after it (notified).
         self._held: list[CommittedRows] = []
+        # A pass waits for its wake-up's answer (safe positions, first rows) and has
+        # fanned nothing out yet: notified commits are sent at once, not held.
+        self._waking = False
         self._relistening = False
         # PostgreSQL: the wake-up in one round trip on the reactor (replication.pg_async);
         # None (SQLite, or not open yet) or broken: the database threads read instead.
@@ -411,13 +414,16 @@ class Master:
     def notified(self, plain: set[str], committed: list[CommittedRows]) -> None:
         """Database notifications arrived: rows they carried are sent at once where they can be, else a pass.
 
-        Not while a pass runs (it may be reading the same rows): the rows are
-        then held and sent when it ends (:meth:`_send_held`), a second pass
-        only if they cannot be. See :meth:`_send_committed` and docs/time.md
+        While a pass fans out (it may be reading the same rows) the rows are
+        held and sent when it ends (:meth:`_send_held`), a second pass only if
+        they cannot be. While it only waits for its wake-up's answer they are
+        sent at once (unless commits are held already: order), and the pass
+        then uses its answer's rows only if they still start at the live
+        token (:meth:`_advance`). See :meth:`_send_committed` and docs/time.md
         ("the commit's own claim").
         """
         if committed and self._poller is not None and self._poller.running:
-            if self._following:
+            if self._following and (not self._waking or self._held):
                 if len(self._held) + len(committed) > MAX_HELD_COMMITS:
                     self._held.clear()  # a pass reads them all
                     self.notify()
@@ -663,9 +669,16 @@ class Master:
         }
         # A time taken before the safe positions gives each stream a safe time (TICK).
         take_time = self.timeticks.wanted(not woken)
-        answer = None if expire else await self._wake_on_reactor(take_time, reads)
-        if answer is None:
-            answer = await self.db.run(self._wake, expire, take_time, reads)
+        # Until the answer comes, commits notified meanwhile go out at once (notified):
+        # the live token may move, and the answer's rows are then read again
+        # from the new live token (pre below), never sent twice.
+        self._waking = True
+        try:
+            answer = None if expire else await self._wake_on_reactor(take_time, reads)
+            if answer is None:
+                answer = await self.db.run(self._wake, expire, take_time, reads)
+        finally:
+            self._waking = False
         safe_times, heads, first = answer
         self._safe.update(heads)
         if any(stream not in self._schemas for stream in heads):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -85,6 +86,109 @@ def replicate_json_sql(schema: StreamSchema) -> str:
     )
 
 
+def replicate_one_sql(schema: StreamSchema) -> str:
+    """:func:`replicate_json_sql` for one row given as typed parameters (``PREPARE`` text, ``$n``).
+
+    Parameters: stream, token (the applied token's new value), the row's
+    token, instance and ``ts``, then one per column, each of its column's SQL
+    type, given as text (:func:`one_row_params`). No JSON to expand: the
+    server's work for the commonest apply, one row, is a parameter's input
+    function per value. The rows are inserted only if the token moved; the
+    statement returns whether it did.
+    """
+    sql_types = [COLUMN_TYPES[c.type][1] for c in schema.columns]
+    move = move_applied_token_sql("%s").split("%s")
+    values = ", ".join(f"${i}" for i in range(6, 6 + len(sql_types)))
+    names = ", ".join(("token", "instance_name", "ts", *schema.column_names))
+    return (
+        f"({', '.join(('text', 'bigint', 'bigint', 'text', 'bigint', *sql_types))}) AS "
+        f"WITH moved AS ({move[0]}$1{move[1]}$2{move[2]} RETURNING 1), "
+        f"ins AS (INSERT INTO {schema.replicated_table} ({names}) SELECT $3, $4, $5, {values} FROM moved) "
+        "SELECT count(*) FROM moved"
+    )
+
+
+def _text_value(v: Any) -> Any:
+    return v if v is None or (type(v) is str and "\x00" not in v) else _MISFIT
+
+
+def _bigint_value(v: Any) -> Any:
+    if v is None:
+        return None
+    return str(v) if type(v) is int and _INT64_MIN <= v <= _INT64_MAX else _MISFIT
+
+
+def _double_value(v: Any) -> Any:
+    if v is None:
+        return None
+    if type(v) is int:
+        return str(v)
+    return repr(v) if type(v) is float and math.isfinite(v) else _MISFIT
+
+
+def _boolean_value(v: Any) -> Any:
+    if v is None:
+        return None
+    return ("false", "true")[v] if type(v) is bool else _MISFIT
+
+
+def _json_value(v: Any) -> Any:
+    if v is None:
+        return None
+    try:
+        return orjson.dumps(v).decode()
+    except TypeError:  # orjson's JSONEncodeError (an integer beyond 64 bits, ...)
+        return _MISFIT
+
+
+_MISFIT = object()  # a value the one-row statement does not take: the JSON statement decides
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_ONE_ROW_VALUES: dict[str, Callable[[Any], Any]] = {
+    "text": _text_value,
+    "bigint": _bigint_value,
+    "double": _double_value,
+    "boolean": _boolean_value,
+    "json": _json_value,
+}
+
+
+def one_row_params(schema: StreamSchema, received: Sequence[ReceivedRows]) -> list[Any] | None:
+    """The parameters of :func:`replicate_one_sql` after stream and token; None unless one plain row.
+
+    Only values whose JSON type the JSON statement takes for the column
+    (a string for text, an integer for bigint, a finite number for double, a
+    boolean for boolean, anything for json; null anywhere), each given as
+    the text the JSON statement would cast (a double by its shortest repr,
+    as orjson writes it, so ``-0.0`` keeps its sign). Anything else (a row
+    of another width, a ``ts`` that is not a non-negative integer, a NUL in
+    a text, a float for a bigint) goes the JSON way, which refuses what it
+    refused before: this path changes no row's fate, only its cost.
+    """
+    if len(received) != 1:
+        return None
+    token, instance, rows = received[0]
+    if type(token) is list:
+        if len(token) != 1:
+            return None
+        token = token[0]
+    if len(rows) != 1:
+        return None
+    row = rows[0]
+    columns = schema.columns
+    if type(row) is not list or len(row) != len(columns) + 1:
+        return None
+    ts = row[-1]
+    if type(ts) is not int or not 0 <= ts <= _INT64_MAX or type(instance) is not str or "\x00" in instance:
+        return None
+    params: list[Any] = [token, instance, ts]
+    for column, value in zip(columns, row, strict=False):
+        text = _ONE_ROW_VALUES[column.type](value)
+        if text is _MISFIT:
+            return None
+        params.append(text)
+    return params
+
+
 class PgAsyncApply:
     """Implements :class:`storage.contracts.AsyncApply`: a small apply's one statement, non-blocking.
 
@@ -99,6 +203,7 @@ class PgAsyncApply:
         self._conn = conn
         self._dsn = dsn
         self._prepared: dict[StreamSchema, str] = {}
+        self._prepared_one: dict[StreamSchema, str] = {}  # the EXECUTE of replicate_one_sql
         self._cursor: Any = None
         self._refused: psycopg2.Error | None = None
 
@@ -108,6 +213,9 @@ class PgAsyncApply:
     def start(self, stream: str, token: int, schema: StreamSchema, received: Sequence[ReceivedRows]) -> bool:
         if sum(len(rows) for _, _, rows in received) >= COPY_ROWS:
             return False
+        one = one_row_params(schema, received)
+        if one is not None and self._start_one(stream, token, schema, one):
+            return True
         name = self._prepared.get(schema)
         prepare = ""
         if name is None:
@@ -125,6 +233,31 @@ class PgAsyncApply:
             raise self._lost(e) from None
         if prepare:
             self._prepared[schema] = name  # if the call fails, the connection goes with it
+        return True
+
+    def _start_one(self, stream: str, token: int, schema: StreamSchema, params: list[Any]) -> bool:
+        """One row by :func:`replicate_one_sql` (prepared once per stream, in its first use's round trip).
+
+        False, nothing sent, if psycopg2 will not quote a value (a lone
+        surrogate; it checks every value before it sends anything): the JSON
+        statement then takes the row.
+        """
+        execute = self._prepared_one.get(schema)
+        prepare = ""
+        if execute is None:
+            name = f"tickline_apply_one_{len(self._prepared_one) + 1}"
+            prepare = f"PREPARE {name} {replicate_one_sql(schema)};\n".replace("%", "%%")
+            execute = f"EXECUTE {name} ({', '.join(['%s'] * (2 + len(params)))})"
+        try:
+            self._cursor = self._conn.cursor()
+            self._cursor.execute(prepare + execute, [stream, token, *params])
+        except (ValueError, UnicodeEncodeError):
+            self._cursor = None
+            return False
+        except psycopg2.Error as e:
+            raise self._lost(e) from None
+        if prepare:
+            self._prepared_one[schema] = execute  # if the call fails, the connection goes with it
         return True
 
     def poll(self) -> str:

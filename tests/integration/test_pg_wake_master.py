@@ -58,10 +58,16 @@ def test_wake_connection_terminated_during_a_call(master, pg_url) -> None:
     m.wait_for_log("wake-ups run on the reactor again", timeout=10)
     assert m.append("events", [["$c", "!r", "t", None, None]]) == [3]
     assert rdata_tokens(client, 1) == [3]
-    activity = query_pg(pg_url, "SELECT application_name, query FROM pg_stat_activity")
-    assert any(app == "tickline-wake" and "tickline_wake_" in query for app, query in activity), [
-        a for a in activity if a[0] != "tickline"
-    ]
+    # The passes use the new connection (one follows every tick_interval at the latest;
+    # token 3 itself went out from its commit's notification, maybe before any pass).
+    wait_for(
+        lambda: any(
+            app == "tickline-wake" and "tickline_wake_" in query
+            for app, query in query_pg(pg_url, "SELECT application_name, query FROM pg_stat_activity")
+        ),
+        10,
+        "a wake-up call on the new connection",
+    )
 
 
 def test_wake_connection_killed_repeatedly_under_writes(master, pg_url) -> None:
