@@ -16,9 +16,10 @@ import pytest
 
 from replication.streams import EVENTS
 from storage.pg_worker import COPY_ROWS, PgAsyncApply, one_row_params
-from storage.schema import Column, StreamSchema
+from storage.schema import StreamSchema
 from storage.store import ApplyRefused, DatabaseUnavailable, StaleApply
 from storage.worker_store import open_worker_store
+from tests.unit.test_apply_replicated import MIXED
 
 
 def drive(call: PgAsyncApply, timeout: float = 10.0) -> None:
@@ -104,16 +105,7 @@ def test_a_terminated_connection_is_database_unavailable(worker_db, pg_url) -> N
 
 # -- one row: typed parameters instead of JSON (replicate_one_sql) -------------------------
 
-MIXED = StreamSchema(
-    "mixed",
-    (
-        Column("t", "text", True),
-        Column("n", "bigint", True),
-        Column("x", "double", True),
-        Column("ok", "boolean"),
-        Column("j", "json", True),
-    ),
-)
+# MIXED (every column type) is test_apply_replicated's: one definition of the apply tests' schema.
 # The same columns, applied by the JSON statement (apply_replicated's, on the threads).
 BY_JSON = StreamSchema("by_json", MIXED.columns)
 TAKEN = [
