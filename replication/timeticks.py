@@ -33,7 +33,7 @@ from storage.tso import physical_ms
 if TYPE_CHECKING:
     from replication.master import Master
     from replication.server import ServerProtocol
-    from replication.subscriptions import FanOutTarget
+    from replication.subscriptions import FanOutTarget, Subscription
 
 logger = logging.getLogger(__name__)
 
@@ -146,17 +146,8 @@ class TimeTicker:
             if tick_ts is None:
                 continue
             for target, sub in subs:
-                if not target.ticks or sub.sent_token < safe:
-                    continue
-                # When the safe time or the token moved: after rows of any
-                # stream (they move the oracle), and about every tick_interval
-                # while all is idle (allocate); not on every pass.
-                last_ts, last_token = self._sent.get((target, stream), (-1, -1))
-                if tick_ts <= last_ts and sub.sent_token == last_token:
-                    continue
-                self._sent[(target, stream)] = (max(tick_ts, last_ts), sub.sent_token)
-                line = TickCommand(stream, sub.sent_token, tick_ts).encode()
-                target.send_live(sub, line, sub.sent_token, sub.sent_token, "TICK")
+                if target.ticks and sub.sent_token >= safe:
+                    self._tick(target, sub, stream, tick_ts)
 
     def passed_rows(self, stream: str, safe_ts: int, token: int) -> None:
         """Rows of one stream up to ``token`` were fanned out without a pass (the commit's own claim).
@@ -165,19 +156,25 @@ class TimeTicker:
         its look at every stream and connection (the next pass forgets what
         was sent to connections that went away).
         """
-        master = self.master
         tick_ts = self.safe_ts[stream] = max(safe_ts, self.safe_ts.get(stream, 0))
-        sent = self._sent
-        for target, sub in master.live_subscriptions(stream):
-            at = sub.sent_token
-            if not target.ticks or at < token:
-                continue
-            key = (target, stream)
-            last_ts, last_token = sent.get(key, (-1, -1))
-            if tick_ts <= last_ts and at == last_token:
-                continue
-            sent[key] = (max(tick_ts, last_ts), at)
-            target.send_live(sub, TickCommand(stream, at, tick_ts).encode(), at, at, "TICK")
+        for target, sub in self.master.live_subscriptions(stream):
+            if target.ticks and sub.sent_token >= token:
+                self._tick(target, sub, stream, tick_ts)
+
+    def _tick(self, target: FanOutTarget, sub: Subscription, stream: str, tick_ts: int) -> None:
+        """``TICK`` to one subscription at the token it was sent, unless it has this one already.
+
+        Sent when the safe time or the token moved: after rows of any stream
+        (they move the oracle), and about every tick_interval while all is
+        idle (allocate); not on every pass.
+        """
+        at = sub.sent_token
+        key = (target, stream)
+        last_ts, last_token = self._sent.get(key, (-1, -1))
+        if tick_ts <= last_ts and at == last_token:
+            return
+        self._sent[key] = (max(tick_ts, last_ts), at)
+        target.send_live(sub, TickCommand(stream, at, tick_ts).encode(), at, at, "TICK")
 
     def safe_time_ms(self, stream: str) -> int | None:
         """The stream's latest safe time as Unix milliseconds (None: none yet)."""

@@ -75,15 +75,29 @@ def replicate_json_sql(schema: StreamSchema) -> str:
                 f"ELSE {MISFIT_FUNCTION}('column {column.name}')::text::{sql_type} END"
             )
         values.append(expr)
-    names = ", ".join(("token", "instance_name", "ts", *schema.column_names))
-    return (
-        f"WITH moved AS ({move_applied_token_sql('%s')} RETURNING 1), "
-        f"ins AS (INSERT INTO {schema.replicated_table} ({names}) "
+    return _moved_then_inserted(
+        schema,
+        move_applied_token_sql("%s"),
         f"SELECT (i->>0)::bigint, i->>1, (r->>{width})::bigint, {', '.join(values)} "
         "FROM moved, json_array_elements(%s::json) AS i, json_array_elements(i->2) AS r "
-        f"WHERE json_array_length(r) = {width + 1} OR {MISFIT_FUNCTION}('row width')) "
+        f"WHERE json_array_length(r) = {width + 1} OR {MISFIT_FUNCTION}('row width')",
+    )
+
+
+def _moved_then_inserted(schema: StreamSchema, move: str, rows: str) -> str:
+    """One statement: the applied token moved by ``move``, then, only if it moved, ``rows`` (a
+    ``SELECT ... FROM moved``) inserted into the replicated table; it returns whether the token moved."""
+    names = ", ".join(("token", "instance_name", "ts", *schema.column_names))
+    return (
+        f"WITH moved AS ({move} RETURNING 1), ins AS (INSERT INTO {schema.replicated_table} ({names}) {rows}) "
         "SELECT count(*) FROM moved"
     )
+
+
+def _numbered(sql: str) -> str:
+    """``sql`` with its ``%s`` placeholders as ``$1``, ``$2``, ... (for ``PREPARE``)."""
+    parts = sql.split("%s")
+    return "".join(f"{part}${i}" for i, part in enumerate(parts[:-1], 1)) + parts[-1]
 
 
 def replicate_one_sql(schema: StreamSchema) -> str:
@@ -97,15 +111,11 @@ def replicate_one_sql(schema: StreamSchema) -> str:
     statement returns whether it did.
     """
     sql_types = [COLUMN_TYPES[c.type][1] for c in schema.columns]
-    move = move_applied_token_sql("%s").split("%s")
     values = ", ".join(f"${i}" for i in range(6, 6 + len(sql_types)))
-    names = ", ".join(("token", "instance_name", "ts", *schema.column_names))
-    return (
-        f"({', '.join(('text', 'bigint', 'bigint', 'text', 'bigint', *sql_types))}) AS "
-        f"WITH moved AS ({move[0]}$1{move[1]}$2{move[2]} RETURNING 1), "
-        f"ins AS (INSERT INTO {schema.replicated_table} ({names}) SELECT $3, $4, $5, {values} FROM moved) "
-        "SELECT count(*) FROM moved"
+    statement = _moved_then_inserted(
+        schema, _numbered(move_applied_token_sql("%s")), f"SELECT $3, $4, $5, {values} FROM moved"
     )
+    return f"({', '.join(('text', 'bigint', 'bigint', 'text', 'bigint', *sql_types))}) AS {statement}"
 
 
 def _text_value(v: Any) -> Any:
@@ -202,8 +212,8 @@ class PgAsyncApply:
     def __init__(self, conn: Any, dsn: str) -> None:
         self._conn = conn
         self._dsn = dsn
-        self._prepared: dict[StreamSchema, str] = {}
-        self._prepared_one: dict[StreamSchema, str] = {}  # the EXECUTE of replicate_one_sql
+        # (statement kind, stream) -> its EXECUTE text (prepared on this connection)
+        self._prepared: dict[tuple[str, StreamSchema], str] = {}
         self._cursor: Any = None
         self._refused: psycopg2.Error | None = None
 
@@ -216,49 +226,51 @@ class PgAsyncApply:
         one = one_row_params(schema, received)
         if one is not None and self._start_one(stream, token, schema, one):
             return True
-        name = self._prepared.get(schema)
-        prepare = ""
-        if name is None:
-            name = f"tickline_apply_{len(self._prepared) + 1}"
-            parts = replicate_json_sql(schema).split("%s")
-            numbered = "".join(f"{part}${i}" for i, part in enumerate(parts[:-1], 1)) + parts[-1]
-            prepare = f"PREPARE {name} AS {numbered};\n".replace("%", "%%")
         try:
-            self._cursor = self._conn.cursor()
-            self._cursor.execute(
-                f"{prepare}EXECUTE {name} (%s, %s, %s)",
-                (stream, token, orjson.dumps(expand_received(received)).decode()),
+            self._execute_prepared(
+                "json",
+                schema,
+                lambda: f"AS {_numbered(replicate_json_sql(schema))}",
+                [stream, token, orjson.dumps(expand_received(received)).decode()],
             )
         except psycopg2.Error as e:
             raise self._lost(e) from None
-        if prepare:
-            self._prepared[schema] = name  # if the call fails, the connection goes with it
         return True
 
     def _start_one(self, stream: str, token: int, schema: StreamSchema, params: list[Any]) -> bool:
-        """One row by :func:`replicate_one_sql` (prepared once per stream, in its first use's round trip).
+        """One row by :func:`replicate_one_sql`.
 
         False, nothing sent, if psycopg2 will not quote a value (a lone
         surrogate; it checks every value before it sends anything): the JSON
         statement then takes the row.
         """
-        execute = self._prepared_one.get(schema)
-        prepare = ""
-        if execute is None:
-            name = f"tickline_apply_one_{len(self._prepared_one) + 1}"
-            prepare = f"PREPARE {name} {replicate_one_sql(schema)};\n".replace("%", "%%")
-            execute = f"EXECUTE {name} ({', '.join(['%s'] * (2 + len(params)))})"
         try:
-            self._cursor = self._conn.cursor()
-            self._cursor.execute(prepare + execute, [stream, token, *params])
+            self._execute_prepared("one", schema, lambda: replicate_one_sql(schema), [stream, token, *params])
         except (ValueError, UnicodeEncodeError):
             self._cursor = None
             return False
         except psycopg2.Error as e:
             raise self._lost(e) from None
-        if prepare:
-            self._prepared_one[schema] = execute  # if the call fails, the connection goes with it
         return True
+
+    def _execute_prepared(
+        self, kind: str, schema: StreamSchema, statement: Callable[[], str], params: list[Any]
+    ) -> None:
+        """Send ``EXECUTE`` of the ``kind`` statement for ``schema``, ``PREPARE``d in the same round trip the first time.
+
+        ``statement()``: what follows ``PREPARE <name>`` (parameter types and
+        ``AS ...``), made only then.
+        """
+        execute = self._prepared.get((kind, schema))
+        prepare = ""
+        if execute is None:
+            name = f"tickline_apply_{len(self._prepared) + 1}"
+            prepare = f"PREPARE {name} {statement()};\n".replace("%", "%%")
+            execute = f"EXECUTE {name} ({', '.join(['%s'] * len(params))})"
+        self._cursor = self._conn.cursor()
+        self._cursor.execute(prepare + execute, params)
+        if prepare:
+            self._prepared[(kind, schema)] = execute  # if the call fails, the connection goes with it
 
     def poll(self) -> str:
         try:
