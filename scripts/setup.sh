@@ -45,3 +45,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! .venv/bin/python -
     .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[postgres,spark,bench,test]'
     echo "$want" > "$stamp"
 fi
+# Byte-compile tickline's own modules: where PYTHONDONTWRITEBYTECODE is set, every
+# `tickline` process would otherwise compile them from source (about 90 ms of each start).
+# Only stale files are compiled again; a file changed later is compiled in memory until then.
+.venv/bin/python -m compileall -q replication storage workers scripts >/dev/null
