@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
-from OpenSSL import crypto
-from twisted.internet import ssl
-from twisted.protocols.tls import TLSMemoryBIOFactory
+if TYPE_CHECKING:  # pyOpenSSL is imported only when TLS is used: it is a tenth of a second of every start
+    from twisted.internet import ssl
+    from twisted.protocols.tls import TLSMemoryBIOFactory
 
 from replication.settings import TLSConfig
 
@@ -40,6 +40,8 @@ def _read(path: str, what: str) -> bytes:
 
 
 def _certificates(path: str, what: str) -> list[ssl.Certificate]:
+    from twisted.internet import ssl
+
     data = _read(path, what)
     blocks = _PEM_CERT.findall(data)
     if not blocks:
@@ -52,6 +54,9 @@ def _certificates(path: str, what: str) -> list[ssl.Certificate]:
 
 def _private_certificate(cert_path: str, key_path: str, what: str) -> tuple[ssl.PrivateCertificate, list[Any]]:
     """The leaf certificate with its key, and the rest of the chain in the file."""
+    from OpenSSL import crypto
+    from twisted.internet import ssl
+
     chain = _certificates(cert_path, f"{what}: certificate")
     key_pem = _read(key_path, f"{what}: key")
     try:
@@ -67,6 +72,8 @@ def _private_certificate(cert_path: str, key_path: str, what: str) -> tuple[ssl.
 
 def server_options(tls: TLSConfig) -> ssl.CertificateOptions:
     """The master's TLS settings: its certificate, and client certificates when asked for."""
+    from twisted.internet import ssl
+
     if tls.cert is None or tls.key is None:
         raise TLSFileError("tls.cert and tls.key are both needed for the master to listen with TLS")
     leaf, extra = _private_certificate(tls.cert, tls.key, "tls.cert/tls.key")
@@ -88,11 +95,15 @@ def server_options(tls: TLSConfig) -> ssl.CertificateOptions:
 
 def server_factory(tls: TLSConfig, factory: Any) -> TLSMemoryBIOFactory:
     """``factory`` behind TLS: the master listens on it with ``listenTCP``."""
+    from twisted.protocols.tls import TLSMemoryBIOFactory
+
     return TLSMemoryBIOFactory(cast(Any, server_options(tls)), False, factory)
 
 
 def client_options(tls: TLSConfig, host: str) -> Any:
     """A client's TLS settings for connecting to ``host``."""
+    from twisted.internet import ssl
+
     hostname = tls.server_hostname or host
     trust: Any = None
     if tls.ca is not None:

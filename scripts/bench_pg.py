@@ -142,6 +142,7 @@ class Baseline:
                 f"'host=127.0.0.1 port={port} dbname={self.name} user=postgres' PUBLICATION p"
             )
         self.dst = dst
+        self.created = time.monotonic()  # about when the launcher started the subscription's worker
         _wait(self._ready, "the subscription's initial copy", 60, 0.02)
 
     def _ready(self) -> bool:
@@ -332,6 +333,14 @@ def catch_up_once(clusters: Clusters, workdir: str, rows: int, which: str) -> fl
     try:
         b.enable(False)
         last = _baseline_write(b.src_url, rows, "copy")
+        # PostgreSQL 15's launcher starts apply workers at most once per
+        # wal_retrieve_retry_interval (5 s): enabled right away, the new
+        # subscription's worker would wait out the rest of that since its
+        # first start, which a subscription disabled for a while does not.
+        interval = float(
+            _scalar(b.dst, "SELECT setting::float / 1000 FROM pg_settings WHERE name = 'wal_retrieve_retry_interval'")
+        )
+        time.sleep(max(0.0, b.created + interval + 0.2 - time.monotonic()))
         started = time.perf_counter()
         b.enable(True)
         _wait(lambda: b.applied() >= last, f"logical replication to catch up {rows:,} rows")
