@@ -291,7 +291,9 @@ class WindowFiller:
     On start the master warms each stream's window from its newest rows
     (:meth:`fill` down to token 0, as far as the free bytes go); a replay that
     starts below the window asks for the rows between its start and the
-    window, and is served from memory once they are in. One fill runs per
+    window, and is served from memory once they are in (only when they are at
+    most ``chunk_tokens``: one read or two; a replay from further below reads
+    storage as it sends). One fill runs per
     stream at a time; replays that ask while it runs wait for it (one read
     for all of them). Each read is ``(lo, hi]`` of at most ``chunk_tokens``
     tokens, sized from the bytes per token already seen so that it fits; a
@@ -349,6 +351,11 @@ class WindowFiller:
         if self._gave_up.get(stream, -1) == top:
             return None  # the last fill from here found no room (or a batch): storage
         if whole and not self._fits(stream, top - floor):
+            return None
+        if whole and top - floor > self.chunk_tokens:
+            # A replay far below the window streams from storage instead (reads
+            # shared by replays at the same place): a fill goes newest rows
+            # first, so such a replay would get nothing until all of it is read.
             return None
         waiters: list[defer.Deferred[None]] = []
         self._jobs[stream] = (floor, with_ts, waiters)
