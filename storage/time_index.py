@@ -83,9 +83,17 @@ class TokenAt:
         return None if self.token is None else self.token - 1
 
 
+MAX_STORED_TS = (1 << 63) - 1  # a row's ts is a signed 64-bit column in both databases
+
+
 def ts_at_ms(unix_ms: int) -> int:
-    """The lowest timestamp whose physical time is ``unix_ms``."""
-    return tso.compose(max(unix_ms, 0))
+    """The lowest timestamp whose physical time is ``unix_ms``.
+
+    Capped at the largest ``ts`` a row can hold: an instant past it (from
+    about the year 3084 on) is after every row, and a database would refuse
+    the larger integer.
+    """
+    return min(tso.compose(max(unix_ms, 0)), MAX_STORED_TS)
 
 
 def pg_search_sql(table: str) -> str:

@@ -91,6 +91,19 @@ def test_replicate_at_a_time_before_all_rows_and_after_all_rows(master) -> None:
     assert other.expect("POSITION").split()[3:] == ["1", "1"]
 
 
+@pytest.mark.parametrize("since_ms", [1 << 45, (1 << 63) - 1])
+def test_replicate_at_an_instant_past_what_a_row_can_hold_answers_the_live_token(master, db_url, since_ms) -> None:
+    """From 2**45 ms on (year 3084) ``ms << 18`` no longer fits a 64-bit column: still after every row."""
+    m = master(database=db_url)
+    m.append("events", [row(n) for n in range(2)])
+    client = m.connect()
+    client.handshake()
+    client.send(f"REPLICATE events @{since_ms}")
+    assert client.expect("POSITION").split()[1:] == ["events", "master", "2", "2"]
+    (new,) = m.append("events", [row(9)])
+    assert rdata(collect(client, lambda line: line.startswith("RDATA")))[0][0] == new
+
+
 @pytest.mark.parametrize(
     "line, error",
     [
