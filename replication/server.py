@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import hmac
 import logging
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from collections import deque
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from twisted.internet import defer
 from twisted.internet.interfaces import IPushProducer
@@ -118,6 +119,9 @@ class ServerProtocol(LineCommandProtocol):
         self.subscriptions = Subscriptions(master, self, config.catchup_rows, config.max_lag_bytes)
         self._pause_timer: DelayedCall | None = None
         self._pending_replicates = 0  # REPLICATEs waiting for the master to follow the store
+        self._replicate_waits = False  # a REPLICATE's answer waits for the database
+        self._replicates_behind: deque[ReplicateCommand] = deque()  # REPLICATEs that arrived meanwhile, in order
+        self._answering = False
         self._half_close_synced = False
         # Limits (replication.limits): timeouts, the connection's slot, replies queued while paused.
         self.limits = master.limits
@@ -304,23 +308,64 @@ class ServerProtocol(LineCommandProtocol):
     def on_REPLICATE(self, command: ReplicateCommand) -> None:
         if not self._allowed("REPLICATE"):
             return
-        if command.since_ms is not None:
-            replicate_at(self, command)  # start at a time (replication.timeticks)
+        if self._replicate_waits:
+            # An earlier REPLICATE still waits (for the master to follow the
+            # store, or for a look by time): this one is answered after it, so
+            # answers keep the order of requests.
+            if len(self._replicates_behind) >= MAX_WAITING_REPLICATES:
+                self.send_error(f"more than {MAX_WAITING_REPLICATES} REPLICATE commands waiting; this one is ignored")
+                return
+            self._replicates_behind.append(command)
+            self._pending_replicates += 1
             return
+        self._answer_replicates(command)
+
+    def _answer_replicates(self, command: ReplicateCommand | None) -> None:
+        """Answer ``command``, then those queued behind it, until one has to wait."""
+        self._answering = True  # an answer that fires at once must not recurse into the queue
+        try:
+            while command is not None:
+                started = self._start_replicate(command)
+                if started is not None:
+                    self._replicate_waits = True
+                    started.addBoth(self._replicate_answered)
+                    if self._replicate_waits:
+                        return  # its answer goes on with the queue
+                command = self._next_replicate()
+        finally:
+            self._answering = False
+
+    def _replicate_answered(self, _: object) -> None:
+        self._replicate_waits = False
+        if self._answering:
+            return
+        self._answer_replicates(self._next_replicate())
+        if self.read_closed and not self.closing:
+            self.finish_after_half_close()
+
+    def _next_replicate(self) -> ReplicateCommand | None:
+        if self.closing or not self._replicates_behind:
+            return None
+        self._pending_replicates -= 1
+        return self._replicates_behind.popleft()
+
+    def _start_replicate(self, command: ReplicateCommand) -> defer.Deferred[Any] | None:
+        """Answer ``command``; a Deferred when the answer waits (fires once it is sent), else None."""
+        if command.since_ms is not None:
+            return replicate_at(self, command)  # start at a time (replication.timeticks)
         master = self.master
         stream, token = command.stream, command.token
-        if self._pending_replicates or (
+        if (
             stream is not None
             and token is not None
             and (not master.has_stream(stream) or token > master.live_token(stream))
         ):
             # The stream or the rows may be committed but not yet followed by
-            # the master: look at the store once more before refusing. Later
-            # REPLICATEs wait their turn, so answers keep the order of requests.
+            # the master: look at the store once more before refusing.
             self._pending_replicates += 1
-            master.followed().addBoth(self._replicate_after_follow, command)
-            return
+            return master.followed().addBoth(self._replicate_after_follow, command)
         self._replicate(command)
+        return None
 
     def _replicate_after_follow(self, _: object, command: ReplicateCommand) -> None:
         self._pending_replicates -= 1
@@ -429,6 +474,9 @@ class ServerProtocol(LineCommandProtocol):
 
 # A TLS record of type handshake (22), version 3.x: how every TLS connection starts.
 _TLS_HANDSHAKE = b"\x16\x03"
+# REPLICATEs a connection may have waiting behind one that waits for the
+# database (each is a few hundred bytes of closure): more are refused.
+MAX_WAITING_REPLICATES = 1000
 
 
 def _is_tls_error(reason: Failure) -> bool:

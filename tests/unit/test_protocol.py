@@ -479,6 +479,24 @@ def test_replicate_answers_keep_the_order_of_requests(env: Env) -> None:
     assert tokens(conn.commands()) == [4]
 
 
+def test_a_replicate_by_time_is_answered_before_the_replicates_after_it(env: Env) -> None:
+    """The look by time waits for the database; a token REPLICATE after it must not overtake it."""
+    conn = env.connected()
+    env.write("events", [event(1), event(2)])
+    env.follow()
+    env.db.hold = "first_token_at"  # the look by time waits; the master's passes do not
+    conn.send("REPLICATE events @0", "REPLICATE caches 0", "REPLICATE nosuch 0")
+    assert conn.commands() == []  # all three wait behind the look by time
+    env.db.release()
+    lines = conn.commands()
+    assert [line for line in lines if not line.startswith("RDATA")][:3] == [
+        "POSITION events master 0 0",
+        "POSITION caches master 0 0",
+        "ERROR unknown stream 'nosuch' (streams: caches, events)",
+    ]
+    assert tokens(lines) == [1, 2]
+
+
 def test_stream_created_by_another_writer_is_found_on_replicate(env: Env) -> None:
     from storage.schema import Column, StreamSchema
 
@@ -927,3 +945,18 @@ def test_a_stall_of_our_own_is_not_the_peers_silence(env: Env) -> None:
     assert [line for line in conn.lines() if line.startswith("ERROR")] == [
         "ERROR ping timeout: nothing received for 15 s"
     ]
+
+
+def test_replicates_waiting_behind_a_look_by_time_are_bounded(env: Env) -> None:
+    from replication.server import MAX_WAITING_REPLICATES
+
+    conn = env.connected()
+    env.db.hold = "first_token_at"
+    conn.send("REPLICATE events @0", *["REPLICATE caches 0"] * (MAX_WAITING_REPLICATES + 1))
+    assert conn.commands() == [
+        f"ERROR more than {MAX_WAITING_REPLICATES} REPLICATE commands waiting; this one is ignored"
+    ]
+    env.db.release()
+    lines = conn.commands()
+    assert lines[0] == "POSITION events master 0 0"
+    assert lines.count("POSITION caches master 0 0") == MAX_WAITING_REPLICATES
