@@ -297,8 +297,9 @@ class WindowFiller:
     stream at a time; replays that ask while it runs wait for it (one read
     for all of them). Each read is ``(lo, hi]`` of at most ``chunk_tokens``
     tokens, sized from the bytes per token already seen so that it fits; a
-    fill stops when the window has no room, when a read is not offered as
-    whole lines (a batch in the range: those replays read storage), or when
+    fill stops when the window has no room, at a batch (a read whose range
+    holds one is not offered as whole lines: the fill reads the tokens above
+    it in halves, down to the batch, and replays below read storage), or when
     the window changed under it (the stream was dropped).
     """
 
@@ -377,6 +378,7 @@ class WindowFiller:
     async def _run(self, stream: str, floor: int, top: int, with_ts: bool, whole: bool) -> None:
         window = self.window
         budget = min(window.free_bytes(), self.max_fill_bytes)
+        narrowed: int | None = None  # after a read that held a batch: at most this many tokens per read
         while top > floor:
             if whole and not self._fits(stream, top - floor, budget):
                 self._gave_up[stream] = top
@@ -387,22 +389,31 @@ class WindowFiller:
             else:
                 fits = int(budget / (per_token * 1.1))
                 tokens = min(self.chunk_tokens, top - floor, fits, max(1, int(self.read_bytes / per_token)))
+            if narrowed is not None:
+                tokens = min(tokens, narrowed)
             if tokens < 1:
+                if narrowed is not None:
+                    self._gave_up[stream] = top  # the batch is the next token down
                 return
             lo = top - tokens
             self.reads += 1
             result = await self._read_range(stream, lo, top, with_ts)
             if result is None:
-                self._gave_up[stream] = top
-                return
+                # A batch in (lo, top]: its lines are not offered whole (SQLite).
+                # Read the tokens above it in halves (about two reads per
+                # halving), so the window still reaches down to the batch.
+                narrowed = tokens // 2
+                continue
             data, last, count = result
             if last != top and count >= tokens:
                 # The read may have been cut short of ``top`` by its limit
                 # (PostgreSQL counts rows, and a batch holds several rows per
-                # token): prepending would leave a hole in the window, so the
-                # fill stops here. Fewer rows than the limit: none are left out.
-                self._gave_up[stream] = top
-                return
+                # token): prepending would leave a hole in the window. Read
+                # in halves, as above, down to the batch's token alone (read
+                # whole), then wider again. Fewer rows than the limit: none
+                # are left out (the store ends a read only after its limit).
+                narrowed = tokens // 2
+                continue
             if data:
                 self._learned[stream] = len(data) / tokens
             if len(data) + CHUNK_OVERHEAD > budget:
@@ -412,6 +423,8 @@ class WindowFiller:
                 return
             budget -= len(data) + CHUNK_OVERHEAD
             top = lo
+            if narrowed is not None:
+                narrowed *= 2  # past the batch: back to full reads in a few steps
 
     def _done(
         self, result: object, stream: str, waiters: list[defer.Deferred[None]], reason: str, reads_before: int

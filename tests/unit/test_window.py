@@ -333,17 +333,21 @@ def test_a_fill_read_cut_short_of_its_range_leaves_no_hole_in_the_window() -> No
 
     def read_range(stream: str, after: int, upto: int, with_ts: bool) -> defer.Deferred[Any]:
         asked.append((after, upto))
-        # Every token holds two rows; the store stops at ``upto - after`` rows, half the range.
-        last = after + (upto - after) // 2
+        # Every token holds two rows; the store ends the range at the token of
+        # the ``upto - after``-th row, all of whose rows it includes.
+        last = after + (upto - after + 1) // 2
         return defer.succeed((rows_bytes(after + 1, last, batch_of=2), last, 2 * (last - after)))
 
     filler = WindowFiller(w, read_range, live_token=lambda stream: 30)
     filler.first_tokens = 10
     done = filler.fill("s", 10, False)
     assert done is not None and done.called
-    assert asked == [(10, 20)]
-    assert w.start("s") == 20  # nothing prepended: rows 16..20 were not read
-    assert w.read("s", 20, 30, 100, False) == (rows_bytes(21, 30), 30, 10)
+    # A cut-short read is tried again on the upper half of its range, down to
+    # what the store answers whole; nothing it cut short is prepended.
+    assert asked[:4] == [(10, 20), (15, 20), (18, 20), (19, 20)]
+    assert len(asked) <= 3 * 10  # every token a batch: the worst case, a few reads per token
+    assert w.start("s") == 10
+    assert w.read("s", 10, 30, 100, False) == (rows_bytes(11, 20, batch_of=2) + rows_bytes(21, 30), 30, 30)
 
 
 def test_a_fill_read_with_fewer_rows_than_its_limit_covers_its_range() -> None:
@@ -360,3 +364,27 @@ def test_a_fill_read_with_fewer_rows_than_its_limit_covers_its_range() -> None:
     assert done is not None and done.called
     assert w.start("s") == 10
     assert w.read("s", 10, 30, 100, False) == (rows_bytes(11, 17) + rows_bytes(21, 30), 30, 17)
+
+
+def test_a_fill_reaches_down_to_a_batch_and_stops_there() -> None:
+    """A read whose range holds a batch is not offered as whole lines (None): the fill reads the
+    tokens above the batch in halves, so the window still holds everything above it."""
+    w = RecentWindow(1 << 20)
+    w.append("s", 900, 1000, 100, {False: rows_bytes(901, 1000)})
+    batch = 120
+    asked: list[tuple[int, int]] = []
+
+    def read_range(stream: str, after: int, upto: int, with_ts: bool) -> defer.Deferred[Any]:
+        asked.append((after, upto))
+        if after < batch <= upto:
+            return defer.succeed(None)
+        return defer.succeed((rows_bytes(after + 1, upto), upto, upto - after))
+
+    filler = WindowFiller(w, read_range, live_token=lambda stream: 1000)
+    filler.first_tokens = 100
+    done = filler.fill("s", 0, False, whole=False)
+    assert done is not None and done.called
+    assert w.start("s") == batch
+    assert w.read("s", batch, 1000, 2000, False) == (rows_bytes(batch + 1, 1000), 1000, 1000 - batch)
+    assert len(asked) < 40
+    assert filler.fill("s", 0, False, whole=False) is None  # not again from the batch
