@@ -4,9 +4,10 @@ A :class:`Subscription` is one stream on one connection. It is in one of two
 states:
 
 - *catching up*: its own cursor reads rows from storage, one chunk at a time
-  (``catchup_rows``), paced by the client: nothing is read while the
-  connection is paused, and the next chunk is read only once the previous one
-  was written. When the cursor reaches the master's live token the
+  (``catchup_rows``), paced by the client: when the write of a chunk pauses
+  the connection, the next chunk is read while the client drains it (one
+  read ahead, held until the connection resumes), and nothing more is read
+  until then. When the cursor reaches the master's live token the
   subscription goes *live*.
 - *live*: it is in the master's fan-out and receives the same encoded bytes
   as every live connection. When it cannot take them (its connection is
@@ -56,6 +57,7 @@ class Subscription:
     """One stream on one connection (its state is changed only by :class:`Subscriptions`)."""
 
     __slots__ = (
+        "ahead",
         "announce_live",
         "filled_at",
         "generation",
@@ -89,6 +91,8 @@ class Subscription:
         # REPLICATE <stream> @<unix_ms>: the replay drops rows older than this.
         self.since_ts = since_ts
         self.filled_at = -1  # the position at which it last waited for the window to be filled
+        # The next storage read, asked while the connection drains the last one: (start, head, read).
+        self.ahead: tuple[int, int, defer.Deferred[Read]] | None = None
 
     @property
     def state(self) -> str:
@@ -234,6 +238,7 @@ class Subscriptions:
         old = self._subs.get(stream)
         generation = 0
         if old is not None:
+            _drop_ahead(old)
             old.generation += 1
             self._source.leave_live(self, old)
             generation = old.generation + 1
@@ -253,6 +258,7 @@ class Subscriptions:
     def close(self) -> None:
         """The connection is gone: every read in flight is void, the fan-out forgets us."""
         for sub in self._subs.values():
+            _drop_ahead(sub)
             sub.generation += 1
             self._source.leave_live(self, sub)
         self._subs.clear()
@@ -297,6 +303,7 @@ class Subscriptions:
         while not (sub.reading or self.paused or outlet.closing):
             head = source.live_token(sub.stream)
             if sub.sent_token >= head:
+                _drop_ahead(sub)
                 sub.lagging = False
                 sub.lag_bytes = 0
                 if sub.live:
@@ -326,16 +333,40 @@ class Subscriptions:
                         return
             sub.reading = True
             generation = sub.generation
-            if sub.since_ts is not None:
-                d = source.read_encoded_since(
-                    sub.stream, sub.sent_token, head, self._catchup_rows, self._with_ts, sub.since_ts
-                )
+            ahead, sub.ahead = sub.ahead, None
+            if ahead is not None and ahead[0] == sub.sent_token:
+                _start, head, d = ahead  # read while the connection drained the last chunk
             else:
-                d = source.read_encoded(sub.stream, sub.sent_token, head, self._catchup_rows, self._with_ts)
+                if ahead is not None:
+                    _let_go(ahead[2])
+                d = self._storage_read(sub, head)
             d.addCallbacks(
                 self._read, self._read_failed, callbackArgs=(sub, generation, head), errbackArgs=(sub, generation)
             )
             return
+
+    def _storage_read(self, sub: Subscription, head: int) -> defer.Deferred[Read]:
+        """The next chunk of a catching-up subscription from storage: ``(sent_token, head]``."""
+        source = self._source
+        if sub.since_ts is not None:
+            return source.read_encoded_since(
+                sub.stream, sub.sent_token, head, self._catchup_rows, self._with_ts, sub.since_ts
+            )
+        return source.read_encoded(sub.stream, sub.sent_token, head, self._catchup_rows, self._with_ts)
+
+    def _read_ahead(self, sub: Subscription) -> None:
+        """After a storage read's chunk paused the connection: read the next one while the client drains it.
+
+        One read ahead at most (its chunk is held until the connection
+        resumes: a paused connection costs at most the write that paused it
+        and this chunk); used by :meth:`_pump` only if the subscription still
+        reads storage from where it starts, else let go.
+        """
+        if sub.ahead is not None or not self.paused or self._outlet.closing or sub.live:
+            return
+        head = self._source.live_token(sub.stream)
+        if sub.sent_token < head:
+            sub.ahead = (sub.sent_token, head, self._storage_read(sub, head))
 
     def _deliver(self, sub: Subscription, result: Read, head: int) -> None:
         data, last_token, count = result
@@ -366,6 +397,7 @@ class Subscriptions:
         if self._outlet.closing:
             return
         self._deliver(sub, result, head)
+        self._read_ahead(sub)
         self._pump(sub)
 
     def _read_failed(self, failure: Failure, sub: Subscription, generation: int) -> None:
@@ -376,3 +408,14 @@ class Subscriptions:
             "[%s] reading %s for replay failed: %s", self._outlet.conn_name, sub.stream, failure.getErrorMessage()
         )
         self._outlet.close_with_error(f"internal error reading stream {sub.stream!r}; reconnect to resume")
+
+
+def _drop_ahead(sub: Subscription) -> None:
+    """Let the subscription's read ahead go (not used): its answer or failure is ignored."""
+    if sub.ahead is not None:
+        _let_go(sub.ahead[2])
+        sub.ahead = None
+
+
+def _let_go(d: defer.Deferred[Read]) -> None:
+    d.addErrback(lambda f: logger.debug("a catch-up read ahead was not used: %s", f.getErrorMessage()))

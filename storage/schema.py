@@ -2,11 +2,15 @@
 
 Every stream is stored in a table ``stream_<name>`` with a ``seq`` (insertion
 order, which orders the rows of one token), ``token``, ``instance_name``,
-``ts`` and then the declared columns in order. On SQLite the table has one
-more column, ``row_json`` (:data:`ROW_JSON_COLUMN`): the row's values as the
-JSON array an ``RDATA`` line carries after the token (without ``ts``),
-written by the writer in the row's own transaction (:meth:`StreamSchema.values_encoder`),
-so that the master's reads only concatenate stored bytes.
+``ts`` and then the declared columns in order. On SQLite the table has two
+more columns: ``row_line`` (:data:`ROW_LINE_COLUMN`), the row's whole
+``RDATA`` line as the master sends it (``RDATA <stream> <instance> <token>
+<values>\n``, the values the JSON array of :meth:`StreamSchema.values_encoder`,
+without ``ts``), written by the writer in the row's own transaction, so that
+the master's reads only concatenate stored lines; and ``row_json``
+(:data:`ROW_JSON_COLUMN`), the values' JSON array alone, which tickline wrote
+for a while before ``row_line`` (now NULL in the rows it writes; the upgrade
+moves it into ``row_line``).
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ STREAM_NAME = re.compile(r"[a-z][a-z0-9_]{0,45}")
 COLUMN_NAME = re.compile(r"[a-z][a-z0-9_]{0,62}")
 # SQLite: each row's values as the JSON array RDATA sends (see the module doc and docs/architecture.md).
 ROW_JSON_COLUMN = "row_json"
-RESERVED_COLUMNS = frozenset({"seq", "token", "instance_name", "ts", ROW_JSON_COLUMN})
+ROW_LINE_COLUMN = "row_line"
+RESERVED_COLUMNS = frozenset({"seq", "token", "instance_name", "ts", ROW_JSON_COLUMN, ROW_LINE_COLUMN})
 # Column names go into SQL unquoted, so a name that is an SQL keyword is refused:
 # every word that fails as a column name in the statements tickline runs, on
 # PostgreSQL (its reserved keywords: categories R and T of pg_get_keywords())
@@ -229,7 +234,7 @@ class StreamSchema:
         The one definition of a row's JSON on the wire (without ``ts``):
         orjson's output of the values in column order, JSON columns (stored as
         JSON text) embedded as they are, booleans (SQLite stores 0/1) as
-        ``true``/``false``. Used by SQLite's writer for ``row_json`` and by the
+        ``true``/``false``. Used by SQLite's writer for ``row_line`` and by the
         master's encoder of stored rows (``replication.rows.row_encoder``).
         """
         json_columns = self.json_columns
@@ -356,9 +361,10 @@ class StreamSchema:
         """
         cols = self._column_ddl(dialect)
         if dialect == "sqlite":
-            # row_json: see the module doc; NULL only in rows written by a
-            # tickline older than the column (read with a fallback).
-            seq, token_index, extra = "seq INTEGER PRIMARY KEY", "(token)", f",\n    {ROW_JSON_COLUMN} BLOB"
+            # row_json, row_line: see the module doc; row_line is NULL only in rows
+            # written by a tickline older than the column (read with a fallback).
+            seq, token_index = "seq INTEGER PRIMARY KEY", "(token)"
+            extra = f",\n    {ROW_JSON_COLUMN} BLOB,\n    {ROW_LINE_COLUMN} BLOB"
         else:
             seq, token_index, extra = "seq BIGSERIAL", "(token, seq)", ""
         statements = [
@@ -368,7 +374,23 @@ class StreamSchema:
         ]
         if dialect == "sqlite":
             statements.append(f"CREATE INDEX {self.table}_ts ON {self.table} (ts)")
+            statements.append(self.stale_lines_trigger_sql())
         return statements
+
+    def stale_lines_trigger_sql(self) -> str:
+        """SQLite: a row changed by hand (its token, writer or values) loses its stored line and JSON.
+
+        ``row_line`` carries the token, the writer and the values as written;
+        tickline never updates a row, but a hand-made ``UPDATE`` would leave
+        them stale: this trigger sets both to NULL, and the row is then read
+        from its columns (``SqliteStreamStore._line``). Inserts pay nothing.
+        """
+        columns = ", ".join(("token", "instance_name", *self.column_names))
+        return (
+            f"CREATE TRIGGER IF NOT EXISTS {self.table}_stale_line AFTER UPDATE OF {columns} ON {self.table} "
+            f"BEGIN UPDATE {self.table} SET {ROW_JSON_COLUMN} = NULL, {ROW_LINE_COLUMN} = NULL "
+            "WHERE seq = NEW.seq; END"
+        )
 
     def upgrade_table_sql(self, dialect: str) -> list[str]:
         """What brings a stream table created by an earlier version to :meth:`create_table_sql`'s shape.
@@ -376,8 +398,8 @@ class StreamSchema:
         Idempotent (run on every migrate). PostgreSQL stream tables had a
         ``ts`` index until the lookup by time became a search of the
         ``(token, seq)`` index: it is dropped. SQLite's upgrade (the
-        ``row_json`` column, filled by the Python encoder) is not plain SQL:
-        ``SqliteStreamStore.migrate`` does it (``add_row_json``).
+        ``row_json`` and ``row_line`` columns, filled by the Python encoder) is
+        not plain SQL: ``SqliteStreamStore.migrate`` does it (``add_row_lines``).
         """
         if dialect == "sqlite":
             return []

@@ -10,13 +10,13 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from storage import time_index, tso
 from storage.contracts import JsonRow, Row, StoredRow
 from storage.limits import DEFAULT_MAX_LINE_BYTES, check_batch_rows, check_rows
-from storage.schema import ROW_JSON_COLUMN, StreamSchema, check_instance_name
+from storage.schema import ROW_JSON_COLUMN, ROW_LINE_COLUMN, StreamSchema, check_instance_name
 from storage.sqlite_db import SqliteChangeWatch, SqliteDatabase
 from storage.store import StreamCatalog
 
@@ -44,43 +44,57 @@ class SqliteStreamStore:
     def migrate(self) -> list[int]:
         """Create or upgrade the tables; returns the migration versions applied.
 
-        Then every stream table created before ``row_json`` existed gets the
-        column, filled for its rows (:meth:`add_row_json`).
+        Then every stream table created before ``row_line`` existed gets the
+        column (and ``row_json``, if it predates that too), filled for its
+        rows, and the trigger that drops a stored line when its row is changed
+        by hand (:meth:`add_row_lines`).
         """
         applied: list[int] = self.database.migrate()
-        if self.database.read(self._tables_without_row_json):  # a write (the lock) only when needed
-            self.database.write(self.add_row_json)
+        if self.database.read(self._tables_to_upgrade):  # a write (the lock) only when needed
+            self.database.write(self.add_row_lines)
         return applied
 
     @staticmethod
-    def _tables_without_row_json(conn: sqlite3.Connection) -> list[StreamSchema]:
+    def _tables_to_upgrade(conn: sqlite3.Connection) -> list[tuple[StreamSchema, set[str]]]:
+        """The stream tables without ``row_line`` or its trigger, each with the columns it has."""
         missing = []
+        triggers = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'trigger'")}
         for name, columns in conn.execute("SELECT name, columns FROM tickline_streams ORDER BY name").fetchall():
             schema = StreamSchema.from_columns_json(name, columns)
             have = {row[1] for row in conn.execute("SELECT * FROM pragma_table_info(?)", (schema.table,))}
-            if have and ROW_JSON_COLUMN not in have:
-                missing.append(schema)
+            if have and (ROW_LINE_COLUMN not in have or f"{schema.table}_stale_line" not in triggers):
+                missing.append((schema, have))
         return missing
 
-    def add_row_json(self, conn: sqlite3.Connection) -> list[str]:
-        """In a write transaction: add ``row_json`` to the stream tables without it, and fill it.
+    def add_row_lines(self, conn: sqlite3.Connection) -> list[str]:
+        """In a write transaction: add ``row_line`` (and ``row_json``) to the stream tables without it, and fill it.
 
-        Each row's JSON is written by the same encoder as new rows'
-        (``StreamSchema.values_encoder``, a Python function SQLite calls for
-        each row), so the lines are byte for byte the same as for rows written
-        after the upgrade. One transaction: every table is upgraded or none.
-        Returns the streams upgraded.
+        Each row's line is written by the same encoder as new rows'
+        (:func:`row_line_encoder`, a Python function SQLite calls for each
+        row), so the lines are byte for byte the same as for rows written after
+        the upgrade; ``row_json`` (the values alone, stored by the tickline
+        before) is set to NULL: the line holds it. Then the trigger
+        (``StreamSchema.stale_lines_trigger_sql``). One transaction: every
+        table is upgraded or none. Returns the streams upgraded.
         """
         upgraded = []
-        for schema in self._tables_without_row_json(conn):
-            encode = schema.values_encoder()
-            conn.create_function(
-                "tickline_row_json", len(schema.columns), lambda *values: encode(values), deterministic=True
-            )
-            conn.execute(f"ALTER TABLE {schema.table} ADD COLUMN {ROW_JSON_COLUMN} BLOB")
-            conn.execute(
-                f"UPDATE {schema.table} SET {ROW_JSON_COLUMN} = tickline_row_json({', '.join(schema.column_names)})"
-            )
+        for schema, have in self._tables_to_upgrade(conn):
+            if ROW_LINE_COLUMN not in have:
+                encode = row_line_encoder(schema)
+                conn.create_function(
+                    "tickline_row_line",
+                    2 + len(schema.columns),
+                    lambda instance, token, *values: encode(instance, token, values),
+                    deterministic=True,
+                )
+                if ROW_JSON_COLUMN not in have:
+                    conn.execute(f"ALTER TABLE {schema.table} ADD COLUMN {ROW_JSON_COLUMN} BLOB")
+                conn.execute(f"ALTER TABLE {schema.table} ADD COLUMN {ROW_LINE_COLUMN} BLOB")
+                conn.execute(
+                    f"UPDATE {schema.table} SET {ROW_JSON_COLUMN} = NULL, {ROW_LINE_COLUMN} = "
+                    f"tickline_row_line(instance_name, token, {', '.join(schema.column_names)})"
+                )
+            conn.execute(schema.stale_lines_trigger_sql())
             upgraded.append(schema.name)
         return upgraded
 
@@ -208,7 +222,7 @@ class SqliteStreamStore:
         """Like :meth:`read_rows`, but each row is ``(seq, token, instance_name, ts, json)``.
 
         ``json`` is the UTF-8 bytes of the JSON array of the row's columns, as
-        the writer stored it (``row_json``): the master's fan-out then sends
+        the writer stored it (in ``row_line``): the master's fan-out then sends
         it as it is, without making Python objects of every value.
         """
         schema = self.schema(stream)
@@ -222,14 +236,34 @@ class SqliteStreamStore:
 
     @classmethod
     def _row_json(cls, schema: StreamSchema) -> str:
-        """SQL for a row's JSON array (a BLOB): the stored ``row_json``.
+        """SQL for a row's JSON array (a BLOB): the values part of the stored ``row_line``.
 
-        A row without it (written by a tickline older than the column while
-        this one had already upgraded the table) is built by SQLite from the
-        columns (``json_array``: the same values, a double possibly written
-        with more digits).
+        The line is ``RDATA <stream> <instance> <token> <values>\n``, so the
+        values start after ``9 + len(stream) + len(instance) + len(token)``
+        bytes (instance names are ASCII). A row without ``row_line`` has its
+        ``row_json`` (written by the tickline before ``row_line``), or, written
+        by a tickline older than both while this one had already upgraded the
+        table, is built by SQLite from the columns (``json_array``: the same
+        values, a double possibly written with more digits).
         """
-        return f"coalesce({ROW_JSON_COLUMN}, CAST(json_array({', '.join(cls._json_values(schema))}) AS BLOB))"
+        skip = f"{9 + len(schema.name)} + length(instance_name) + length(token)"
+        stored = f"substr({ROW_LINE_COLUMN}, {skip} + 1, length({ROW_LINE_COLUMN}) - ({skip}) - 1)"
+        built = f"CAST(json_array({', '.join(cls._json_values(schema))}) AS BLOB)"
+        return f"coalesce({ROW_JSON_COLUMN}, {stored}, {built})"
+
+    @classmethod
+    def _line(cls, schema: StreamSchema, stored: bool, with_ts: bool) -> str:
+        """SQL for a row's whole line (a BLOB, the newline included), ``:prefix`` before the instance.
+
+        ``stored``: the stored ``row_line`` where there is one (the caller's
+        prefix is ``RDATA <stream> ``, the one it holds). ``with_ts``: the
+        row's ``ts`` added to the values (the line's last two bytes are ``]\n``).
+        """
+        built = f"CAST(:prefix || instance_name || ' ' || token || ' ' || {cls._row_json(schema)} || char(10) AS BLOB)"
+        line = f"coalesce({ROW_LINE_COLUMN}, {built})" if stored else built
+        if with_ts:
+            line = f"CAST(substr({line}, 1, length({line}) - 2) || ',' || ts || char(93, 10) AS BLOB)"
+        return line
 
     @staticmethod
     def _json_values(schema: StreamSchema) -> list[str]:
@@ -254,16 +288,15 @@ class SqliteStreamStore:
     def read_lines_json(
         self, stream: str, after: int, upto: int, limit: int, prefix: str, with_ts: bool
     ) -> tuple[bytes, int, int] | None:
-        """Whole lines from the stored ``row_json`` in one value (no Python object per row); None if a batch is in range.
+        """Whole lines from the stored ``row_line`` in one value (no Python object per row); None if a batch is in range.
 
         Reads the tokens ``(after, min(upto, after + limit)]`` (SQLite's tokens
         are dense, so that is about ``limit`` rows; over a gap it moves to the
         next row's token first). One ``group_concat`` of each row's stored
-        JSON, the separator before it carrying its line's start
-        (``\n<prefix><instance> <token> ``, prepared once for the first row's
-        writer), so no stored bytes are concatenated per row; SQLite adds the
-        first line's start and the last newline too (the value is not copied
-        again in Python, under the GIL).
+        line with no separator: SQLite only copies stored bytes (the value is
+        not copied again in Python, under the GIL). With ``ts`` (or a row
+        without a stored line, or another ``prefix``) each line is built in
+        the statement from the stored values (:meth:`_line`).
 
         The rows are scanned as a range of ``seq`` (the rowid: no lookup from
         the token index into the table per row) when the range is laid out as
@@ -271,7 +304,8 @@ class SqliteStreamStore:
         index in ``(token, seq)`` order (:meth:`_read_token_range`).
 
         Batches (rows sharing a token: None, the caller builds ``batch``
-        lines): the seq range proves one row per token; through the token
+        lines; a batch's stored lines carry its token, never read as they
+        are): the seq range proves one row per token; through the token
         index, more rows than tokens in ``[first, last]`` is a batch, and
         otherwise the distinct tokens are counted (an index-only scan, on this
         path only): rows deleted by hand (a gap) can hide a batch of as many
@@ -279,11 +313,9 @@ class SqliteStreamStore:
         """
         schema = self.schema(stream)
         table = schema.table
-        value = self._row_json(schema)
-        if with_ts:
-            value = f"substr({value}, 1, length({value}) - 1) || ',' || ts || ']'"
+        lines = f"CAST(group_concat({self._line(schema, prefix == f'RDATA {stream} ', with_ts)}, '') AS BLOB)"
         first_row = (
-            f"SELECT instance_name, token, seq FROM {table} INDEXED BY {table}_token "
+            f"SELECT token, seq FROM {table} INDEXED BY {table}_token "
             "WHERE token > ? AND token <= ? ORDER BY token, seq LIMIT 1"
         )
         last_row = (
@@ -291,32 +323,26 @@ class SqliteStreamStore:
             "WHERE token > ? AND token <= ? ORDER BY token DESC, seq DESC LIMIT 1"
         )
         rows_in = f"SELECT count(*) FROM {table} INDEXED BY {table}_token WHERE token > ? AND token <= ?"
-        separator = (
-            "CASE instance_name WHEN ?1 THEN ?2 || token || ' ' ELSE ?3 || instance_name || ' ' || token || ' ' END"
+        by_seq = (
+            f"SELECT {lines}, count(*), total(token - seq <> :offset) FROM {table} WHERE seq >= :first AND seq <= :last"
         )
-        # ?6: the first line's start; the whole value is built by SQLite (no copy of it in Python).
-        lines = f"CAST(?6 || group_concat({value}, {separator}) || char(10) AS BLOB)"
-        by_seq = f"SELECT {lines}, count(*), total(token - seq <> ?7) FROM {table} WHERE seq >= ?4 AND seq <= ?5"
         by_token = (
             f"SELECT {lines}, count(*), min(token), max(token) "
-            f"FROM {table} INDEXED BY {table}_token WHERE token > ?4 AND token <= ?5"
+            f"FROM {table} INDEXED BY {table}_token WHERE token > :after AND token <= :end"
         )
         distinct = f"SELECT count(DISTINCT token) FROM {table} INDEXED BY {table}_token WHERE token > ? AND token <= ?"
-        separator_text = "\n" + prefix
 
         def run(conn: sqlite3.Connection) -> tuple[bytes, int, int] | None:
             found = conn.execute(first_row, (after, upto)).fetchone()
             if found is None:
                 return b"", after, 0
-            instance, token, seq = found
+            token, seq = found
             # From the first row's token (past a gap, if any), about limit tokens.
             end = min(upto, max(after, token - 1) + max(limit, 1))
-            params = (instance, f"{separator_text}{instance} ", separator_text)
-            start = f"{prefix}{instance} {token} "
-            read = self._read_seq_range(conn, by_seq, last_row, rows_in, params, start, after, end, token, seq)
+            read = self._read_seq_range(conn, by_seq, last_row, rows_in, prefix, after, end, token, seq)
             if read is not None:
                 return read
-            return self._read_token_range(conn, by_token, distinct, params, start, after, end)
+            return self._read_token_range(conn, by_token, distinct, prefix, after, end)
 
         return self.database.read(run)
 
@@ -326,8 +352,7 @@ class SqliteStreamStore:
         by_seq: str,
         last_row: str,
         rows_in: str,
-        params: tuple[str, str, str],
-        start: str,
+        prefix: str,
         after: int,
         end: int,
         token: int,
@@ -354,7 +379,8 @@ class SqliteStreamStore:
         offset = token - seq
         if last_token - last_seq != offset:
             return None  # a batch (or rows not laid out as tickline writes them) in between
-        data, count, off_layout = conn.execute(by_seq, (*params, seq, last_seq, start, offset)).fetchone()
+        params = {"prefix": prefix, "first": seq, "last": last_seq, "offset": offset}
+        data, count, off_layout = conn.execute(by_seq, params).fetchone()
         if off_layout or count != conn.execute(rows_in, (after, end)).fetchone()[0]:
             return None
         return data, last_token, count
@@ -364,13 +390,13 @@ class SqliteStreamStore:
         conn: sqlite3.Connection,
         by_token: str,
         distinct: str,
-        params: tuple[str, str, str],
-        start: str,
+        prefix: str,
         after: int,
         end: int,
     ) -> tuple[bytes, int, int] | None:
         """The lines of the tokens ``(after, end]`` in ``(token, seq)`` order of the token index; None: a batch."""
-        data, count, low, last = conn.execute(by_token, (*params, after, end, start)).fetchone()
+        params = {"prefix": prefix, "after": after, "end": end}
+        data, count, low, last = conn.execute(by_token, params).fetchone()
         if count > last - low + 1:
             return None  # rows sharing a token: batch lines, built by the caller
         # As many rows as tokens or fewer: one row per token, or rows deleted by hand
@@ -405,9 +431,9 @@ class SqliteWriteTransaction:
         placeholders = ", ".join("?" * (4 + len(schema.columns)))
         self._insert = (
             f"INSERT INTO {schema.table} (token, instance_name, ts, {', '.join(schema.column_names)}, "
-            f"{ROW_JSON_COLUMN}) VALUES ({placeholders})"
+            f"{ROW_LINE_COLUMN}) VALUES ({placeholders})"
         )
-        self._values_json = schema.values_encoder()
+        self._line = row_line_encoder(schema)
 
     def append(self, rows: Iterable[Row], batch: bool = False) -> list[int]:
         values = check_rows(self._schema, rows, self._store.max_line_bytes)
@@ -426,13 +452,30 @@ class SqliteWriteTransaction:
         tokens = [first_token] * count if batch else list(range(first_token, first_token + count))
         first_ts = self._store._allocate_timestamps(conn, count)
         instance = self._instance
-        encode = self._values_json
-        # row_json (the row's JSON as RDATA carries it) in the rows' own statement: all rows or none.
+        line = self._line
+        # row_line (the row's RDATA line) in the rows' own statement: all rows or none.
         conn.executemany(
             self._insert,
             [
-                (token, instance, first_ts + i, *row, encode(row))
+                (token, instance, first_ts + i, *row, line(instance, token, row))
                 for i, (token, row) in enumerate(zip(tokens, values, strict=True))
             ],
         )
         return tokens
+
+
+def row_line_encoder(schema: StreamSchema) -> Callable[[str, int, Sequence[Any]], bytes]:
+    """A function: ``(instance, token, values)`` -> the row's stored ``row_line``.
+
+    ``RDATA <stream> <instance> <token> <values>\n``, the values as
+    :meth:`StreamSchema.values_encoder` writes them: the line the master sends
+    for a row that is not part of a batch (a batch's rows carry its token
+    here too; the master builds ``batch`` lines for them from the values).
+    """
+    encode = schema.values_encoder()
+    head = f"RDATA {schema.name} ".encode()
+
+    def line(instance: str, token: int, values: Sequence[Any]) -> bytes:
+        return b"%b%b %d %b\n" % (head, instance.encode(), token, encode(values))
+
+    return line

@@ -1,4 +1,5 @@
-"""SQLite's stored row JSON (``row_json``): written by every write path, migrated into old tables,
+"""SQLite's stored row lines (``row_line``): written by every write path, migrated into old tables
+(those without ``row_json`` and those with it),
 read back as lines byte for byte those of the Python encoder; the master's change check and
 the safe point that never waits behind a writer."""
 
@@ -14,7 +15,7 @@ import pytest
 from replication.rows import encode_json_rows, encode_rows, row_encoder
 from storage.bulk import write_rows
 from storage.limits import check_row
-from storage.schema import ROW_JSON_COLUMN, Column, SchemaError, StreamSchema
+from storage.schema import ROW_JSON_COLUMN, ROW_LINE_COLUMN, Column, SchemaError, StreamSchema
 from storage.sqlite_db import SqliteChangeWatch
 from storage.sqlite_store import SqliteStreamStore
 from storage.store import open_store
@@ -49,12 +50,19 @@ def _store(tmp_path) -> SqliteStreamStore:
 
 
 def _stored(store: SqliteStreamStore) -> list[tuple[int, bytes | None]]:
-    return store.database.query(f"SELECT token, {ROW_JSON_COLUMN} FROM stream_mixed ORDER BY seq")
+    """Each row's token and stored line; ``row_json`` is NULL in every row (the line holds the values)."""
+    rows = store.database.query(f"SELECT token, {ROW_JSON_COLUMN}, {ROW_LINE_COLUMN} FROM stream_mixed ORDER BY seq")
+    assert [json for _, json, _ in rows] == [None] * len(rows)
+    return [(token, line) for token, _, line in rows]
 
 
 def _expected_json(row) -> bytes:
     """What the Python encoder sends for a row (the values as checked, then encoded)."""
     return SCHEMA.values_encoder()(check_row(SCHEMA, row, None))
+
+
+def _expected_line(instance: str, token: int, row) -> bytes:
+    return b"RDATA mixed %s %d %s\n" % (instance.encode(), token, _expected_json(row))
 
 
 def _python_lines(store: SqliteStreamStore, after: int, upto: int, with_ts: bool) -> bytes:
@@ -71,10 +79,18 @@ def test_every_sqlite_write_path_stores_each_rows_json(tmp_path) -> None:
     runs = write_rows(store, "mixed", ((f"line {i}", row) for i, row in enumerate(ROWS)), "w3", chunk_rows=3)
     assert len(runs) == len(ROWS)
     stored = _stored(store)
-    assert [json for _, json in stored] == [_expected_json(row) for row in ROWS + ROWS]
-    # The stored bytes are exactly what the master's Python encoder makes of the stored columns.
-    python = [row_encoder(SCHEMA)(row, False) for row in store.read_rows("mixed", 0, 100, 100)]
-    assert [json for _, json in stored] == python
+    instances = ["w1"] * 5 + ["w2"] * 2 + ["w3"] * len(ROWS)
+    tokens = [1, 2, 3, 4, 4, 5, 6, *range(7, 7 + len(ROWS))]
+    assert stored == [
+        (token, _expected_line(instance, token, row))
+        for instance, token, row in zip(instances, tokens, ROWS + ROWS, strict=True)
+    ]
+    # The stored values are exactly what the master's Python encoder makes of the stored columns.
+    stored_rows = store.read_rows("mixed", 0, 100, 100)
+    python = [b"RDATA mixed %s %d %s\n" % (r[2].encode(), r[1], row_encoder(SCHEMA)(r, False)) for r in stored_rows]
+    assert [line for _, line in stored] == python
+    # And read_rows_json takes them back out of the lines.
+    assert [r[4] for r in store.read_rows_json("mixed", 0, 100, 100)] == [_expected_json(row) for row in ROWS + ROWS]
 
 
 def test_a_write_that_fails_stores_no_row_json(tmp_path) -> None:
@@ -85,7 +101,7 @@ def test_a_write_that_fails_stores_no_row_json(tmp_path) -> None:
         raise RuntimeError("roll back")
     with pytest.raises(Exception, match="line 3"):
         write_rows(store, "mixed", [("line 1", ROWS[0]), ("line 2", ROWS[1]), ("line 3", ["bad"])], "w1", chunk_rows=1)
-    assert _stored(store) == [(1, _expected_json(ROWS[0]))]
+    assert _stored(store) == [(1, _expected_line("w1", 1, ROWS[0]))]
 
 
 @pytest.mark.parametrize("with_ts", [False, True])
@@ -121,34 +137,49 @@ def test_rows_deleted_by_hand_leave_a_gap_that_is_told_from_a_batch(tmp_path) ->
     assert store.read_lines_json("mixed", 4, 6, 1, PREFIX, False) == (_python_lines(store, 4, 6, False), 6, 1)
 
 
-def _old_table(path: str) -> None:
-    """A database as tickline wrote it before ``row_json``: the stream table without the column."""
+def _old_table(path: str, with_row_json: bool) -> None:
+    """A database as tickline wrote it before ``row_line``: the stream table without it.
+
+    ``with_row_json``: as the tickline that stored each row's ``row_json``
+    wrote it; else as the one before, without either column.
+    """
     store = SqliteStreamStore(path)
     store.migrate()
     store.register_stream(SCHEMA)
     old_store_rows = [SCHEMA.check_row(row) for row in ROWS]
     names = ", ".join(SCHEMA.column_names)
+    encode = SCHEMA.values_encoder()
 
     def run(conn: sqlite3.Connection) -> None:
-        conn.execute(f"ALTER TABLE stream_mixed DROP COLUMN {ROW_JSON_COLUMN}")
-        conn.executemany(
-            f"INSERT INTO stream_mixed (token, instance_name, ts, {names}) VALUES (?, 'old', ?, ?, ?, ?, ?, ?)",
-            [(i + 1, 1000 + i, *values) for i, values in enumerate(old_store_rows)],
-        )
+        conn.execute(f"ALTER TABLE stream_mixed DROP COLUMN {ROW_LINE_COLUMN}")
+        if with_row_json:
+            conn.executemany(
+                f"INSERT INTO stream_mixed (token, instance_name, ts, {names}, {ROW_JSON_COLUMN}) "
+                "VALUES (?, 'old', ?, ?, ?, ?, ?, ?, ?)",
+                [(i + 1, 1000 + i, *values, encode(values)) for i, values in enumerate(old_store_rows)],
+            )
+        else:
+            conn.execute(f"ALTER TABLE stream_mixed DROP COLUMN {ROW_JSON_COLUMN}")
+            conn.executemany(
+                f"INSERT INTO stream_mixed (token, instance_name, ts, {names}) VALUES (?, 'old', ?, ?, ?, ?, ?, ?)",
+                [(i + 1, 1000 + i, *values) for i, values in enumerate(old_store_rows)],
+            )
         conn.execute("UPDATE tickline_stream_heads SET token = ? WHERE stream = 'mixed'", (len(ROWS),))
 
     store.database.write(run)
     store.close()
 
 
-def test_an_old_stream_table_gets_row_json_when_the_store_is_opened(tmp_path) -> None:
+@pytest.mark.parametrize("with_row_json", [False, True])
+def test_an_old_stream_table_gets_row_line_when_the_store_is_opened(tmp_path, with_row_json: bool) -> None:
     path = str(tmp_path / "old.db")
-    _old_table(path)
+    _old_table(path, with_row_json)
     conn = sqlite3.connect(path)
-    assert ROW_JSON_COLUMN not in {r[1] for r in conn.execute("PRAGMA table_info(stream_mixed)")}
+    columns = {r[1] for r in conn.execute("PRAGMA table_info(stream_mixed)")}
+    assert ROW_LINE_COLUMN not in columns and (ROW_JSON_COLUMN in columns) == with_row_json
     store = open_store(f"sqlite:///{path}")  # migrates
     assert isinstance(store, SqliteStreamStore)
-    assert [json for _, json in _stored(store)] == [_expected_json(row) for row in ROWS]
+    assert _stored(store) == [(i + 1, _expected_line("old", i + 1, row)) for i, row in enumerate(ROWS)]
     last = len(ROWS)
     for with_ts in (False, True):
         assert store.read_lines_json("mixed", 0, last, 100, PREFIX, with_ts) == (
@@ -161,8 +192,35 @@ def test_an_old_stream_table_gets_row_json_when_the_store_is_opened(tmp_path) ->
     store.close()
     again = open_store(f"sqlite:///{path}")
     assert isinstance(again, SqliteStreamStore)
-    assert [json for _, json in _stored(again)] == [_expected_json(row) for row in ROWS + ROWS[:1]]
-    assert [r[1] for r in conn.execute("PRAGMA table_info(stream_mixed)")].count(ROW_JSON_COLUMN) == 1
+    assert _stored(again) == [
+        *((i + 1, _expected_line("old", i + 1, row)) for i, row in enumerate(ROWS)),
+        (last + 1, _expected_line("new", last + 1, ROWS[0])),
+    ]
+    names = [r[1] for r in conn.execute("PRAGMA table_info(stream_mixed)")]
+    assert names.count(ROW_JSON_COLUMN) == 1 and names.count(ROW_LINE_COLUMN) == 1
+
+
+def test_a_row_with_row_json_and_no_row_line_is_read_from_it(tmp_path) -> None:
+    """A row written by the tickline that stored ``row_json`` (still running after the upgrade)."""
+    store = _store(tmp_path)
+    store.append("mixed", ROWS[:2], "w1")
+    names = ", ".join(SCHEMA.column_names)
+    values = SCHEMA.check_row(ROWS[2])
+    store.database.write(
+        lambda conn: conn.execute(
+            f"INSERT INTO stream_mixed (token, instance_name, ts, {names}, {ROW_JSON_COLUMN}) "
+            "VALUES (3, 'old', 5, ?, ?, ?, ?, ?, ?)",
+            (*values, SCHEMA.values_encoder()(values)),
+        )
+    )
+    store.database.write(lambda conn: conn.execute("UPDATE tickline_stream_heads SET token = 3"))
+    for with_ts in (False, True):
+        assert store.read_lines_json("mixed", 0, 3, 100, PREFIX, with_ts) == (
+            _python_lines(store, 0, 3, with_ts),
+            3,
+            3,
+        )
+    assert [r[4] for r in store.read_rows_json("mixed", 0, 3, 10)] == [_expected_json(row) for row in ROWS[:3]]
 
 
 def test_a_row_without_row_json_is_still_read(tmp_path) -> None:
@@ -187,15 +245,17 @@ def test_a_row_without_row_json_is_still_read(tmp_path) -> None:
     assert orjson.loads(old.split(b" ", 4)[4]) == orjson.loads(want.split(b" ", 4)[4])
 
 
-def test_row_json_is_a_reserved_column_name() -> None:
+@pytest.mark.parametrize("name", [ROW_JSON_COLUMN, ROW_LINE_COLUMN])
+def test_row_json_and_row_line_are_reserved_column_names(name: str) -> None:
     with pytest.raises(SchemaError, match="reserved"):
-        Column(ROW_JSON_COLUMN, "text")
+        Column(name, "text")
 
 
-def test_postgresql_tables_have_no_row_json() -> None:
+def test_postgresql_tables_have_no_row_json_or_row_line() -> None:
     ddl = " ".join(SCHEMA.create_table_sql("postgresql"))
-    assert ROW_JSON_COLUMN not in ddl
-    assert f"{ROW_JSON_COLUMN} BLOB" in " ".join(SCHEMA.create_table_sql("sqlite"))
+    assert ROW_JSON_COLUMN not in ddl and ROW_LINE_COLUMN not in ddl
+    sqlite = " ".join(SCHEMA.create_table_sql("sqlite"))
+    assert f"{ROW_JSON_COLUMN} BLOB" in sqlite and f"{ROW_LINE_COLUMN} BLOB" in sqlite
 
 
 def test_the_change_watch_sees_commits_of_other_connections_only(tmp_path) -> None:
@@ -261,3 +321,26 @@ def test_the_safe_point_does_not_wait_behind_a_long_write(tmp_path) -> None:
     assert times_after["mixed"] > times_before["mixed"]
     # The busy timeout of the store's connection is back to its setting.
     assert store.database.connection().execute("PRAGMA busy_timeout").fetchone()[0] == 30_000
+
+
+@pytest.mark.parametrize("with_ts", [False, True])
+def test_a_row_changed_by_hand_is_read_from_its_columns(tmp_path, with_ts: bool) -> None:
+    """The trigger drops the stored line of a row whose token, writer or values change: never a stale line."""
+    store = _store(tmp_path)
+    store.append("mixed", ROWS[:4], "w1")
+    store.database.write(lambda conn: conn.execute("UPDATE stream_mixed SET name = 'changed' WHERE token = 2"))
+    store.database.write(lambda conn: conn.execute("UPDATE stream_mixed SET instance_name = 'w7' WHERE token = 3"))
+    # A change of a column that is not in the line (ts) keeps the line.
+    store.database.write(lambda conn: conn.execute("UPDATE stream_mixed SET ts = ts + 1 WHERE token = 4"))
+    lines = [line for _, line in _stored(store)]
+    assert lines[0] is not None and lines[1] is None and lines[2] is None and lines[3] is not None
+    got = store.read_lines_json("mixed", 0, 4, 100, PREFIX, with_ts)
+    assert got is not None and got[1:] == (4, 4)
+    python = _python_lines(store, 0, 4, with_ts)
+    for built, want in zip(got[0].splitlines()[1:3], python.splitlines()[1:3], strict=True):
+        # Built from the columns as they are now (a double may print with more digits).
+        assert built.split(b" ", 4)[:4] == want.split(b" ", 4)[:4]
+        assert orjson.loads(built.split(b" ", 4)[4]) == orjson.loads(want.split(b" ", 4)[4])
+    assert b'RDATA mixed w1 2 ["changed",' in got[0] and b"RDATA mixed w7 3 " in got[0]
+    if with_ts:
+        assert got[0].splitlines()[3] == python.splitlines()[3]  # the new ts, added to the stored line
