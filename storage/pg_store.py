@@ -119,6 +119,47 @@ $fn$
 """
 
 
+# A large append's allocation when the writer can tell what it will be (``WriteTransaction._proposal``):
+# the tokens and timestamps it proposes are taken if they are exactly the next tokens of the
+# stream's sequence and timestamps the oracle may hand out now (at least ``max(last + 1, now_ms
+# << 18, floor)``, at most ``max(last + 1, (now_ms << 18) + PROPOSAL_LEAD)``: the current
+# millisecond with its counter lifted by at most PROPOSAL_LEAD); else nothing is taken and the
+# call raises PROPOSAL_CODE. Under the oracle's lock, as ``tickline_allocate_v4``, tokens first.
+# The rows' COPY can then travel with it (and with BEGIN) in one round trip.
+PROPOSAL_FUNCTION = "tickline_allocate_as_v1"
+PROPOSAL_CODE = "TK002"
+PROPOSAL_LEAD = 1 << 17
+_PROPOSAL_SQL = f"""
+CREATE FUNCTION {PROPOSAL_FUNCTION}(seq regclass, n_ts integer, n_tokens integer, now_ms bigint,
+    want_token bigint, want_ts bigint) RETURNS void LANGUAGE plpgsql AS $fn$
+DECLARE
+    last bigint;
+    called boolean;
+BEGIN
+    PERFORM pg_advisory_lock({ORACLE_LOCK});
+    IF n_tokens > 0 AND pg_sequence_last_value(seq) IS DISTINCT FROM want_token - 1 THEN
+        PERFORM pg_advisory_unlock({ORACLE_LOCK});
+        RAISE EXCEPTION 'the proposed tokens are not the next ones' USING ERRCODE = '{PROPOSAL_CODE}';
+    END IF;
+    SELECT last_value, is_called INTO last, called FROM {ORACLE_SEQUENCE};
+    IF NOT called THEN
+        last := last - 1;
+    END IF;
+    IF want_ts < GREATEST(last + 1, now_ms << 18, (SELECT last_ts + 1 FROM tickline_tso WHERE id = 1))
+            OR want_ts > GREATEST(last + 1, (now_ms << 18) + {PROPOSAL_LEAD}) THEN
+        PERFORM pg_advisory_unlock({ORACLE_LOCK});
+        RAISE EXCEPTION 'the proposed timestamps are not the oracle''s' USING ERRCODE = '{PROPOSAL_CODE}';
+    END IF;
+    IF n_tokens > 0 THEN
+        PERFORM setval(seq, want_token + n_tokens - 1, true);
+    END IF;
+    PERFORM setval('{ORACLE_SEQUENCE}', want_ts + n_ts - 1, true);
+    PERFORM pg_advisory_unlock({ORACLE_LOCK});
+END
+$fn$
+"""
+
+
 # time_index.oracle_last on PostgreSQL: the sequence holds what appends took, the table what the master took.
 _ORACLE_LAST_SQL = f"SELECT GREATEST(t.last_ts, s.last_value) FROM tickline_tso t, {ORACLE_SEQUENCE} s WHERE t.id = 1"
 FENCED_CODE = "TK001"
@@ -183,6 +224,8 @@ def _create_oracle(cur: Cursor) -> None:
         cur.execute("SELECT setval(%s, %s, true)", (ORACLE_SEQUENCE, int(mark)))
     if cur.execute("SELECT 1 FROM pg_proc WHERE proname = %s", (ORACLE_FUNCTION,)).fetchone() is None:
         cur.execute(_ORACLE_SQL)
+    if cur.execute("SELECT 1 FROM pg_proc WHERE proname = %s", (PROPOSAL_FUNCTION,)).fetchone() is None:
+        cur.execute(_PROPOSAL_SQL)
     if cur.execute("SELECT 1 FROM pg_proc WHERE proname = %s", (FENCED_FUNCTION,)).fetchone() is None:
         cur.execute(_FENCED_SQL)
     if cur.execute("SELECT 1 FROM pg_proc WHERE proname = %s", (CLAIM_FUNCTION,)).fetchone() is None:
@@ -202,13 +245,20 @@ class Fenced(Exception):
 
 
 class _WriterState:
-    __slots__ = ("epoch", "inflight", "reported", "writer_id")
+    __slots__ = ("epoch", "inflight", "next_token", "next_ts", "propose", "reported", "writer_id")
 
     def __init__(self, writer_id: str, epoch: int) -> None:
         self.writer_id = writer_id  # "<instance>/<host>:<pid>:<nonce>": one per process
         self.epoch = epoch
         self.inflight: dict[int, int] = {}  # transaction id -> its lowest token
         self.reported = -1
+        # What this writer's next allocation will be if no other process allocates meanwhile
+        # (its last allocation's ends + 1; 0: not known yet), and whether to propose it
+        # (WriteTransaction._proposal): not after a proposal that missed, until an
+        # allocation shows the next one would have been right.
+        self.next_token = 0
+        self.next_ts = 0
+        self.propose = True
 
 
 def _seq(schema: StreamSchema) -> str:
@@ -419,7 +469,7 @@ class PgStreamStore:
                 if len(rows) < COPY_ROWS:
                     return self._append_one_statement(stream, rows, instance_name, batch)
                 with self.writing(stream, instance_name) as txn:
-                    return txn.append(rows, batch)
+                    return txn.append(rows, batch, alone=True)
             except Fenced:
                 logger.warning(
                     "writer %s of %s was declared dead; registering again and retrying with new tokens",
@@ -696,6 +746,7 @@ BEGIN = "BEGIN ISOLATION LEVEL READ COMMITTED; "
 _ALLOCATE_SQL = (
     f"SELECT first_token, first_ts FROM {ORACLE_FUNCTION}(%s::regclass, %s::integer, %s::integer, %s::bigint)"
 )
+_PROPOSE_SQL = f"SELECT {PROPOSAL_FUNCTION}(%s::regclass, %s::integer, %s::integer, %s::bigint, %s::bigint, %s::bigint)"
 # The writer's position and its NOTIFY, or the fenced error if this epoch is no longer live.
 _FINISH_SQL = (
     "WITH u AS (UPDATE tickline_writers SET position = GREATEST(position, %s::bigint), "
@@ -728,6 +779,8 @@ class WriteTransaction:
         # its first statement) and COMMIT (with its last, in :meth:`commit`).
         self._begin = BEGIN if explicit else ""
         self._begun = False
+        self._committed = False  # by the statement of an append alone in its transaction
+        self._alone = False
         self._store = store
         self._schema = schema
         self._instance = instance
@@ -741,7 +794,15 @@ class WriteTransaction:
         self._batch_rows = 0  # rows of this transaction's batch token so far
         self._statements = _statements(schema)
 
-    def append(self, rows: Iterable[Row], batch: bool = False) -> list[int]:
+    def append(self, rows: Iterable[Row], batch: bool = False, alone: bool = False) -> list[int]:
+        """Append rows in this transaction; their tokens.
+
+        ``alone``: the transaction's only append (``PgStreamStore.append``): a
+        large one may then commit in the same round trip as its ``BEGIN`` and
+        ``COPY`` (see :meth:`_append_copy_proposed`); the caller's
+        :meth:`commit` has nothing left to do then.
+        """
+        self._alone = alone and not self._begun
         rows = rows if isinstance(rows, list) else list(rows)
         count = len(rows)
         if not count:
@@ -809,6 +870,7 @@ class WriteTransaction:
                     raise Fenced(self._instance) from None
                 raise
             first = self._allocated(first_token, batch)
+            self._remember(first_token, token_count, first_ts, count)
         self._position_sent = first if batch else first + count - 1
         self.position_written = min(self._position_sent, cap)
         return first, first_ts
@@ -821,20 +883,99 @@ class WriteTransaction:
         """
         store, schema = self._store, self._schema
         token_count = self._token_count(count, batch)
+        if not self._begun and self._begin:
+            took = self._append_copy_proposed(rows, count, batch, token_count, limit)
+            if took is not None:
+                return took
         with store._lock:
             first_token, first_ts = self._cur.execute(
                 self._first(prepared(self._cur.cursor, _ALLOCATE_SQL)),
                 (_seq(schema), count, token_count, store._now_ms()),
             ).fetchone()
             first = self._allocated(first_token, batch)
-        source = _CopySource(self._statements, rows, self._instance, first, 0 if batch else 1, first_ts, limit)
+            self._remember(first_token, token_count, first_ts, count)
+        self._copy(_CopySource(self._statements, rows, self._instance, first, 0 if batch else 1, first_ts, limit))
+        return first, first_ts
+
+    def _copy(self, source: _CopySource, sql: str | None = None) -> None:
         try:
-            self._cur.cursor.copy_expert(self._statements.copy, source, size=1 << 20)
+            self._cur.cursor.copy_expert(sql or self._statements.copy, source, size=1 << 20)
         except psycopg2.Error:
             if source.error is not None:  # psycopg2 ended the COPY with our error as its text
                 raise source.error from None
             raise
-        return first, first_ts
+
+    def _append_copy_proposed(
+        self, rows: list[Row], count: int, batch: bool, token_count: int, limit: int | None
+    ) -> tuple[int, int] | None:
+        """The transaction's first ``COPY``, its allocation proposed in the same round trip (None: not done).
+
+        The writer proposes what its next allocation will be if no other
+        process allocated since its last one (``PROPOSAL_FUNCTION``), and
+        sends ``BEGIN``, that call and the ``COPY`` as one query: the rows'
+        tokens and timestamps are in the ``COPY`` data, so the call must take
+        exactly those or nothing. If it takes nothing (another writer of the
+        stream, or the master, allocated meanwhile), the ``COPY`` never
+        starts, the transaction is rolled back, and the caller allocates as
+        usual (a round trip more than without a proposal, no gap).
+        """
+        store, state, schema = self._store, self._state, self._schema
+        now_ms = store._now_ms()
+        with store._lock:
+            if not state.propose or not state.next_token or (batch and token_count == 0):
+                return None
+            want_token = state.next_token
+            want_ts = max(state.next_ts, (now_ms << 18) + PROPOSAL_LEAD)
+            # In flight from before the call: a report never claims a token this call may take.
+            self._state.inflight[self._id] = want_token
+            # If the call takes the proposal, every allocation of this writer below it is in
+            # flight already (registered with its allocation, under this lock): the cap holds.
+            cap = self._cap()
+        cursor = self._cur.cursor
+        sql = f"{self._begin}{cursor.mogrify(prepared(cursor, _PROPOSE_SQL), (_seq(schema), count, token_count, now_ms, want_token, want_ts)).decode()}; {self._statements.copy}"
+        last = want_token if batch else want_token + count - 1
+        if self._alone:
+            # The position and the COMMIT after the rows, in the same query: the whole append
+            # in one round trip (the fenced error, as in commit(), stops it before the COMMIT).
+            finish = (min(last, cap), schema.name, state.writer_id, state.epoch, CHANNEL, schema.name)
+            sql += f"; {cursor.mogrify(prepared(cursor, _FINISH_SQL), finish).decode()}; COMMIT"
+        source = _CopySource(self._statements, rows, self._instance, want_token, 0 if batch else 1, want_ts, limit)
+        self._begun = True
+        try:
+            self._copy(source, sql)
+            self._committed = self._alone
+        except RowError:
+            # The COPY had started: the call took the proposal. Those tokens and timestamps are
+            # skipped with the rollback; the next proposal starts after them.
+            with store._lock:
+                self._remember(want_token, token_count, want_ts, count)
+            raise
+        except psycopg2.Error as e:
+            if e.pgcode == FENCED_CODE:
+                raise Fenced(self._instance) from None
+            if e.pgcode != PROPOSAL_CODE:
+                raise
+            self._cur.execute("ROLLBACK")
+            self._begun = False
+            with store._lock:
+                state.propose = False
+                self._state.inflight.pop(self._id, None)
+            return None
+        with store._lock:
+            if batch:
+                self._batch_token = want_token
+            self._remember(want_token, token_count, want_ts, count)
+        return want_token, want_ts
+
+    def _remember(self, first_token: int | None, token_count: int, first_ts: int, count: int) -> None:
+        """After an allocation (under the store's lock): what the writer's next one will be if it is alone."""
+        state = self._state
+        if token_count:
+            assert first_token is not None
+            if not state.propose and first_token == state.next_token:
+                state.propose = True  # a proposal would have been right: propose again
+            state.next_token = first_token + token_count
+        state.next_ts = first_ts + count
 
     def _first(self, sql: str) -> str:
         """``sql``, led by ``BEGIN`` if it is the transaction's first statement (explicit transactions)."""
@@ -850,7 +991,7 @@ class WriteTransaction:
         declared dead meanwhile: the position's update then finds no live row
         of this epoch and the statement raises before the ``COMMIT``.
         """
-        if not self._begun:
+        if not self._begun or self._committed:
             return
         if not self._last_token or self._last_token <= self._position_sent:
             self._cur.execute("COMMIT")
