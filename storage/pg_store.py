@@ -870,7 +870,7 @@ class WriteTransaction:
                     raise Fenced(self._instance) from None
                 raise
             first = self._allocated(first_token, batch)
-            self._remember(first_token, token_count, first_ts, count)
+            self._remember(first_token, token_count, first_ts, count, params[3])
         self._position_sent = first if batch else first + count - 1
         self.position_written = min(self._position_sent, cap)
         return first, first_ts
@@ -887,13 +887,13 @@ class WriteTransaction:
             took = self._append_copy_proposed(rows, count, batch, token_count, limit)
             if took is not None:
                 return took
+        now_ms = store._now_ms()
         with store._lock:
             first_token, first_ts = self._cur.execute(
-                self._first(prepared(self._cur.cursor, _ALLOCATE_SQL)),
-                (_seq(schema), count, token_count, store._now_ms()),
+                self._first(prepared(self._cur.cursor, _ALLOCATE_SQL)), (_seq(schema), count, token_count, now_ms)
             ).fetchone()
             first = self._allocated(first_token, batch)
-            self._remember(first_token, token_count, first_ts, count)
+            self._remember(first_token, token_count, first_ts, count, now_ms)
         self._copy(_CopySource(self._statements, rows, self._instance, first, 0 if batch else 1, first_ts, limit))
         return first, first_ts
 
@@ -967,13 +967,25 @@ class WriteTransaction:
             self._remember(want_token, token_count, want_ts, count)
         return want_token, want_ts
 
-    def _remember(self, first_token: int | None, token_count: int, first_ts: int, count: int) -> None:
-        """After an allocation (under the store's lock): what the writer's next one will be if it is alone."""
+    def _remember(
+        self, first_token: int | None, token_count: int, first_ts: int, count: int, now_ms: int | None = None
+    ) -> None:
+        """After an allocation (under the store's lock): what the writer's next one will be if it is alone.
+
+        ``now_ms``: the clock an allocation that was not proposed was made
+        with: if a proposal would have been taken (the same first token, and
+        a first timestamp at or above the one the oracle gave), propose again.
+        """
         state = self._state
         if token_count:
             assert first_token is not None
-            if not state.propose and first_token == state.next_token:
-                state.propose = True  # a proposal would have been right: propose again
+            if (
+                not state.propose
+                and now_ms is not None
+                and first_token == state.next_token
+                and max(state.next_ts, (now_ms << 18) + PROPOSAL_LEAD) >= first_ts
+            ):
+                state.propose = True
             state.next_token = first_token + token_count
         state.next_ts = first_ts + count
 

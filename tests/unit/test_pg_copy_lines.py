@@ -244,10 +244,17 @@ def test_large_appends_propose_their_allocation_and_fall_back_when_another_alloc
         appends.append(store.append("mixed", rows, "w"))  # not proposed; shows a proposal would have been right
         appends.append(store.append("mixed", rows, "w"))
         assert seen == {"taken": 3, "not": 4}  # the other writer's first append counts too
-        store.allocate_timestamps(1)  # the master's fresh time, taken after this writer's clock reading:
-        store._clock = lambda: 0.0  # a clock far behind the oracle cannot propose the current millisecond
+        # A writer whose clock is far behind the oracle's proposes its last timestamps + 1: refused
+        # whenever the oracle handed out others meanwhile (the master's fresh times), and not
+        # proposed again while that lasts.
+        store._clock = lambda: 0.0
+        for _ in range(3):
+            other.allocate_timestamps(1)
+            appends.append(store.append("mixed", rows, "w"))
+        assert seen == {"taken": 3, "not": 7}
+        appends.append(store.append("mixed", rows, "w"))  # alone: a proposal would have been taken
         appends.append(store.append("mixed", rows, "w"))
-        appends.append(store.append("mixed", rows, "w"))
+        assert seen == {"taken": 4, "not": 8}
         appends.append(other.append("mixed", [rows[0]], "v"))  # a small append between
         appends.append(store.append("mixed", rows, "w"))
         _check_stream(store, appends)
