@@ -122,7 +122,7 @@ def _contains_nul(value: Any) -> bool:
     return False
 
 
-@attr.s(slots=True, frozen=True, auto_attribs=True)
+@attr.s(slots=True, frozen=True, auto_attribs=True, cache_hash=True)
 class Column:
     name: str
     type: str
@@ -189,7 +189,7 @@ class Column:
         )
 
 
-@attr.s(slots=True, frozen=True, auto_attribs=True)
+@attr.s(slots=True, frozen=True, auto_attribs=True, cache_hash=True)
 class StreamSchema:
     name: str
     columns: tuple[Column, ...]
