@@ -69,7 +69,7 @@ from replication.limits import (
     watch_accept_errors,
 )
 from replication.pg_async import AsyncQuery
-from replication.protocol import ProtocolConfig
+from replication.protocol import ProtocolConfig, send_batch
 from replication.reactor_types import DelayedCall, Reactor
 from replication.read_ahead import ReadAhead
 from replication.rows import encode_json_rows
@@ -815,7 +815,9 @@ class NotificationReader:
         try:
             plain, committed = self._notifier.drain_committed()
             if plain or committed:
-                self._wake(plain, committed)
+                # A commit's RDATA and TICK to each connection: one send, now.
+                with send_batch:
+                    self._wake(plain, committed)
         except Exception as e:
             # Returning an error makes the reactor drop this reader.
             return ConnectionLost(f"database notifications failed: {e}")

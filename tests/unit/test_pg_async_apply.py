@@ -15,7 +15,7 @@ import psycopg2
 import pytest
 
 from replication.streams import EVENTS
-from storage.pg_worker import COPY_ROWS, PgAsyncApply, one_row_params
+from storage.pg_worker import COPY_ROWS, PgAsyncApply, one_row_params, sql_literals
 from storage.schema import StreamSchema
 from storage.store import ApplyRefused, DatabaseUnavailable, StaleApply
 from storage.worker_store import open_worker_store
@@ -226,3 +226,41 @@ def test_a_value_psycopg2_will_not_quote_sends_nothing_and_the_connection_stays_
     assert call.start("mixed", 1, MIXED, [(1, "w", [["a", 1, 1.0, True, None, 1]])])
     drive(call)
     assert store.applied_tokens() == {"mixed": 1}
+
+
+def test_one_row_literals_are_what_psycopg2_would_send_and_store_the_same(mixed_db) -> None:
+    """The one-row apply writes its values as literals (standard_conforming_strings on): the text
+    psycopg2 makes of them, and each stored as written (quotes, backslashes, non-ASCII, NULL)."""
+    store, call = mixed_db
+    values = [
+        "it's",
+        "a\\b\\'c",
+        "''",
+        "\u00e9\u4e2d\U0001f600",
+        "",
+        "--x",
+        "E'x'",
+        "%s %(x)s",
+        None,
+        0,
+        7,
+        -3,
+        2**63 - 1,
+    ]
+    check = psycopg2.connect(store.database.dsn)
+    try:
+        with check.cursor() as cur:
+            cur.execute("SET standard_conforming_strings = on")
+            assert sql_literals(values) == cur.mogrify(", ".join(["%s"] * len(values)), values).decode()
+    finally:
+        check.close()
+    for bad in (["a\x00b"], [True], [1.5], [b"x"]):
+        with pytest.raises(ValueError):
+            sql_literals(bad)
+    texts = [v for v in values if isinstance(v, str)]
+    for token, text in enumerate(texts, 1):
+        assert one_row_params(MIXED, [(token, "w", [[text, token, 1.0, True, None, token]])]) is not None
+        assert call.start("mixed", token, MIXED, [(token, "w", [[text, token, 1.0, True, None, token]])])
+        drive(call)
+    stored = store.database.read(lambda cur: cur.execute("SELECT t FROM replicated_mixed ORDER BY token").fetchall())
+    assert [r[0] for r in stored] == texts

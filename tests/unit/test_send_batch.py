@@ -1,0 +1,97 @@
+"""send_batch / send_now: a commit's lines to a connection go out as one send, now, in order."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import pytest
+from twisted.internet import tcp
+from twisted.internet.testing import MemoryReactorClock, StringTransport
+
+from replication.protocol import LineCommandProtocol, ProtocolConfig, send_batch, send_now
+
+
+class Proto(LineCommandProtocol):
+    INBOUND = frozenset()
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[tcp.Connection, socket.socket, MemoryReactorClock]]:
+    ours, peer = socket.socketpair()
+    ours.setblocking(False)
+    peer.settimeout(5)
+    reactor = MemoryReactorClock()
+    conn = tcp.Connection(ours, None, reactor)
+    conn.connected = 1
+    yield conn, peer, reactor
+    ours.close()
+    peer.close()
+
+
+def _proto(transport: object) -> Proto:
+    proto = Proto(ProtocolConfig(), MemoryReactorClock())
+    proto.transport = transport  # type: ignore[assignment]
+    return proto
+
+
+def test_lines_written_in_a_batch_go_out_as_one_send_at_its_end(pair) -> None:
+    conn, peer, reactor = pair
+    proto = _proto(conn)
+    with send_batch:
+        proto.write(b"RDATA a 1 [1]\n")
+        with send_batch:  # nested: held until the outermost ends
+            proto.write(b"TICK a 1 5\n")
+        peer.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            peer.recv(100)
+        peer.settimeout(5)
+    assert peer.recv(100) == b"RDATA a 1 [1]\nTICK a 1 5\n"
+    assert conn not in reactor.writers  # sent at once: no writer registered, no reactor turn
+    assert not conn.dataBuffer and not conn._tempDataBuffer
+
+
+def test_a_batch_goes_behind_what_the_connection_had_queued(pair) -> None:
+    conn, peer, reactor = pair
+    proto = _proto(conn)
+    proto.write(b"first\n")  # queued by Twisted, not sent yet
+    assert conn in reactor.writers
+    with send_batch:
+        proto.write(b"second\n")
+    assert conn._tempDataBuffer == [b"first\n", b"second\n"]
+    conn.doWrite()
+    assert peer.recv(100) == b"first\nsecond\n"
+
+
+def test_what_the_kernel_does_not_take_is_queued_in_order(pair) -> None:
+    conn, peer, reactor = pair
+    conn.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    data = b"x" * 2_000_000 + b"\n"
+    send_now(conn, data)
+    assert conn in reactor.writers and conn._tempDataLen > 0
+    got = bytearray()
+    while len(got) < len(data):
+        conn.doWrite()
+        got += peer.recv(1 << 20)
+    assert bytes(got) == data
+
+
+def test_closing_inside_a_batch_sends_what_it_holds_first() -> None:
+    transport = StringTransport()
+    proto = _proto(transport)
+    with send_batch:
+        proto.write(b"RDATA a 1 [1]\n")
+        proto.close()
+        assert transport.value() == b"RDATA a 1 [1]\n"
+        assert transport.disconnecting
+    assert transport.value() == b"RDATA a 1 [1]\n"
+
+
+def test_other_transports_are_written_as_before() -> None:
+    transport = StringTransport()
+    proto = _proto(transport)
+    with send_batch:
+        proto.write(b"a\n")
+        proto.write(b"b\n")
+        assert transport.value() == b""
+    assert transport.value() == b"a\nb\n"
