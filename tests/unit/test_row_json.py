@@ -200,20 +200,30 @@ def test_an_old_stream_table_gets_row_line_when_the_store_is_opened(tmp_path, wi
     assert names.count(ROW_JSON_COLUMN) == 1 and names.count(ROW_LINE_COLUMN) == 1
 
 
-def test_a_row_with_row_json_and_no_row_line_is_read_from_it(tmp_path) -> None:
-    """A row written by the tickline that stored ``row_json`` (still running after the upgrade)."""
+def _store_with_an_old_row(tmp_path, with_row_json: bool):
+    """Rows 1-2 written by this tickline; row 3 (writer ``old``) as an older tickline wrote it: no
+    ``row_line``, and ``row_json`` only with ``with_row_json``."""
     store = _store(tmp_path)
     store.append("mixed", ROWS[:2], "w1")
     names = ", ".join(SCHEMA.column_names)
     values = SCHEMA.check_row(ROWS[2])
+    json_column, json_value = (f", {ROW_JSON_COLUMN}", ", ?") if with_row_json else ("", "")
+    params = (*values, SCHEMA.values_encoder()(values)) if with_row_json else tuple(values)
+    marks = ", ".join("?" * len(values))
     store.database.write(
         lambda conn: conn.execute(
-            f"INSERT INTO stream_mixed (token, instance_name, ts, {names}, {ROW_JSON_COLUMN}) "
-            "VALUES (3, 'old', 5, ?, ?, ?, ?, ?, ?)",
-            (*values, SCHEMA.values_encoder()(values)),
+            f"INSERT INTO stream_mixed (token, instance_name, ts, {names}{json_column}) "
+            f"VALUES (3, 'old', 5, {marks}{json_value})",
+            params,
         )
     )
     store.database.write(lambda conn: conn.execute("UPDATE tickline_stream_heads SET token = 3"))
+    return store
+
+
+def test_a_row_with_row_json_and_no_row_line_is_read_from_it(tmp_path) -> None:
+    """A row written by the tickline that stored ``row_json`` (still running after the upgrade)."""
+    store = _store_with_an_old_row(tmp_path, with_row_json=True)
     for with_ts in (False, True):
         assert store.read_lines_json("mixed", 0, 3, 100, PREFIX, with_ts) == (
             _python_lines(store, 0, 3, with_ts),
@@ -225,17 +235,7 @@ def test_a_row_with_row_json_and_no_row_line_is_read_from_it(tmp_path) -> None:
 
 def test_a_row_without_row_json_is_still_read(tmp_path) -> None:
     """A row written by an older tickline still running after the upgrade: built by SQLite from the columns."""
-    store = _store(tmp_path)
-    store.append("mixed", ROWS[:2], "w1")
-    names = ", ".join(SCHEMA.column_names)
-    values = SCHEMA.check_row(ROWS[2])
-    store.database.write(
-        lambda conn: conn.execute(
-            f"INSERT INTO stream_mixed (token, instance_name, ts, {names}) VALUES (3, 'old', 5, ?, ?, ?, ?, ?)",
-            values,
-        )
-    )
-    store.database.write(lambda conn: conn.execute("UPDATE tickline_stream_heads SET token = 3"))
+    store = _store_with_an_old_row(tmp_path, with_row_json=False)
     built = store.read_lines_json("mixed", 0, 3, 100, PREFIX, True)
     assert built is not None and built[1:] == (3, 3)
     python = _python_lines(store, 0, 3, True)
