@@ -142,8 +142,10 @@ class Baseline:
                 f"'host=127.0.0.1 port={port} dbname={self.name} user=postgres' PUBLICATION p"
             )
         self.dst = dst
-        self.created = time.monotonic()  # about when the launcher started the subscription's worker
         _wait(self._ready, "the subscription's initial copy", 60, 0.02)
+        # The launcher started the subscription's worker before its initial copy ended (maybe
+        # later than CREATE SUBSCRIPTION: it waits out the interval since its last start).
+        self.created = time.monotonic()
 
     def _ready(self) -> bool:
         states = _scalar(self.dst, "SELECT string_agg(srsubstate::text, '') FROM pg_subscription_rel")
