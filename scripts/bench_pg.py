@@ -36,7 +36,10 @@ writer      the writer alone on the durable source: single-row appends
             tickline (rows/s).
 catch-up    rows written (1000-row transactions, ``COPY``) while the
             consumer is away (tickline worker stopped; subscription disabled),
-            then rows/s from its start to the last row applied.
+            then rows/s from its start to the last row applied. The
+            subscription is enabled only once wal_retrieve_retry_interval has
+            passed since its worker started (PostgreSQL 15's launcher starts
+            workers at most once per interval), as for one disabled a while.
 """
 
 from __future__ import annotations
