@@ -266,8 +266,10 @@ class Master:
             self._notifications.close()
             self._notifications = None
         if self._wake_query is not None:
-            self._wake_query.close()
-            self._wake_query = None
+            # Forgotten first: closing fails a call in flight at once, and its
+            # handler must see a stop, not a failed connection (no warning).
+            wake, self._wake_query = self._wake_query, None
+            wake.close()
         for conn in list(self.connections):
             conn.close()
         self.timeline.stop()
