@@ -167,7 +167,7 @@ class ServerProtocol(LineCommandProtocol):
         # Finish replays owed to a half-closed peer (nc -q1), then close.
         if self.master.timeline.busy(self):
             return  # timeline answers still owed; the service calls again
-        if self._pending_replicates or not self.subscriptions.all_live():
+        if self._pending_replicates or self._replicates_behind or not self.subscriptions.all_live():
             return
         if len(self.subscriptions) and not self._half_close_synced:
             # Rows committed before the peer half-closed may not be followed
@@ -316,7 +316,6 @@ class ServerProtocol(LineCommandProtocol):
                 self.send_error(f"more than {MAX_WAITING_REPLICATES} REPLICATE commands waiting; this one is ignored")
                 return
             self._replicates_behind.append(command)
-            self._pending_replicates += 1
             return
         self._answer_replicates(command)
 
@@ -346,7 +345,6 @@ class ServerProtocol(LineCommandProtocol):
     def _next_replicate(self) -> ReplicateCommand | None:
         if self.closing or not self._replicates_behind:
             return None
-        self._pending_replicates -= 1
         return self._replicates_behind.popleft()
 
     def _start_replicate(self, command: ReplicateCommand) -> defer.Deferred[Any] | None:

@@ -200,6 +200,21 @@ def test_a_fenced_bulk_write_commits_nothing_and_append_retries_with_new_tokens(
         store.close()
 
 
+LARGE = [list(r) for r in GOOD * 40]  # enough rows for an append by COPY (a proposed allocation)
+
+
+@pytest.fixture
+def two_writers(pg_url):
+    """Two stores (two writer processes) of one database, the ``mixed`` stream registered."""
+    store, other = open_store(pg_url), open_store(pg_url)
+    try:
+        store.register_stream(MIXED)
+        yield store, other
+    finally:
+        other.close()
+        store.close()
+
+
 def _count_proposals(monkeypatch) -> dict[str, int]:
     """How many large appends had their allocation taken as proposed (one round trip), how many not."""
     from storage import pg_store
@@ -227,76 +242,60 @@ def _check_stream(store, appends: list[list[int]]) -> None:
     assert ts == sorted(ts) and len(set(ts)) == len(ts)
 
 
-def test_large_appends_propose_their_allocation_and_fall_back_when_another_allocated(pg_url, monkeypatch) -> None:
+def test_large_appends_propose_their_allocation_and_fall_back_when_another_allocated(two_writers, monkeypatch) -> None:
     """A writer alone proposes its next tokens and timestamps (BEGIN, allocation, COPY and COMMIT in one round
     trip); after another writer of the stream, or the master's oracle, allocated, the proposal is refused,
     nothing is taken and the append allocates as usual: no gap, no token twice, ts still in token order."""
     seen = _count_proposals(monkeypatch)
-    store = open_store(pg_url)
-    other = open_store(pg_url)
-    try:
-        store.register_stream(MIXED)
-        rows = [list(r) for r in GOOD * 40]
-        appends = [store.append("mixed", rows, "w") for _ in range(3)]
-        assert seen == {"taken": 2, "not": 1}  # the first allocation tells the writer what comes next
-        appends.append(other.append("mixed", rows, "v"))  # another process's writer takes the next tokens
-        appends.append(store.append("mixed", rows, "w"))  # refused: falls back
-        appends.append(store.append("mixed", rows, "w"))  # not proposed; shows a proposal would have been right
+    store, other = two_writers
+    rows = LARGE
+    appends = [store.append("mixed", rows, "w") for _ in range(3)]
+    assert seen == {"taken": 2, "not": 1}  # the first allocation tells the writer what comes next
+    appends.append(other.append("mixed", rows, "v"))  # another process's writer takes the next tokens
+    appends.append(store.append("mixed", rows, "w"))  # refused: falls back
+    appends.append(store.append("mixed", rows, "w"))  # not proposed; shows a proposal would have been right
+    appends.append(store.append("mixed", rows, "w"))
+    assert seen == {"taken": 3, "not": 4}  # the other writer's first append counts too
+    # A writer whose clock is far behind the oracle's proposes its last timestamps + 1: refused
+    # whenever the oracle handed out others meanwhile (the master's fresh times), and not
+    # proposed again while that lasts.
+    store._clock = lambda: 0.0
+    for _ in range(3):
+        other.allocate_timestamps(1)
         appends.append(store.append("mixed", rows, "w"))
-        assert seen == {"taken": 3, "not": 4}  # the other writer's first append counts too
-        # A writer whose clock is far behind the oracle's proposes its last timestamps + 1: refused
-        # whenever the oracle handed out others meanwhile (the master's fresh times), and not
-        # proposed again while that lasts.
-        store._clock = lambda: 0.0
-        for _ in range(3):
-            other.allocate_timestamps(1)
-            appends.append(store.append("mixed", rows, "w"))
-        assert seen == {"taken": 3, "not": 7}
-        appends.append(store.append("mixed", rows, "w"))  # alone: a proposal would have been taken
-        appends.append(store.append("mixed", rows, "w"))
-        assert seen == {"taken": 4, "not": 8}
-        appends.append(other.append("mixed", [rows[0]], "v"))  # a small append between
-        appends.append(store.append("mixed", rows, "w"))
-        _check_stream(store, appends)
-    finally:
-        other.close()
-        store.close()
+    assert seen == {"taken": 3, "not": 7}
+    appends.append(store.append("mixed", rows, "w"))  # alone: a proposal would have been taken
+    appends.append(store.append("mixed", rows, "w"))
+    assert seen == {"taken": 4, "not": 8}
+    appends.append(other.append("mixed", [rows[0]], "v"))  # a small append between
+    appends.append(store.append("mixed", rows, "w"))
+    _check_stream(store, appends)
 
 
-def test_a_fenced_writer_whose_append_is_one_round_trip_commits_nothing_and_retries(pg_url, monkeypatch) -> None:
+def test_a_fenced_writer_whose_append_is_one_round_trip_commits_nothing_and_retries(two_writers, monkeypatch) -> None:
     seen = _count_proposals(monkeypatch)
-    store = open_store(pg_url)
-    other = open_store(pg_url)
-    try:
-        store.register_stream(MIXED)
-        rows = [list(r) for r in GOOD * 40]
-        appends = [store.append("mixed", rows, "w")]
-        store.database.query("UPDATE tickline_writers SET heartbeat_ms = 0 RETURNING 1")
-        other.safe_positions(expire_writers=True)  # the master's sweep: this writer is dead
-        appends.append(store.append("mixed", rows, "w"))  # fenced at its commit, retried with new tokens
-        assert seen == {"taken": 0, "not": 2}  # the proposed append raised Fenced; the retry allocated anew
-        stored = store.read_rows("mixed", 0, 10**9, 10_000)
-        assert [r[1] for r in stored] == appends[0] + appends[1]
-        assert appends[1][0] > appends[0][-1] + len(rows)  # the fenced attempt's tokens are skipped
-    finally:
-        other.close()
-        store.close()
+    store, other = two_writers
+    rows = LARGE
+    appends = [store.append("mixed", rows, "w")]
+    store.database.query("UPDATE tickline_writers SET heartbeat_ms = 0 RETURNING 1")
+    other.safe_positions(expire_writers=True)  # the master's sweep: this writer is dead
+    appends.append(store.append("mixed", rows, "w"))  # fenced at its commit, retried with new tokens
+    assert seen == {"taken": 0, "not": 2}  # the proposed append raised Fenced; the retry allocated anew
+    stored = store.read_rows("mixed", 0, 10**9, 10_000)
+    assert [r[1] for r in stored] == appends[0] + appends[1]
+    assert appends[1][0] > appends[0][-1] + len(rows)  # the fenced attempt's tokens are skipped
 
 
-def test_a_bad_row_in_a_proposed_append_commits_nothing(pg_url, monkeypatch) -> None:
+def test_a_bad_row_in_a_proposed_append_commits_nothing(two_writers, monkeypatch) -> None:
     seen = _count_proposals(monkeypatch)
-    store = open_store(pg_url)
-    try:
-        store.register_stream(MIXED)
-        rows = [list(r) for r in GOOD * 40]
-        first = store.append("mixed", rows, "w")
-        with pytest.raises(RowError, match="row 151"):
-            store.append("mixed", [*rows[:150], ["ok", "not a number", None, None, None]], "w")
-        assert store.read_rows("mixed", first[-1], 10**9, 10) == []
-        again = store.append("mixed", rows, "w")
-        _check_stream(store, [first, again])
-        # The bad append's proposal was taken (its tokens then rolled back and skipped); the next one's too.
-        assert seen == {"taken": 1, "not": 1}
-        assert again[0] == first[-1] + 151 + 1  # after the 151 skipped tokens
-    finally:
-        store.close()
+    store, _ = two_writers  # one writer here
+    rows = LARGE
+    first = store.append("mixed", rows, "w")
+    with pytest.raises(RowError, match="row 151"):
+        store.append("mixed", [*rows[:150], ["ok", "not a number", None, None, None]], "w")
+    assert store.read_rows("mixed", first[-1], 10**9, 10) == []
+    again = store.append("mixed", rows, "w")
+    _check_stream(store, [first, again])
+    # The bad append's proposal was taken (its tokens then rolled back and skipped); the next one's too.
+    assert seen == {"taken": 1, "not": 1}
+    assert again[0] == first[-1] + 151 + 1  # after the 151 skipped tokens
