@@ -47,9 +47,6 @@ def worker_config(args: argparse.Namespace, config: Config) -> WorkerConfig:
 def run_worker(args: argparse.Namespace, config: Config) -> int:
     from twisted.internet import defer, reactor
 
-    from scripts.metrics import serve_metrics
-    from workers.worker_metrics import WorkerCollector
-
     wc = worker_config(args, config)
     handlers = HandlerRegistry()
     try:
@@ -75,6 +72,11 @@ def run_worker(args: argparse.Namespace, config: Config) -> int:
 
     async def start() -> None:
         if metrics is not None:
+            # Imported only when asked for: twisted.web and prometheus_client take about
+            # 0.1 s to import, on the path of every start (a worker's catch-up waits for it).
+            from scripts.metrics import serve_metrics
+            from workers.worker_metrics import WorkerCollector
+
             serve_metrics(reactor, WorkerCollector(worker), *metrics)
         worker.start()
         for consumer in timeline:

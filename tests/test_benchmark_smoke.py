@@ -207,3 +207,43 @@ def test_fanout_clients_check_every_token_in_order() -> None:
     ):
         got = _fanout_clients_against(bad, rows, 1)
         assert "rows out of order" in got.get("error", ""), got
+
+
+def test_the_catch_up_times_a_restart_of_a_worker_that_was_set_up_before(tmp_path, monkeypatch) -> None:
+    """As the baseline's subscription (created, copied, disabled): the worker's first start, on its
+    fresh database, comes before the rows are written and is not timed; the timed part starts the
+    worker process again, which resumes from its stored token."""
+    from scripts import bench_pg
+
+    workdir = str(tmp_path)
+    order: list[str] = []
+    write = bench_pg._tickline_write
+
+    def counting_write(t: bench_pg.Tickline, rows: int) -> int:
+        order.append("write")
+        return write(t, rows)
+
+    clock = bench_pg.time.perf_counter
+
+    def perf_counter() -> float:
+        order.append("clock")
+        return clock()
+
+    start = bench_pg.Tickline.start_worker
+
+    def counting_start(self: bench_pg.Tickline) -> None:
+        order.append("start")
+        start(self)
+
+    monkeypatch.setattr(bench_pg, "_tickline_write", counting_write)
+    monkeypatch.setattr(bench_pg.Tickline, "start_worker", counting_start)
+    with bench_pg.Clusters() as clusters:
+        monkeypatch.setattr(bench_pg.time, "perf_counter", perf_counter)
+        rate = bench_pg.catch_up_once(clusters, workdir, 2000, "tickline")
+        monkeypatch.setattr(bench_pg.time, "perf_counter", clock)
+    assert rate > 0
+    assert order[:5] == ["start", "write", "clock", "start", "clock"], order
+    log = (tmp_path / "catchup-worker.log").read_text()
+    # Two processes: the first caught up with nothing, the second resumed and applied every row.
+    assert log.count("worker bench resumes caches@0, events@0") == 2, log
+    assert "applied caches@0, events@0" in log and "events@2000" in log, log
