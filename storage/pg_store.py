@@ -41,7 +41,7 @@ from storage import time_index
 from storage.contracts import CommittedRows, JsonRow, Row, StoredRow
 from storage.limits import DEFAULT_MAX_LINE_BYTES, check_batch_rows, check_rows, max_row_json_bytes
 from storage.pg_copy import _COPY_FORMATS, NULL_COPY, _copy_text, chunk_formatter, formatter, lines_need_escapes
-from storage.pg_db import Cursor, PgDatabase, prepared, rollback_explicit
+from storage.pg_db import Cursor, PgDatabase, execute_literals, prepared, rollback_explicit
 from storage.pg_lines import read_lines, value_json_sql
 from storage.schema import COLUMN_TYPES, RowError, StreamSchema, check_instance_name
 from storage.store import FIRST_VALUE, DatabaseUnavailable, StreamCatalog
@@ -878,8 +878,14 @@ class WriteTransaction:
                 params += [CHANNEL, schema.name]
             else:  # the claim's and the payload's (_Statements._build_small)
                 params += [schema.name, state.writer_id, CHANNEL, schema.name, self._instance, schema.name]
+            # A prepared statement's parameters as literals where they can be (execute_literals):
+            # the same text psycopg2 would send, for a third of its CPU.
+            text = execute_literals(self._cur.cursor, sql, params) if count <= PREPARED_ROWS else None
             try:
-                first_token, first_ts, _ = self._cur.execute(self._first(sql), params).fetchone()
+                if text is not None:
+                    first_token, first_ts, _ = self._cur.execute(self._first(text), None).fetchone()
+                else:
+                    first_token, first_ts, _ = self._cur.execute(self._first(sql), params).fetchone()
             except psycopg2.Error as e:
                 if e.pgcode == FENCED_CODE:
                     raise Fenced(self._instance) from None
