@@ -864,8 +864,14 @@ class WriteTransaction:
         if token_count == 0:
             params.append(self._batch_token)
         params.append(self._instance)
+        doubles = self._statements.doubles
         for i, row in enumerate(values, 1):
             params.append(i)
+            if doubles:
+                # A double as its shortest exact text, which the server reads with float8's input:
+                # as a number psycopg2 writes -0.0, which an EXECUTE argument reads as a numeric
+                # (no negative zero) and stored 0.
+                row = tuple(repr(v) if k in doubles and v is not None else v for k, v in enumerate(row))
             params.extend(row)
         # Allocation and registration as in flight happen under the lock, so
         # a concurrent report never claims a token still in flight.
@@ -1057,6 +1063,7 @@ class _Statements:
         self.copy = f"COPY {schema.table} ({names}) FROM STDIN"
         self._small: dict[tuple[int, bool, bool], str] = {}
         self._formats = [_COPY_FORMATS[c.type] for c in schema.columns]
+        self.doubles = frozenset(schema.double_columns)
         self._chunk = chunk_formatter(schema)
         # JSON bytes a row can have beyond 6x its COPY text: brackets, per value quotes and a
         # separator, "null" for "\\N", "false" for "f", a double printed at its longest.

@@ -51,3 +51,27 @@ def test_single_row_appends_store_every_value_as_written(pg_url: str) -> None:
         assert got[1][:4] == [None, 2**63 - 1, 1e300, False] and got[1][4] is None
     finally:
         store.close()
+
+
+def test_a_double_keeps_its_exact_value_and_the_sign_of_zero_in_small_appends(pg_url: str) -> None:
+    """One row, a few rows (a prepared statement) and 20 rows (not prepared): -0.0 stays -0.0 (it was
+    stored as 0 by the prepared statement, whose argument read -0.0 as a numeric), and every double
+    reads back exactly."""
+    doubles = [-0.0, 0.1, 1e300, 5e-324, -2.5e-310, 1 / 3, 2.0**53 + 2]
+    store = open_store(pg_url)
+    try:
+        store.register_stream(MIXED)
+        for count in (1, 3, 20):
+            rows = [[None, None, doubles[k % len(doubles)], True, None] for k in range(count)]
+            tokens = store.append("mixed", rows, "w")
+            got = [r[FIRST_VALUE + 2] for r in store.read_rows("mixed", tokens[0] - 1, tokens[-1], 100)]
+            assert [repr(x) for x in got] == [repr(r[2]) for r in rows], count
+        conn = psycopg2.connect(pg_url)
+        try:
+            with conn.cursor() as cur:
+                cur.execute("SELECT count(*) FROM stream_mixed WHERE x = 0 AND x::text = '-0'")
+                assert cur.fetchone()[0] == 1 + 1 + 3  # counts 1, 3 and 20: a -0.0 at positions 0 and 7, 14
+        finally:
+            conn.close()
+    finally:
+        store.close()
