@@ -26,7 +26,10 @@ latency     single-row commits paced at a requested rate (default 1,000/s)
             (the master's part alone), taken in a third run per repeat: that
             client costs the master a second send and the listeners' process
             a second wake-up per commit, which the baseline would not pay,
-            so the compared runs go without it. The listeners (the target's
+            so the compared runs go without it. Also the CPU per commit and
+            the wait for a CPU (run queue) per commit of the run's processes
+            (this one and its children, both clusters' servers) during the
+            paced commits, from /proc/<pid>/task/*/schedstat. The listeners (the target's
             NOTIFY, the bare client) run in a process of their own, for
             both, and the committing process runs with its garbage collector
             off: neither's reads wait for the other's GIL or collections.
@@ -579,6 +582,60 @@ def _listeners(url: str, port: int | None) -> Iterator[Callable[[int], tuple[dic
         proc.stdout.close()
 
 
+def _descendants(roots: set[int]) -> set[int]:
+    """``roots`` and every process below them (from ``/proc/<pid>/stat``'s parent ids)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            parent = int(stat[stat.rindex(")") + 2 :].split()[1])
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = set(), list(roots)
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.add(pid)
+            todo.extend(children.get(pid, ()))
+    return found
+
+
+def _scheduled(clusters: Clusters) -> dict[int, tuple[int, int]]:
+    """Per process of this run (this process and its children, both clusters' postmasters and theirs):
+    nanoseconds on a CPU and waiting on a run queue, summed over its threads (``/proc/.../schedstat``)."""
+    roots = {os.getpid()}
+    for server in (clusters.source, clusters.target):
+        try:
+            roots.add(int((server.datadir / "data" / "postmaster.pid").read_text().split()[0]))
+        except (OSError, ValueError, IndexError):
+            pass
+    times: dict[int, tuple[int, int]] = {}
+    for pid in _descendants(roots):
+        cpu = waited = 0
+        try:
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                    fields = f.read().split()
+                cpu += int(fields[0])
+                waited += int(fields[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        times[pid] = (cpu, waited)
+    return times
+
+
+def _scheduled_per_commit(
+    before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]], commits: int
+) -> dict[str, float]:
+    """CPU and run-queue wait (ms per commit) of the processes present before and after the paced commits."""
+    cpu = sum(after[p][0] - before[p][0] for p in after if p in before)
+    waited = sum(after[p][1] - before[p][1] for p in after if p in before)
+    return {"cpu_ms": cpu / 1e6 / max(commits, 1), "runq_ms": waited / 1e6 / max(commits, 1)}
+
+
 def _paced(commit: Callable[[int], int], rate: int, seconds: float) -> tuple[dict[int, float], float]:
     """Commit single rows at ``rate``/s for ``seconds``: token -> commit time, and the rate reached.
 
@@ -634,9 +691,12 @@ def latency_once(clusters: Clusters, workdir: str, rate: int, seconds: float, wh
                 def commit(n: int) -> int:
                     return t.store.append("events", make_rows(n, 1), "bench-latency")[0]
 
+                before = _scheduled(clusters)
                 committed, reached = _paced(commit, rate, seconds)
+                after = _scheduled(clusters)
                 seen, sent = collect(max(committed))
             result = _delays(committed, seen, reached)
+            result.update(_scheduled_per_commit(before, after, len(committed)))
             if which == "rdata":
                 rdata = _delays(committed, sent, reached)
                 result["rdata_p50"], result["rdata_p99"] = rdata["p50"], rdata["p99"]
@@ -658,9 +718,13 @@ def latency_once(clusters: Clusters, workdir: str, rate: int, seconds: float, wh
                 conn.commit()
                 return n + 1
 
+            before = _scheduled(clusters)
             committed, reached = _paced(commit, rate, seconds)
+            after = _scheduled(clusters)
             seen, _ = collect(max(committed))
-        return _delays(committed, seen, reached)
+        result = _delays(committed, seen, reached)
+        result.update(_scheduled_per_commit(before, after, len(committed)))
+        return result
     finally:
         conn.close()
         b.close()
@@ -765,6 +829,12 @@ def run(
                     f"{rate:,} single-row commits/s requested, {_fmt(a['reached'])}/s reached ({held})",
                     flush=True,
                 )
+            print(
+                f"  CPU per commit (the run's processes: benchmark, master, worker, listeners, both clusters): "
+                f"tickline {t['cpu_ms']:.2f} ms, baseline {b['cpu_ms']:.2f} ms; their wait for a CPU per commit "
+                f"(run queue): tickline {t['runq_ms']:.2f} ms, baseline {b['runq_ms']:.2f} ms",
+                flush=True,
+            )
             print(
                 f"  tickline master alone: commit -> RDATA at a bare TCP client p50 {t['rdata_p50']:.2f} ms, "
                 f"p99 {t['rdata_p99']:.2f} ms (runs of their own, with that client; commit -> applied in them "

@@ -85,6 +85,50 @@ class Cursor:
         return self.cursor.rowcount
 
 
+def sql_literals(values: Sequence[str | int | None]) -> str:
+    """``values`` as SQL literals separated by ``, ``: the text psycopg2 would send for them.
+
+    For a connection with ``standard_conforming_strings`` on (the worker's
+    apply connection sets it: ``PgWorkerStore.open_async_apply``; a
+    single-row append checks it: :func:`execute_literals`), where a
+    string literal is its text between single quotes with each quote
+    doubled and a backslash is an ordinary character. Raises ``ValueError``
+    for a NUL in a string (no literal holds one) or a value of any other
+    type (a ``bool`` included): the caller then sends the row another way.
+    """
+    out = []
+    for v in values:
+        if type(v) is str:
+            if "\x00" in v:
+                raise ValueError("a string literal cannot hold NUL")
+            out.append("'" + v.replace("'", "''") + "'")
+        elif type(v) is int:
+            out.append(str(v) if v >= 0 else f" {v}")  # as psycopg2: a space keeps "-" from making "--"
+        elif v is None:
+            out.append("NULL")
+        else:
+            raise ValueError(f"no literal for a {type(v).__name__}")
+    return ", ".join(out)
+
+
+def execute_literals(cursor: Any, execute: str, params: Sequence[Any]) -> str | None:
+    """``execute`` (an ``EXECUTE name (%s, ...)`` from :func:`prepared`) with ``params`` written in as literals.
+
+    :func:`sql_literals` costs about a third of psycopg2's adaptation (7 µs
+    against 23 for a single-row append's 21 values). None, and the caller
+    passes the parameters to psycopg2, when a value is not a ``str``, ``int``
+    or None (a ``float``, a ``bool``, ...), a string holds NUL, or the
+    connection does not have ``standard_conforming_strings`` on (where a
+    backslash would need escaping).
+    """
+    if cursor.connection.get_parameter_status("standard_conforming_strings") != "on":
+        return None
+    try:
+        return f"{execute[: execute.index(' (')]} ({sql_literals(params)})"
+    except ValueError:
+        return None
+
+
 # Per connection: statement text -> its EXECUTE (a prepared statement lives as long as its connection).
 _PREPARED: weakref.WeakKeyDictionary[Any, dict[str, str]] = weakref.WeakKeyDictionary()
 

@@ -25,7 +25,7 @@ from storage.pg_copy import (
     lines_need_escapes,
     received_chunk_formatter,
 )
-from storage.pg_db import Cursor, PgDatabase, prepared, rollback_explicit
+from storage.pg_db import Cursor, PgDatabase, prepared, rollback_explicit, sql_literals
 from storage.pg_wake import close_quietly, lost_connection, open_nonblocking, poll_word
 from storage.schema import COLUMN_TYPES, StreamSchema
 from storage.store import ApplyRefused, DatabaseUnavailable, StaleApply
@@ -197,31 +197,6 @@ def one_row_params(schema: StreamSchema, received: Sequence[ReceivedRows]) -> li
             return None
         params.append(text)
     return params
-
-
-def sql_literals(values: Sequence[str | int | None]) -> str:
-    """``values`` as SQL literals separated by ``, ``: the text psycopg2 would send for them.
-
-    For a connection with ``standard_conforming_strings`` on (the apply
-    connection sets it: :meth:`PgWorkerStore.open_async_apply`), where a
-    string literal is its text between single quotes with each quote
-    doubled and a backslash is an ordinary character. Raises ``ValueError``
-    for a NUL in a string (no literal holds one) or a value of any other
-    type (a ``bool`` included): the caller then sends the row another way.
-    """
-    out = []
-    for v in values:
-        if type(v) is str:
-            if "\x00" in v:
-                raise ValueError("a string literal cannot hold NUL")
-            out.append("'" + v.replace("'", "''") + "'")
-        elif type(v) is int:
-            out.append(str(v) if v >= 0 else f" {v}")  # as psycopg2: a space keeps "-" from making "--"
-        elif v is None:
-            out.append("NULL")
-        else:
-            raise ValueError(f"no literal for a {type(v).__name__}")
-    return ", ".join(out)
 
 
 class PgAsyncApply:

@@ -91,6 +91,12 @@ def test_postgresql_scenarios_print_their_lines_against_logical_replication() ->
     assert re.search(r"^latency: tickline [\d.]+ ms, baseline [\d.]+ ms, ratio \d+\.\d\d$", proc.stdout, re.M)
     assert re.search(r"^  tickline: commit -> applied p50 .* reached \((held|NOT held)\)$", proc.stdout, re.M)
     assert re.search(
+        r"^  CPU per commit \(.*\): tickline [\d.]+ ms, baseline [\d.]+ ms; their wait for a CPU per commit "
+        r"\(run queue\): tickline [\d.]+ ms, baseline [\d.]+ ms$",
+        proc.stdout,
+        re.M,
+    ), proc.stdout
+    assert re.search(
         r"^  tickline master alone: commit -> RDATA at a bare TCP client p50 [\d.]+ ms, p99 [\d.]+ ms "
         r"\(runs of their own, with that client; commit -> applied in them p50 [\d.]+ ms, p99 [\d.]+ ms\)$",
         proc.stdout,
