@@ -22,6 +22,8 @@ from typing import Any, ClassVar
 import attr
 import orjson
 
+from storage.schema import INT64_MAX
+
 __all__ = [
     "ANSWERED_COMMANDS",
     "CLIENT_COMMANDS",
@@ -62,7 +64,7 @@ __all__ = [
 # Stream, instance and server names are single words of printable ASCII.
 _WORD = re.compile(r"[!-~]+")
 _TOKEN = re.compile(r"0|[1-9][0-9]{0,18}")
-MAX_TOKEN = 2**63 - 1
+MAX_TOKEN = INT64_MAX  # a token is stored as a signed 64-bit integer
 
 
 class MalformedCommand(ValueError):

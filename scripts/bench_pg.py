@@ -26,7 +26,10 @@ latency     single-row commits paced at a requested rate (default 1,000/s)
             (the master's part alone), taken in a third run per repeat: that
             client costs the master a second send and the listeners' process
             a second wake-up per commit, which the baseline would not pay,
-            so the compared runs go without it. Also the CPU per commit and
+            so the compared runs go without it. A commit's time is taken when
+            its COMMIT returns: on a busy machine the master may send the
+            RDATA before the committing process runs again, so a commit ->
+            RDATA delay can be negative. Also the CPU per commit and
             the wait for a CPU (run queue) per commit of the run's processes
             (this one and its children, both clusters' servers) during the
             paced commits, from /proc/<pid>/task/*/schedstat. The listeners (the target's

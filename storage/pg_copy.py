@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 
-from storage.schema import StreamSchema
+from storage.schema import INT64_MAX, INT64_MIN, StreamSchema
 
 _COPY_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
 NULL_COPY = "\\N"
@@ -55,9 +55,6 @@ def copy_rows(cursor: Any, table: str, schema: StreamSchema, rows: Sequence[tupl
     lines.append("")
     names = ", ".join(("token", "instance_name", "ts", *schema.column_names))
     cursor.copy_expert(f"COPY {table} ({names}) FROM STDIN", io.BytesIO("\n".join(lines).encode()), size=1 << 20)
-
-
-_MIN_INT, _MAX_INT = -(2**63), 2**63 - 1
 
 
 def column_formatter(schema: StreamSchema, checked: bool = False, with_ts: bool = False) -> Callable[[Any], str | None]:
@@ -107,8 +104,8 @@ def column_formatter(schema: StreamSchema, checked: bool = False, with_ts: bool 
         "NUL": "\x00",
         "esc": _copy_text,
         "dbl": _copy_double,
-        "MIN": _MIN_INT,
-        "MAX": _MAX_INT,
+        "MIN": INT64_MIN,
+        "MAX": INT64_MAX,
         "dumps": orjson.dumps,
     }
     exec("\n".join(lines), namespace)
@@ -158,8 +155,8 @@ def _value_lines(schema: StreamSchema, indent: str, fail: str) -> tuple[list[str
 def _compile(lines: list[str], name: str) -> Any:
     namespace: dict[str, Any] = {
         "NULL": NULL_COPY,
-        "MIN": _MIN_INT,
-        "MAX": _MAX_INT,
+        "MIN": INT64_MIN,
+        "MAX": INT64_MAX,
         "esc": _copy_text,
         "repeat": itertools.repeat,
     }

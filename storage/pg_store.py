@@ -43,7 +43,7 @@ from storage.limits import DEFAULT_MAX_LINE_BYTES, check_batch_rows, check_rows,
 from storage.pg_copy import _COPY_FORMATS, NULL_COPY, _copy_text, chunk_formatter, formatter, lines_need_escapes
 from storage.pg_db import Cursor, PgDatabase, execute_literals, prepared, rollback_explicit
 from storage.pg_lines import read_lines, value_json_sql
-from storage.schema import COLUMN_TYPES, RowError, StreamSchema, check_instance_name
+from storage.schema import COLUMN_TYPES, INT64_MAX, RowError, StreamSchema, check_instance_name
 from storage.store import FIRST_VALUE, DatabaseUnavailable, StreamCatalog
 from storage.urls import redact_url
 
@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 CHANNEL = "tickline"
 NOW_MS = "(extract(epoch from clock_timestamp()) * 1000)::bigint"
 COPY_ROWS = 100  # appends of at least this many rows go by COPY
-MAX_TOKEN = 2**63 - 1
+MAX_TOKEN = INT64_MAX
 ORACLE_SEQUENCE = "tickline_tso_seq"
 ORACLE_FUNCTION = "tickline_allocate_v5"
 ORACLE_LOCK = 0x74736F  # "tso": held by the allocation function for microseconds, never across a commit

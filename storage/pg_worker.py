@@ -27,7 +27,7 @@ from storage.pg_copy import (
 )
 from storage.pg_db import Cursor, PgDatabase, prepared, rollback_explicit, sql_literals
 from storage.pg_wake import close_quietly, lost_connection, open_nonblocking, poll_word
-from storage.schema import COLUMN_TYPES, StreamSchema
+from storage.schema import COLUMN_TYPES, INT64_MAX, INT64_MIN, StreamSchema
 from storage.store import ApplyRefused, DatabaseUnavailable, StaleApply
 from storage.urls import redact_url
 from storage.worker_store import expand_received, move_applied_token, move_applied_token_sql, token_bounds
@@ -125,7 +125,7 @@ def _text_value(v: Any) -> Any:
 def _bigint_value(v: Any) -> Any:
     if v is None:
         return None
-    return str(v) if type(v) is int and _INT64_MIN <= v <= _INT64_MAX else _MISFIT
+    return str(v) if type(v) is int and INT64_MIN <= v <= INT64_MAX else _MISFIT
 
 
 def _double_value(v: Any) -> Any:
@@ -152,7 +152,6 @@ def _json_value(v: Any) -> Any:
 
 
 _MISFIT = object()  # a value the one-row statement does not take: the JSON statement decides
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _ONE_ROW_VALUES: dict[str, Callable[[Any], Any]] = {
     "text": _text_value,
     "bigint": _bigint_value,
@@ -188,7 +187,7 @@ def one_row_params(schema: StreamSchema, received: Sequence[ReceivedRows]) -> li
     if type(row) is not list or len(row) != len(columns) + 1:
         return None
     ts = row[-1]
-    if type(ts) is not int or not 0 <= ts <= _INT64_MAX or type(instance) is not str or "\x00" in instance:
+    if type(ts) is not int or not 0 <= ts <= INT64_MAX or type(instance) is not str or "\x00" in instance:
         return None
     params: list[Any] = [token, instance, ts]
     for column, value in zip(columns, row, strict=False):
@@ -463,7 +462,7 @@ class PgWorkerStore:
                 text = fmt(row)
                 if text is None:
                     ts = row[-1] if type(row) is list and len(row) == width + 1 else None
-                    if type(ts) is not int or not 0 <= ts < 2**63:
+                    if type(ts) is not int or not 0 <= ts <= INT64_MAX:
                         return None
                     text = _checked_copy_text(schema, row[:-1]) + f"\t{ts}"
                 lines.append(prefix + text)

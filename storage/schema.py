@@ -62,7 +62,8 @@ COLUMN_TYPES: dict[str, tuple[str, str]] = {
     "boolean": ("BOOLEAN", "BOOLEAN"),
     "json": ("TEXT", "JSONB"),
 }
-_INT64 = (-(2**63), 2**63 - 1)
+# A bigint column, a token and a timestamp are signed 64-bit integers in both databases.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class SchemaError(ValueError):
@@ -160,7 +161,7 @@ class Column:
                 return _check_text(value, stream, self.name)
         elif kind == "bigint":
             if isinstance(value, int) and not isinstance(value, bool):
-                if _INT64[0] <= value <= _INT64[1]:
+                if INT64_MIN <= value <= INT64_MAX:
                     return value
                 raise RowError(f"stream {stream!r}: column {self.name!r}: {_short(value)} does not fit in 64 bits")
         elif kind == "double":

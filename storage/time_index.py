@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import attr
 
 from storage import tso
-from storage.schema import StreamSchema
+from storage.schema import INT64_MAX, StreamSchema
 
 
 class TimedDatabase(Protocol):
@@ -83,7 +83,7 @@ class TokenAt:
         return None if self.token is None else self.token - 1
 
 
-MAX_STORED_TS = (1 << 63) - 1  # a row's ts is a signed 64-bit column in both databases
+MAX_STORED_TS = INT64_MAX  # a row's ts is a signed 64-bit column in both databases
 
 
 def ts_at_ms(unix_ms: int) -> int:
