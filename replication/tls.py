@@ -19,7 +19,9 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-if TYPE_CHECKING:  # pyOpenSSL is imported only when TLS is used: it is a tenth of a second of every start
+# twisted.internet.ssl is imported only when TLS is used (about 40 ms of a start). pyOpenSSL itself
+# is imported by Twisted's TCP transport (for startTLS) whenever it is installed.
+if TYPE_CHECKING:
     from twisted.internet import ssl
     from twisted.protocols.tls import TLSMemoryBIOFactory
 
