@@ -15,7 +15,8 @@ import psycopg2
 import pytest
 
 from replication.streams import EVENTS
-from storage.pg_worker import COPY_ROWS, PgAsyncApply, one_row_params, sql_literals
+from storage.pg_db import sql_literals
+from storage.pg_worker import COPY_ROWS, PgAsyncApply, one_row_params
 from storage.schema import StreamSchema
 from storage.store import ApplyRefused, DatabaseUnavailable, StaleApply
 from storage.worker_store import open_worker_store
