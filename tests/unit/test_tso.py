@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import multiprocessing
+from collections.abc import Iterator
 
 import pytest
 
 from replication.streams import EVENTS
+from scripts.pg_local import PostgresServer
 from storage import tso
 from storage.store import open_store
 
@@ -94,9 +96,24 @@ def test_timestamps_unique_and_ordered_across_processes(db_url) -> None:
         assert result == sorted(result)
 
 
-def test_postgresql_append_is_one_transaction_with_the_oracle_in_it(pg_url) -> None:
+@pytest.fixture
+def own_pg_url() -> Iterator[str]:
+    """A database on a server of its own: transaction ids are counted across a whole cluster,
+    and on the session's server another test's process (a master's time ticks, ...) can take one
+    while they are counted (seen once in a full run)."""
+    server = PostgresServer()
+    server.start()
+    try:
+        yield server.new_database()
+    finally:
+        server.stop()
+
+
+def test_postgresql_append_is_one_transaction_with_the_oracle_in_it(own_pg_url) -> None:
     """One append assigns one transaction id: the oracle costs no commit of its own."""
     import psycopg2
+
+    pg_url = own_pg_url
 
     store = open_store(pg_url, report_interval=3600.0)
     store.register_stream(EVENTS)
