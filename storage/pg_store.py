@@ -364,10 +364,9 @@ class PgStreamStore:
         positions: dict[str, int] = {}
         for name, position, head, live, last_ts in self.database.query(" UNION ALL ".join(parts), params, prepare=True):
             positions[name] = int(position)
-            if int(head) <= position or not live:
-                times[name] = t
-            elif last_ts is not None:
-                times[name] = int(last_ts)
+            found = time_index.stream_safe_time(t, int(head) <= position or not live, last_ts)
+            if found is not None:
+                times[name] = found
         return times, positions
 
     def schema(self, stream: str) -> StreamSchema:

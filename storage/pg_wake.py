@@ -53,6 +53,7 @@ from storage.pg_lines import PLAN_SETTINGS, last_token_sql, line_sql, lines_sele
 from storage.pg_store import _ORACLE_LAST_SQL, PgStreamStore, _seq
 from storage.schema import StreamSchema
 from storage.store import DatabaseUnavailable
+from storage.time_index import stream_safe_time
 from storage.urls import redact_url
 
 SETUP_SECONDS = 5.0  # connecting and creating the function (off the reactor)
@@ -211,10 +212,11 @@ class PgWake:
                 positions[name] = int(position)
                 if mark is None:
                     continue
-                if int(head) <= position or not live:
-                    times[name] = int(mark)
-                elif last_ts is not None:
-                    times[name] = int(last_ts)
+                found = stream_safe_time(
+                    int(mark), int(head) <= position or not live, None if last_ts is None else int(last_ts)
+                )
+                if found is not None:
+                    times[name] = found
                 continue
             if limit is not None and longest > limit:
                 too_long.add(name)  # the caller builds these lines itself

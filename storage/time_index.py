@@ -223,6 +223,25 @@ def last_ts_upto(store: TimedStore, stream: str, token: int) -> int | None:
     return int(found[0][0]) if found else None
 
 
+def stream_safe_time(t: int, free: bool, last_ts: int | None) -> int | None:
+    """One stream's safe time from the pass's oracle time ``t`` (None: none yet).
+
+    ``free``: nothing is allocated above the safe position, or (PostgreSQL)
+    the stream had no live writer; ``last_ts``: the timestamp of the last
+    row at or below the position. That timestamp is always a safe time (every
+    later token has a larger one); with ``free``, so is ``t``, and the larger
+    of the two is taken: a write that committed between ``t`` and the
+    positions lifts the safe time to its row, so the ``TICK`` after a row is
+    never below that row's own timestamp.
+    """
+    if not free:
+        return last_ts
+    # Without a live writer, tokens above the position can never commit (dead
+    # writers are fenced off and write again with new tokens and timestamps;
+    # a writer that registers later allocates after t).
+    return t if last_ts is None else max(t, last_ts)
+
+
 def safe_point(
     store: TimedStore, expire_writers: bool = True, allocate: bool = True, taken: int | None = None
 ) -> tuple[dict[str, int], dict[str, int]]:
@@ -234,7 +253,8 @@ def safe_point(
     advances while nobody writes; without, the oracle's high-water mark), then
     the safe positions and the allocated heads are read. Where nothing is
     allocated above the safe position, every later token is allocated after
-    ``t`` and has a larger timestamp: the safe time is ``t``; so it is on
+    ``t`` and has a larger timestamp: the safe time is ``t`` (or the last
+    row's timestamp if larger, :func:`stream_safe_time`); so it is on
     PostgreSQL for a stream that had no live writer when the writers were read
     (before the positions). Where tokens above
     it are allocated (in flight, or committed above a writer still in flight,
@@ -255,13 +275,9 @@ def safe_point(
     heads = allocated_heads(store, sorted(positions))
     times: dict[str, int] = {}
     for stream, position in positions.items():
-        # Without a live writer, tokens above the position can never commit
-        # (dead writers are fenced off and write again with new tokens and
-        # timestamps; a writer that registers later allocates after t).
-        if heads.get(stream, 0) <= position or (live is not None and stream not in live):
-            times[stream] = t
-        else:
-            last = last_ts_upto(store, stream, position)
-            if last is not None:
-                times[stream] = last
+        last = last_ts_upto(store, stream, position)
+        free = heads.get(stream, 0) <= position or (live is not None and stream not in live)
+        found = stream_safe_time(t, free, last)
+        if found is not None:
+            times[stream] = found
     return times, positions

@@ -33,6 +33,41 @@ def test_idle_streams_are_safe_up_to_a_fresh_oracle_time(db_url) -> None:
         store.close()
 
 
+class WriteBeforeThePositions:
+    """A store whose positions are read just after another process committed a row (a real write)."""
+
+    def __init__(self, store, writer) -> None:
+        self._store, self._writer = store, writer
+        self.written: list[int] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+    def safe_positions(self, expire_writers: bool = True) -> dict[str, int]:
+        self.written += self._writer.append("events", [row(len(self.written))], "other")
+        return self._store.safe_positions(expire_writers)
+
+
+def test_a_write_between_the_time_and_the_positions_lifts_the_safe_time(db_url) -> None:
+    """The TICK after a row covers it: the safe time is never below the last row up to the position."""
+    store = open_store(db_url)
+    writer = open_store(db_url)
+    try:
+        store.register_stream(EVENTS)
+        writer.schema("events")
+        racing = WriteBeforeThePositions(store, writer)
+        for allocate in (False, True):
+            t = time_index.oracle_last(store)
+            times, positions = time_index.safe_point(racing, expire_writers=False, allocate=allocate)
+            token = racing.written[-1]
+            assert positions["events"] == token
+            assert times["events"] == stored_ts(store, token) > t  # t alone would be below the row
+            writer.retire_writers()
+    finally:
+        store.close()
+        writer.close()
+
+
 def test_ts_increases_with_the_token(db_url) -> None:
     store = open_store(db_url)
     try:
