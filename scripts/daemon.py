@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from twisted.internet import defer, task
+from twisted.internet.error import CannotListenError
 from twisted.logger import STDLibLogObserver, globalLogBeginner
 
 from scripts.config import ConfigError, load_config, setup_logging
@@ -53,7 +54,10 @@ def run_daemon(
 
     def failed(failure: Any) -> None:
         print(f"tickline {name}: error: {failure.getErrorMessage()}", file=sys.stderr)
-        exit_code[0] = 1
+        # An address that cannot be listened on (taken, not local, no permission)
+        # is a mistake in the configuration, as a database that cannot be
+        # reached is: exit code 2. Anything else that stops the start: 1.
+        exit_code[0] = 2 if failure.check(CannotListenError) else 1
         stop_reactor(reactor)
 
     async def begin() -> None:

@@ -184,7 +184,7 @@ def test_bad_metrics_listen_flags_exit_2(tmp_path) -> None:
     assert "--metrics-listen: port 99999 is out of range" in one_error_line(worker.stderr, "tickline worker: error: ")
 
 
-def test_master_whose_metrics_port_is_taken_exits_1_with_a_message(tmp_path) -> None:
+def test_master_whose_metrics_port_is_taken_exits_2_with_a_message(tmp_path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
@@ -199,5 +199,19 @@ def test_master_whose_metrics_port_is_taken_exits_1_with_a_message(tmp_path) -> 
             f"127.0.0.1:{busy}",
             timeout=20,
         )
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert f"tickline master: error: Couldn't listen on 127.0.0.1:{busy}" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_master_whose_listen_port_is_taken_exits_2_with_one_line(tmp_path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        busy = taken.getsockname()[1]
+        result = run_tickline(
+            "master", "--listen", f"127.0.0.1:{busy}", "--database", sqlite_url(tmp_path / "m.db"), timeout=20
+        )
+    assert result.returncode == 2
+    line = one_error_line(result.stderr, "tickline master: error: ")
+    assert f"Couldn't listen on 127.0.0.1:{busy}" in line and "Address already in use" in line
