@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 import attr
-import yaml
 
 from replication.logsafe import SafeFormatter
 from replication.settings import LimitsConfig, MasterConfig, ProtocolConfig, TLSConfig
@@ -216,6 +215,8 @@ def load_config(path: str | None = None) -> Config:
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         raise ConfigError(f"config file {path} is not valid UTF-8 (line {line}, byte {e.start + 1})") from None
+    import yaml  # only with a file: about 25 ms of a start without one
+
     try:
         raw = yaml.safe_load(text)
     except yaml.MarkedYAMLError as e:
