@@ -25,8 +25,7 @@ from replication.timeline_settings import TimelineSettings
 from scripts.when import BadInstant, parse_when
 from storage.schema import NAME_WORD, SchemaError, StreamSchema
 from storage.urls import BadDatabaseUrl, parse_database_url
-from workers.settings import ApplySettings, TimelineWorkerSettings, WorkerConfig
-from workers.snapshot import SparkSettings
+from workers.settings import ApplySettings, SparkSettings, TimelineWorkerSettings, WorkerConfig
 
 DEFAULT_DATABASE = "sqlite:///tickline.db"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
