@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NoReturn
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from scripts.config import Config, ConfigError, load_config, setup_logging
-from storage.schema import RowError, SchemaError
-from storage.store import StorageError
-from storage.urls import BadDatabaseUrl, parse_database_url
+# The configuration's modules (attrs classes, YAML) are imported by main(), while the
+# cyclic collector is paused (see _collector_paused).
+if TYPE_CHECKING:
+    from scripts.config import Config
 
 
 class UsageError(Exception):
@@ -168,59 +170,37 @@ def _relative_since(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(_relative_since(sys.argv[1:] if argv is None else argv))
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The cyclic collector off while a start imports its modules and reads its config.
+
+    Imports allocate hundreds of thousands of objects that live as long as the
+    process, and the collector's passes over them (full ones as the heap grows)
+    cost about a tenth of a start's import time; they are examined once, after.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
     try:
-        if args.command == "check-config":
-            load_config(args.config)
-            print(f"{args.config}: OK")
-            return 0
-        if args.command == "bench":
-            from scripts import benchmark
+        yield
+    finally:
+        gc.enable()
 
-            variants = args.variants.split(",") if args.variants else None
-            if variants:
-                from scripts.bench_fanout import variants as fanout_variants
 
-                unknown = [v for v in variants if v not in fanout_variants()]
-                if unknown:
-                    parser.error(f"unknown fanout variant {unknown[0]!r} (known: {', '.join(fanout_variants())})")
-            return benchmark.main(
-                args.scenarios,
-                args.rows,
-                args.repeat,
-                verbose=args.verbose,
-                rate=args.rate,
-                seconds=args.seconds,
-                plot_path=args.plot,
-                db=args.db,
-                fanout_variants=variants,
-            )
-        config = load_config(args.config)
-        setup_logging(config.log_level)
-        if args.command == "master":
-            from scripts.run_master import run_master
+def main(argv: Sequence[str] | None = None) -> int:
+    with _collector_paused():
+        from scripts.config import ConfigError
+        from storage.schema import RowError, SchemaError
+        from storage.store import StorageError
+        from storage.urls import BadDatabaseUrl
 
-            return run_master(args, config)
-        if args.command == "write":
-            return run_write(args, config)
-        if args.command == "worker":
-            from scripts.run_worker import run_worker
-
-            return run_worker(args, config)
-        if args.command == "snapshot":
-            from scripts.snapshot import run_snapshot
-
-            return run_snapshot(args, config)
-        if args.command == "timeline":
-            from scripts.timeline_cli import run_timeline
-
-            return run_timeline(args, config)
-        if args.command == "tail":
-            from scripts.tail import run_tail
-
-            return run_tail(args, config)
+        parser = build_parser()
+        args = parser.parse_args(_relative_since(sys.argv[1:] if argv is None else argv))
+    try:
+        with _collector_paused():
+            command = _command(parser, args)
+        return command()
     except (ConfigError, UsageError, BadDatabaseUrl, SchemaError, RowError, StorageError) as e:
         print(f"tickline {args.command}: error: {one_line(e)}", file=sys.stderr)
         return 2
@@ -229,7 +209,63 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"tickline {args.command}: error: database error: {one_line(e)}", file=sys.stderr)
         return 2
-    raise AssertionError(args.command)
+
+
+def _command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Callable[[], int]:
+    """The command to run, its modules imported and its configuration read."""
+    from scripts.config import load_config, setup_logging
+
+    if args.command == "check-config":
+        load_config(args.config)
+
+        def checked() -> int:
+            print(f"{args.config}: OK")
+            return 0
+
+        return checked
+    if args.command == "bench":
+        from scripts import benchmark
+
+        variants = args.variants.split(",") if args.variants else None
+        if variants:
+            from scripts.bench_fanout import variants as fanout_variants
+
+            unknown = [v for v in variants if v not in fanout_variants()]
+            if unknown:
+                parser.error(f"unknown fanout variant {unknown[0]!r} (known: {', '.join(fanout_variants())})")
+        return lambda: benchmark.main(
+            args.scenarios,
+            args.rows,
+            args.repeat,
+            verbose=args.verbose,
+            rate=args.rate,
+            seconds=args.seconds,
+            plot_path=args.plot,
+            db=args.db,
+            fanout_variants=variants,
+        )
+    config = load_config(args.config)
+    setup_logging(config.log_level)
+    run: Callable[[argparse.Namespace, Config], int]
+    if args.command == "master":
+        from scripts.run_master import run_master as run
+    elif args.command == "write":
+        run = run_write
+    elif args.command == "worker":
+        if not config.tls.client_enabled:
+            from replication.tls import import_reactor_without_tls
+
+            import_reactor_without_tls()  # about 0.1 s of a start (see replication.tls)
+        from scripts.run_worker import run_worker as run
+    elif args.command == "snapshot":
+        from scripts.snapshot import run_snapshot as run
+    elif args.command == "timeline":
+        from scripts.timeline_cli import run_timeline as run
+    elif args.command == "tail":
+        from scripts.tail import run_tail as run
+    else:
+        raise AssertionError(args.command)
+    return lambda: run(args, config)
 
 
 def one_line(error: Exception, limit: int = 500) -> str:
@@ -245,6 +281,8 @@ def _is_database_error(error: Exception) -> bool:
 
 
 def database_url(args: argparse.Namespace, config: Config) -> str:
+    from storage.urls import parse_database_url
+
     url = args.database or config.database
     parse_database_url(url)
     return url

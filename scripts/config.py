@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 import attr
-import yaml
 
 from replication.logsafe import SafeFormatter
 from replication.settings import LimitsConfig, MasterConfig, ProtocolConfig, TLSConfig
@@ -26,8 +25,7 @@ from replication.timeline_settings import TimelineSettings
 from scripts.when import BadInstant, parse_when
 from storage.schema import NAME_WORD, SchemaError, StreamSchema
 from storage.urls import BadDatabaseUrl, parse_database_url
-from workers.settings import ApplySettings, TimelineWorkerSettings, WorkerConfig
-from workers.snapshot import SparkSettings
+from workers.settings import ApplySettings, SparkSettings, TimelineWorkerSettings, WorkerConfig
 
 DEFAULT_DATABASE = "sqlite:///tickline.db"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -216,6 +214,8 @@ def load_config(path: str | None = None) -> Config:
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         raise ConfigError(f"config file {path} is not valid UTF-8 (line {line}, byte {e.start + 1})") from None
+    import yaml  # only with a file: about 25 ms of a start without one
+
     try:
         raw = yaml.safe_load(text)
     except yaml.MarkedYAMLError as e:

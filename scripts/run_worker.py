@@ -108,6 +108,8 @@ def run_worker(args: argparse.Namespace, config: Config) -> int:
 
 def timeline_consumers(wc: WorkerConfig, config: Config, reactor: Any) -> list[Any]:
     """One consumer per ``worker.timeline`` entry (handlers loaded now: bad paths stop start-up)."""
+    if not wc.timeline:
+        return []
     from workers.timeline import TimelineConsumer
 
     consumers = []

@@ -50,3 +50,21 @@ class TimelineWorkerSettings:
     lease_ms: int = 30_000  # extended automatically at half while the handler runs
     backoff_initial_ms: int = 1_000  # first RELEASE delay after a handler raised
     backoff_max_ms: int = 300_000  # the delay doubles per failure up to this
+
+
+DEFAULT_POSTGRESQL_JAR = "/usr/share/java/postgresql.jar"  # Debian: libpostgresql-jdbc-java
+DEFAULT_SQLITE_JAR = "/usr/share/java/sqlite-jdbc.jar"  # Debian: libxerial-sqlite-jdbc-java
+
+
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class SparkSettings:
+    """The ``spark:`` section of the configuration (``tickline snapshot``, ``workers.snapshot``).
+
+    Here, not in ``workers.snapshot``, so reading a configuration does not import
+    what a snapshot needs (``tempfile`` and with it ``shutil``, ``bz2``, ``lzma``).
+    """
+
+    num_partitions: int = 4  # token ranges read in parallel (one JDBC connection each)
+    postgresql_jar: str = DEFAULT_POSTGRESQL_JAR
+    sqlite_jar: str = DEFAULT_SQLITE_JAR
+    fetchsize: int = 10000  # rows per JDBC fetch; PostgreSQL streams through a cursor

@@ -32,7 +32,9 @@ Columns carry the stream's types on PostgreSQL and SQLite alike (see
 ``pyspark.sql.functions.get_json_object``.
 
 PySpark is imported only inside the functions that need it, so this module
-(and its :class:`SparkSettings`, which the configuration uses) loads fast.
+loads fast. :class:`SparkSettings` (the ``spark:`` section) lives in
+``workers.settings``, so the configuration does not import this module; it is
+importable from here too.
 """
 
 from __future__ import annotations
@@ -50,12 +52,13 @@ from storage.schema import StreamSchema
 from storage.store import StorageError
 from storage.urls import DatabaseUrl, parse_database_url, redact_url
 from storage.worker_store import open_snapshot_reader
+from workers.settings import DEFAULT_POSTGRESQL_JAR as DEFAULT_POSTGRESQL_JAR
+from workers.settings import DEFAULT_SQLITE_JAR as DEFAULT_SQLITE_JAR
+from workers.settings import SparkSettings as SparkSettings
 
 if TYPE_CHECKING:  # pragma: no cover
     from pyspark.sql import DataFrame, SparkSession
 
-DEFAULT_POSTGRESQL_JAR = "/usr/share/java/postgresql.jar"  # Debian: libpostgresql-jdbc-java
-DEFAULT_SQLITE_JAR = "/usr/share/java/sqlite-jdbc.jar"  # Debian: libxerial-sqlite-jdbc-java
 POSTGRESQL_DRIVER = "org.postgresql.Driver"
 SQLITE_DRIVER = "org.sqlite.JDBC"
 
@@ -70,16 +73,6 @@ SPARK_TYPES: dict[str, str] = {
     "json": "STRING",
 }
 META_COLUMNS = (("token", "BIGINT"), ("instance_name", "STRING"), ("ts", "BIGINT"))
-
-
-@attr.s(slots=True, frozen=True, auto_attribs=True)
-class SparkSettings:
-    """The ``spark:`` section of the configuration; these defaults are its defaults."""
-
-    num_partitions: int = 4  # token ranges read in parallel (one JDBC connection each)
-    postgresql_jar: str = DEFAULT_POSTGRESQL_JAR
-    sqlite_jar: str = DEFAULT_SQLITE_JAR
-    fetchsize: int = 10000  # rows per JDBC fetch; PostgreSQL streams through a cursor
 
 
 class SnapshotError(ValueError):

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+
+import pytest
 
 from tests.conftest import ROOT
 
@@ -35,3 +38,56 @@ def test_worker_without_metrics_does_not_import_the_metrics_endpoint(tmp_path) -
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["none"]
+
+
+# `tickline worker` through the command line's main(), the daemon's loop replaced as above.
+_CLI = """
+import sys
+import scripts.daemon
+
+ran = []
+scripts.daemon.run_daemon = lambda *args: ran.append(args) or 0
+from scripts.cli import main
+
+argv = ["worker", "--name", "w", "--master", "127.0.0.1:9", "--database", "sqlite:///" + sys.argv[1]]
+assert main(argv + ["--replicate", "events"] + sys.argv[2:]) == 0 and ran
+kept_out = [
+    m for m in ("OpenSSL", "cryptography", "service_identity", "twisted.internet.ssl", "yaml", "workers.snapshot", "workers.timeline")
+    if m not in sys.modules
+]
+print(" ".join(kept_out) or "none")
+"""
+
+
+def test_worker_without_tls_or_config_file_keeps_their_modules_out(tmp_path) -> None:
+    # pyOpenSSL with Twisted's TLS modules (about 0.1 s of a start; see replication.tls) and
+    # YAML come only with TLS or a config file; the snapshot's and the timeline consumer's modules
+    # only when used. TLS after such a start: tests/wire/test_wire_tls.py.
+    out = subprocess.run(
+        [sys.executable, "-c", _CLI, str(tmp_path / "worker.db")], cwd=ROOT, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [
+        "OpenSSL", "cryptography", "service_identity", "twisted.internet.ssl", "yaml", "workers.snapshot", "workers.timeline"
+    ]  # fmt: skip
+
+
+def test_worker_with_tls_configured_imports_twisted_tls_as_usual(tmp_path) -> None:
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is not installed")
+    subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+         "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=ca"],
+        cwd=tmp_path, check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    config = tmp_path / "worker.yaml"
+    config.write_text(f"tls:\n  ca: {tmp_path / 'ca.pem'}\n")
+    out = subprocess.run(
+        [sys.executable, "-c", _CLI, str(tmp_path / "worker.db"), "-c", str(config)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["workers.snapshot", "workers.timeline"]  # TLS's modules and YAML came in

@@ -10,12 +10,13 @@ import shutil
 import socket
 import sqlite3
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_tickline, sqlite_url
+from tests.conftest import ROOT, run_tickline, sqlite_url
 from tests.integration.procs import wait_for
 from tests.ops.helpers import sample, scrape
 
@@ -124,6 +125,63 @@ def test_worker_over_tls_applies_rows(master, certs, tmp_path, spawn) -> None:
     wait_for(lambda: applied() == 3, 30, "the worker to apply 3 rows over TLS")
     m.append("events", [EVENT_ROW])
     wait_for(lambda: applied() == 4, 30, "a live row over TLS")
+
+
+# A process that imported Twisted's reactor without pyOpenSSL (as `tickline worker` does when
+# TLS is not configured: replication.tls.import_reactor_without_tls) can still connect with TLS.
+_TLS_AFTER_KEEPING_OPENSSL_OUT = """
+import sys
+from replication.settings import TLSConfig
+from replication.tls import connect, import_reactor_without_tls
+
+assert import_reactor_without_tls(), "pyOpenSSL came in with Twisted's reactor"
+assert "OpenSSL" not in sys.modules and "twisted.internet.tcp" in sys.modules
+from twisted.internet import protocol, reactor
+from twisted.protocols.basic import LineOnlyReceiver
+
+firsts = []
+
+class First(LineOnlyReceiver):
+    delimiter = b"\\n"
+
+    def lineReceived(self, line):
+        firsts.append(line.split()[0].decode())
+        if firsts[-1] == "SERVER":
+            self.transport.loseConnection()
+
+    def connectionLost(self, reason):
+        reactor.stop()
+
+class Factory(protocol.ClientFactory):
+    protocol = First
+
+    def clientConnectionFailed(self, connector, reason):
+        print("failed:", reason.getErrorMessage())
+        reactor.stop()
+
+host, port = sys.argv[1].rsplit(":", 1)
+tls = TLSConfig(ca=sys.argv[2], client_cert=sys.argv[3], client_key=sys.argv[4])
+connect(reactor, host, int(port), Factory(), tls)
+reactor.callLater(20, reactor.stop)
+reactor.run()
+print(" ".join(firsts), "OpenSSL" in sys.modules)
+"""
+
+
+def test_tls_after_the_reactor_was_imported_without_pyopenssl(master, certs) -> None:
+    # Fails if a Twisted release no longer tolerates pyOpenSSL's absence at import (the worker's
+    # start relies on it), or if TLS then no longer works in that process.
+    m = master(master_tls(certs))
+    out = subprocess.run(
+        [
+            sys.executable, "-c", _TLS_AFTER_KEEPING_OPENSSL_OUT, m.address,
+            str(certs / "ca.pem"), str(certs / "client.pem"), str(certs / "client.key"),
+        ],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-2:] == ["SERVER", "True"], out.stdout  # the master's SERVER, read over TLS
+    assert "(TLS)" in m.log()
 
 
 def test_plaintext_client_to_a_tls_port_fails_cleanly(master, certs, tmp_path) -> None:
