@@ -299,6 +299,8 @@ def run_fanout(
         # SQLite: the store's own checkpoint policy (storage.sqlite_db): the
         # masters checkpoint after their passes, this writer only past the backstop.
         wal_watch = store.change_watch() if db == "sqlite" else None
+        if wal_watch is not None:
+            _wait_checkpointed(wal_watch)  # the filled rows', by the masters once they started
         next_row = head
 
         def measure(
