@@ -129,10 +129,7 @@ def _wait_checkpointed(watch: Any, bound: float = 10.0) -> None:
     checkpointed itself.
     """
     deadline = time.monotonic() + bound
-    while time.monotonic() < deadline:
-        frames = watch.waiting_frames()
-        if frames is None or frames < 1000:
-            return
+    while time.monotonic() < deadline and watch.wal_frames() is not None and watch.checkpoint_due():
         time.sleep(0.01)
 
 

@@ -8,7 +8,7 @@ WAL checkpoints (copying the WAL's pages into the database file, which is
 also when the WAL is synced: with ``synchronous = NORMAL`` a commit is
 durable against a power loss once a checkpoint has run after it) are left to
 the master where one follows the database: it checkpoints after its passes
-once :data:`CHECKPOINT_FRAMES` frames are waiting
+once the WAL holds :data:`CHECKPOINT_FRAMES` frames, SQLite's own rule
 (:meth:`SqliteChangeWatch.checkpoint_due`, :meth:`SqliteChangeWatch.checkpoint`),
 so a large commit's checkpoint runs after its rows went out, not beside the
 delivery. The writers of a stream database (``SqliteStreamStore``) checkpoint
@@ -31,8 +31,9 @@ from typing import Any
 from storage.migrate import apply_migrations
 from storage.store import DatabaseUnavailable, StorageError
 
-# Frames waiting in the WAL past which the master checkpoints after a pass:
-# SQLite's own default for its automatic checkpoint (1000 pages).
+# Frames in the WAL past which the master checkpoints after a pass (until all
+# are checkpointed and the next write starts the WAL over): SQLite's own
+# default for its automatic checkpoint (1000 pages).
 CHECKPOINT_FRAMES = 1000
 # A writer's automatic checkpoint (wal_autocheckpoint, in pages of the file's
 # size) runs only past this: the backstop where no master checkpoints. A
@@ -193,8 +194,8 @@ class SqliteChangeWatch:
         self._version = version
         return True
 
-    def waiting_frames(self) -> int | None:
-        """Frames in the WAL not yet checkpointed, from the WAL index (``<path>-shm``); None if unknown.
+    def wal_frames(self) -> tuple[int, int] | None:
+        """``(frames in the WAL, frames of them checkpointed)`` from the WAL index (``<path>-shm``); None if unknown.
 
         The header of SQLite's WAL index (https://www.sqlite.org/walformat.html)
         holds ``mxFrame`` (the last valid frame, at byte 16) and the checkpoint
@@ -209,14 +210,19 @@ class SqliteChangeWatch:
             return None
         if len(header) < 100:
             return None
-        (last,) = struct.unpack_from("=I", header, 16)
+        (frames,) = struct.unpack_from("=I", header, 16)
         (backfilled,) = struct.unpack_from("=I", header, 96)
-        return max(0, last - backfilled)
+        return frames, min(backfilled, frames)
 
     def checkpoint_due(self) -> bool:
-        """Whether :data:`CHECKPOINT_FRAMES` frames wait in the WAL (also when that cannot be read)."""
-        frames = self.waiting_frames()
-        return frames is None or frames >= CHECKPOINT_FRAMES
+        """SQLite's own rule: the WAL holds :data:`CHECKPOINT_FRAMES` frames and not all are checkpointed.
+
+        Once every frame is checkpointed, the next write starts the WAL over
+        from its beginning (which keeps the file from growing); until then
+        each pass checkpoints what it can. True when the index cannot be read.
+        """
+        frames = self.wal_frames()
+        return frames is None or (frames[0] >= CHECKPOINT_FRAMES and frames[1] < frames[0])
 
     def checkpoint(self) -> tuple[int, int, int]:
         """A passive checkpoint (never waits for readers or writers), on a database thread, one at a time.

@@ -21,12 +21,18 @@ from storage.store import open_store
 from tests.unit.test_protocol import Env, event, tokens
 
 
+def _waiting(watch: SqliteChangeWatch) -> int:
+    frames = watch.wal_frames()
+    assert frames is not None
+    return frames[0] - frames[1]
+
+
 def _frames_written(env: Env, first: int, frames: int) -> int:
     """Single-row appends until at least ``frames`` frames wait in the WAL; returns the next row's number."""
     watch = SqliteChangeWatch(env.store.path)
     try:
         n = first
-        while (watch.waiting_frames() or 0) < frames:
+        while _waiting(watch) < frames:
             env.write("events", [event(n)])
             n += 1
         return n
@@ -69,13 +75,17 @@ def test_the_watch_counts_the_frames_waiting_and_checkpoints_them(tmp_path: Path
         rows = [[f"$e{i}", "!room", "m.type", None, None] for i in range(200)]
         for row in rows:
             store.append("events", [row], "w")
-        waiting = watch.waiting_frames()
-        assert waiting is not None and waiting >= CHECKPOINT_FRAMES  # SQLite's default would have checkpointed
+        waiting = _waiting(watch)
+        assert waiting >= CHECKPOINT_FRAMES  # SQLite's default would have checkpointed
         assert watch.checkpoint_due()
         busy, frames, done = watch.checkpoint()
         assert (busy, done) == (0, frames) and frames >= waiting
-        assert watch.waiting_frames() == 0 and not watch.checkpoint_due()
-        assert [r[1] for r in store.read_rows("events", 0, 1000, 1000)] == list(range(1, 201))
+        assert watch.wal_frames() == (frames, frames) and not watch.checkpoint_due()
+        # All checkpointed: the next write starts the WAL over (it does not grow).
+        store.append("events", [rows[0]], "w")
+        wal = watch.wal_frames()
+        assert wal is not None and wal[0] < 10 and not watch.checkpoint_due()
+        assert [r[1] for r in store.read_rows("events", 0, 1000, 1000)] == list(range(1, 202))
     finally:
         store.close()
         watch.close()
@@ -84,7 +94,7 @@ def test_the_watch_counts_the_frames_waiting_and_checkpoints_them(tmp_path: Path
 def test_an_unreadable_wal_index_makes_a_checkpoint_due(tmp_path: Path) -> None:
     watch = SqliteChangeWatch(str(tmp_path / "plain.db"))  # not in WAL mode: no WAL index to read
     try:
-        assert watch.waiting_frames() is None and watch.checkpoint_due()
+        assert watch.wal_frames() is None and watch.checkpoint_due()
         assert watch.checkpoint()[0] == 0  # harmless there
     finally:
         watch.close()
@@ -102,9 +112,16 @@ def test_the_master_checkpoints_after_a_pass_once_enough_frames_wait(env: Env) -
     last = _frames_written(env, 2, CHECKPOINT_FRAMES)
     env.follow()
     assert env.db.calls.count("checkpoint") == 1
-    assert env.master._watch is not None and env.master._watch.waiting_frames() == 0
+    watch = env.master._watch
+    assert isinstance(watch, SqliteChangeWatch) and _waiting(watch) == 0
+    # The next write (here the master's own, at its next pass) starts the WAL over:
+    # no checkpoint after the passes that follow.
+    env.write("events", [event(last)])
+    env.follow()
+    env.follow()
+    assert env.db.calls.count("checkpoint") == 1 and not watch.checkpoint_due()
     # Every row went out once, in order, checkpoint or not.
-    assert tokens(conn.commands()) == list(range(1, last))
+    assert tokens(conn.commands()) == list(range(1, last + 1))
 
 
 def test_one_checkpoint_at_a_time_and_the_watch_closed_after_it(env: Env) -> None:
