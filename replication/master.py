@@ -512,16 +512,21 @@ class Master:
         self._watcher = self.reactor.callLater(self.config.change_check_interval, self._check_changes)
 
     def _checkpoint(self) -> None:
-        """SQLite: after a pass, checkpoint the WAL on a database thread when enough of it waits.
+        """SQLite: after a pass, checkpoint the WAL on a database thread when it is due (SQLite's rule).
 
-        After the pass, so a large commit's checkpoint (about 0.65 us of CPU
-        per row of the fan-out benchmark) runs once its rows went out, not
-        beside their delivery; the writers checkpoint only past a backstop
-        (``storage.sqlite_db``). One at a time; passive: it never waits for a
-        reader or a writer (what it cannot copy now, a later one does).
+        After the pass, and only while no connection is paused (its client
+        has not yet taken what was written to it), so a large commit's
+        checkpoint (about 0.65 us of CPU per row of the fan-out benchmark)
+        runs once its rows went out, not beside their delivery; a later pass
+        checkpoints once they did (a connection paused for ``max_pause`` is
+        closed; the writers checkpoint past a backstop, ``storage.sqlite_db``).
+        One at a time; passive: it never waits for a reader or a writer (what
+        it cannot copy now, a later one does).
         """
         watch = self._watch
-        if watch is None or self._checkpointing is not None or not watch.checkpoint_due():
+        if watch is None or self._checkpointing is not None:
+            return
+        if any(conn.paused for conn in self.connections) or not watch.checkpoint_due():
             return
 
         def done(result: object) -> object:

@@ -138,3 +138,18 @@ def test_one_checkpoint_at_a_time_and_the_watch_closed_after_it(env: Env) -> Non
     env.db.release()
     assert watch._checkpointer is None and watch._conn is None
     assert env.master._checkpointing is None
+
+
+def test_no_checkpoint_while_a_connection_is_paused(env: Env) -> None:
+    conn = env.connected()
+    conn.send("REPLICATE events 0")
+    env.follow()
+    last = _frames_written(env, 1, CHECKPOINT_FRAMES)
+    conn.proto.pauseProducing()  # its client has not taken what was written yet
+    env.follow()
+    env.follow()
+    assert "checkpoint" not in env.db.calls
+    conn.proto.resumeProducing()
+    env.follow()
+    assert env.db.calls.count("checkpoint") == 1
+    assert tokens(conn.commands()) == list(range(1, last))
