@@ -136,7 +136,6 @@ class Master:
         self._poller: task.LoopingCall | None = None
         self._watch: ChangeWatch | None = None  # SQLite: PRAGMA data_version (storage.sqlite_db)
         self._watcher: DelayedCall | None = None  # the next look (a bare callLater: no Deferred per look)
-        self._checkpointing: defer.Deferred[Any] | None = None  # SQLite: the WAL checkpoint running, if one is
         self._following = False
         self._follow_again = False
         self._expire_writers = True
@@ -253,11 +252,8 @@ class Master:
             self._watcher.cancel()
         self._watcher = None
         if self._watch is not None:
-            watch, self._watch = self._watch, None
-            if self._checkpointing is not None:
-                self._checkpointing.addBoth(lambda _: watch.close())  # closed once its checkpoint is done
-            else:
-                watch.close()
+            self._watch.close()
+            self._watch = None
         self.timeticks.stop()
 
     async def stop(self) -> None:
@@ -511,35 +507,6 @@ class Master:
             self.notify()
         self._watcher = self.reactor.callLater(self.config.change_check_interval, self._check_changes)
 
-    def _checkpoint(self) -> None:
-        """SQLite: after a pass, checkpoint the WAL on a database thread when it is due (SQLite's rule).
-
-        After the pass, and only while no connection is paused (its client
-        has not yet taken what was written to it), so a large commit's
-        checkpoint (about 0.65 us of CPU per row of the fan-out benchmark)
-        runs once its rows went out, not beside their delivery; a later pass
-        checkpoints once they did (a connection paused for ``max_pause`` is
-        closed; the writers checkpoint past a backstop, ``storage.sqlite_db``).
-        One at a time; passive: it never waits for a reader or a writer (what
-        it cannot copy now, a later one does).
-        """
-        watch = self._watch
-        if watch is None or self._checkpointing is not None:
-            return
-        if any(conn.paused for conn in self.connections) or not watch.checkpoint_due():
-            return
-
-        def done(result: object) -> object:
-            self._checkpointing = None
-            if isinstance(result, Failure):
-                logger.debug("checkpointing the WAL failed (a later pass tries again): %s", result.getErrorMessage())
-                return None
-            return result
-
-        d: defer.Deferred[Any] = self.db.run(watch.checkpoint)
-        self._checkpointing = d
-        d.addBoth(done)
-
     def _slow_tick(self) -> defer.Deferred[Any] | None:
         # The periodic pass also looks for writers that went silent; wake-ups
         # by notification skip that sweep to keep commit -> RDATA short.
@@ -672,7 +639,6 @@ class Master:
                         self._db_error = None
                 for d in waiters:
                     d.callback(None)
-                self._checkpoint()
                 if self._held and not self._follow_again:
                     try:
                         self._send_held()

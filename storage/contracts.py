@@ -107,14 +107,6 @@ class ChangeWatch(Protocol):
         """Whether another connection committed since the last call (True when unsure)."""
         ...
 
-    def checkpoint_due(self) -> bool:
-        """Whether the master should checkpoint the WAL now (cheap: on the reactor, never waits)."""
-        ...
-
-    def checkpoint(self) -> object:
-        """Checkpoint the WAL without waiting for anyone (on a database thread, one at a time)."""
-        ...
-
     def close(self) -> None: ...
 
 

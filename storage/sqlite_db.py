@@ -3,19 +3,6 @@
 ``sqlite3`` connections must stay on their thread, so each thread gets its
 own. WAL mode lets readers run beside the writer (and Spark's reads beside
 both).
-
-WAL checkpoints (copying the WAL's pages into the database file, which is
-also when the WAL is synced: with ``synchronous = NORMAL`` a commit is
-durable against a power loss once a checkpoint has run after it) are left to
-the master where one follows the database: it checkpoints after its passes
-once the WAL holds :data:`CHECKPOINT_FRAMES` frames, SQLite's own rule
-(:meth:`SqliteChangeWatch.checkpoint_due`, :meth:`SqliteChangeWatch.checkpoint`),
-so a large commit's checkpoint runs after its rows went out, not beside the
-delivery. The writers of a stream database (``SqliteStreamStore``) checkpoint
-on their own commits only once the WAL holds :data:`WRITER_CHECKPOINT_BYTES`
-(SQLite's automatic checkpoint, the backstop where no master runs): that
-bounds the WAL's growth and what a power loss can take. Other databases (a
-worker's, a timeline's) keep SQLite's default, 1000 pages.
 """
 
 from __future__ import annotations
@@ -23,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
-import struct
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -31,27 +17,14 @@ from typing import Any
 from storage.migrate import apply_migrations
 from storage.store import DatabaseUnavailable, StorageError
 
-# Frames in the WAL past which the master checkpoints after a pass (until all
-# are checkpointed and the next write starts the WAL over): SQLite's own
-# default for its automatic checkpoint (1000 pages).
-CHECKPOINT_FRAMES = 1000
-# A writer's automatic checkpoint (wal_autocheckpoint, in pages of the file's
-# size) runs only past this: the backstop where no master checkpoints. A
-# transaction of 200,000 rows of the fan-out benchmark is about 62 MiB of WAL;
-# its checkpoint costs about 0.65 us of CPU per row (docs/benchmarks.md, "sqfan").
-WRITER_CHECKPOINT_BYTES = 256 << 20
-
 
 class SqliteDatabase:
     dialect = "sqlite"
     placeholder = "?"
 
-    def __init__(self, path: str, busy_timeout_ms: int = 30_000, checkpoint_bytes: int | None = None) -> None:
+    def __init__(self, path: str, busy_timeout_ms: int = 30_000) -> None:
         self.path = path
         self._busy_timeout_ms = busy_timeout_ms
-        # The size of the WAL past which a commit of this object's connections
-        # checkpoints (None: SQLite's default, 1000 pages).
-        self._checkpoint_bytes = checkpoint_bytes
         self._local = threading.local()
 
     # -- connections ------------------------------------------------------
@@ -69,9 +42,6 @@ class SqliteDatabase:
                 conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
                 conn.execute("PRAGMA journal_mode = WAL")
                 conn.execute("PRAGMA synchronous = NORMAL")
-                if self._checkpoint_bytes is not None:
-                    (page_size,) = conn.execute("PRAGMA page_size").fetchone()
-                    conn.execute(f"PRAGMA wal_autocheckpoint = {max(1, self._checkpoint_bytes // int(page_size))}")
             except sqlite3.Error as e:
                 raise DatabaseUnavailable(f"cannot open SQLite database {self.path}: {e}") from None
             self._local.conn = conn
@@ -170,7 +140,6 @@ class SqliteChangeWatch:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._checkpointer: sqlite3.Connection | None = None  # opened by the first checkpoint
         try:
             self._conn: sqlite3.Connection | None = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
             self._conn.execute("PRAGMA busy_timeout = 0")
@@ -194,55 +163,7 @@ class SqliteChangeWatch:
         self._version = version
         return True
 
-    def wal_frames(self) -> tuple[int, int] | None:
-        """``(frames in the WAL, frames of them checkpointed)`` from the WAL index (``<path>-shm``); None if unknown.
-
-        The header of SQLite's WAL index (https://www.sqlite.org/walformat.html)
-        holds ``mxFrame`` (the last valid frame, at byte 16) and the checkpoint
-        information ``nBackfill`` (the frames copied back, at byte 96), native
-        byte order; a read of the file's first bytes, a few microseconds,
-        without a lock (a torn read only misjudges one look).
-        """
-        try:
-            with open(self.path + "-shm", "rb") as f:
-                header = f.read(100)
-        except OSError:
-            return None
-        if len(header) < 100:
-            return None
-        (frames,) = struct.unpack_from("=I", header, 16)
-        (backfilled,) = struct.unpack_from("=I", header, 96)
-        return frames, min(backfilled, frames)
-
-    def checkpoint_due(self) -> bool:
-        """SQLite's own rule: the WAL holds :data:`CHECKPOINT_FRAMES` frames and not all are checkpointed.
-
-        Once every frame is checkpointed, the next write starts the WAL over
-        from its beginning (which keeps the file from growing); until then
-        each pass checkpoints what it can. True when the index cannot be read.
-        """
-        frames = self.wal_frames()
-        return frames is None or (frames[0] >= CHECKPOINT_FRAMES and frames[1] < frames[0])
-
-    def checkpoint(self) -> tuple[int, int, int]:
-        """A passive checkpoint (never waits for readers or writers), on a database thread, one at a time.
-
-        Returns SQLite's answer: (busy, frames in the WAL, frames checkpointed).
-        Its own connection, opened on first use.
-        """
-        if self._checkpointer is None:
-            try:
-                self._checkpointer = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-                self._checkpointer.execute("PRAGMA busy_timeout = 0")
-            except sqlite3.Error as e:
-                raise DatabaseUnavailable(f"cannot open SQLite database {self.path}: {e}") from None
-        busy, frames, done = self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
-        return int(busy), int(frames), int(done)
-
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
-        if self._checkpointer is not None:
-            self._checkpointer.close()
-            self._checkpointer = None
