@@ -8,7 +8,9 @@ program: exit code 2 and one line on stderr naming the key.
 
 from __future__ import annotations
 
+import contextlib
 import socket
+from collections.abc import Iterator
 
 import pytest
 
@@ -184,11 +186,17 @@ def test_bad_metrics_listen_flags_exit_2(tmp_path) -> None:
     assert "--metrics-listen: port 99999 is out of range" in one_error_line(worker.stderr, "tickline worker: error: ")
 
 
-def test_master_whose_metrics_port_is_taken_exits_2_with_a_message(tmp_path) -> None:
+@contextlib.contextmanager
+def taken_port() -> Iterator[int]:
+    """A loopback port another socket listens on, for as long as the block runs."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
-        busy = taken.getsockname()[1]
+        yield taken.getsockname()[1]
+
+
+def test_master_whose_metrics_port_is_taken_exits_2_with_a_message(tmp_path) -> None:
+    with taken_port() as busy:
         result = run_tickline(
             "master",
             "--listen",
@@ -205,10 +213,7 @@ def test_master_whose_metrics_port_is_taken_exits_2_with_a_message(tmp_path) -> 
 
 
 def test_master_whose_listen_port_is_taken_exits_2_with_one_line(tmp_path) -> None:
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen(1)
-        busy = taken.getsockname()[1]
+    with taken_port() as busy:
         result = run_tickline(
             "master", "--listen", f"127.0.0.1:{busy}", "--database", sqlite_url(tmp_path / "m.db"), timeout=20
         )

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from replication.streams import EVENTS
 from storage import time_index
 from storage.store import open_store
@@ -10,6 +13,20 @@ from storage.tso import compose
 
 def row(n: int) -> list:
     return [f"$e{n}", "!r", "t", None, None]
+
+
+@contextlib.contextmanager
+def two_stores(url: str) -> Iterator[tuple]:
+    """Two processes' stores on one database, the events stream registered by the first."""
+    store = open_store(url)
+    other = open_store(url)
+    try:
+        store.register_stream(EVENTS)
+        other.schema("events")
+        yield store, other
+    finally:
+        store.close()
+        other.close()
 
 
 def stored_ts(store, token: int) -> int:
@@ -50,11 +67,7 @@ class WriteBeforeThePositions:
 
 def test_a_write_between_the_time_and_the_positions_lifts_the_safe_time(db_url) -> None:
     """The TICK after a row covers it: the safe time is never below the last row up to the position."""
-    store = open_store(db_url)
-    writer = open_store(db_url)
-    try:
-        store.register_stream(EVENTS)
-        writer.schema("events")
+    with two_stores(db_url) as (store, writer):
         racing = WriteBeforeThePositions(store, writer)
         for allocate in (False, True):
             t = time_index.oracle_last(store)
@@ -63,9 +76,6 @@ def test_a_write_between_the_time_and_the_positions_lifts_the_safe_time(db_url) 
             assert positions["events"] == token
             assert times["events"] == stored_ts(store, token) > t  # t alone would be below the row
             writer.retire_writers()
-    finally:
-        store.close()
-        writer.close()
 
 
 def test_ts_increases_with_the_token(db_url) -> None:
@@ -143,11 +153,7 @@ def test_first_token_at(db_url) -> None:
 
 def test_the_wake_up_safe_point_agrees_with_the_full_one_on_postgresql(pg_url) -> None:
     """PgStreamStore.safe_point without the sweep (one statement after t) answers as time_index.safe_point."""
-    store = open_store(pg_url)
-    other = open_store(pg_url)
-    try:
-        store.register_stream(EVENTS)
-        other.schema("events")
+    with two_stores(pg_url) as (store, other):
         (first,) = store.append("events", [row(1)], "A")
         with store.writing("events", "A") as txn:
             txn.append([row(2)])
@@ -162,9 +168,6 @@ def test_the_wake_up_safe_point_agrees_with_the_full_one_on_postgresql(pg_url) -
         slow_times, slow_positions = time_index.safe_point(other, expire_writers=False, allocate=False)
         assert fast_positions == slow_positions and fast_times == slow_times
         assert fast_times["events"] >= stored_ts(other, fast_positions["events"])
-    finally:
-        store.close()
-        other.close()
 
 
 def test_first_token_at_inside_a_batch_and_across_gaps(db_url) -> None:
