@@ -20,7 +20,8 @@ through :func:`import_reactor_without_tls`, which keeps pyOpenSSL out while
 they load; TLS is still available to it afterwards, because :func:`connect`
 wraps the client's factory in ``TLSMemoryBIOFactory`` itself (what
 ``connectSSL`` does) and the master listens on :func:`server_factory`, neither
-of which needs those two modules' TLS parts. ``tests/unit/test_tls_imports.py``
+of which needs those two modules' TLS parts.
+``tests/wire/test_wire_tls.py::test_tls_after_the_reactor_was_imported_without_pyopenssl``
 fails if a Twisted release stops tolerating it.
 """
 

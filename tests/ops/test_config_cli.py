@@ -220,3 +220,22 @@ def test_master_whose_listen_port_is_taken_exits_2_with_one_line(tmp_path) -> No
     assert result.returncode == 2
     line = one_error_line(result.stderr, "tickline master: error: ")
     assert f"Couldn't listen on 127.0.0.1:{busy}" in line and "Address already in use" in line
+
+
+def test_worker_whose_metrics_port_is_taken_exits_2_with_one_line(tmp_path) -> None:
+    with taken_port() as busy:
+        result = run_tickline(
+            "worker",
+            "--name",
+            "w",
+            "--master",
+            f"127.0.0.1:{free_port()}",
+            "--database",
+            sqlite_url(tmp_path / "w.db"),
+            "--metrics-listen",
+            f"127.0.0.1:{busy}",
+            timeout=30,
+        )
+    assert result.returncode == 2
+    assert f"tickline worker: error: Couldn't listen on 127.0.0.1:{busy}" in result.stderr
+    assert "Traceback" not in result.stderr
