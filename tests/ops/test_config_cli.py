@@ -195,47 +195,23 @@ def taken_port() -> Iterator[int]:
         yield taken.getsockname()[1]
 
 
-def test_master_whose_metrics_port_is_taken_exits_2_with_a_message(tmp_path) -> None:
+# (command, its arguments with BUSY for the taken port's address): every address a daemon listens on.
+TAKEN_PORTS = {
+    "master --metrics-listen": ("master", "--listen", "FREE", "--metrics-listen", "BUSY"),
+    "master --listen": ("master", "--listen", "BUSY"),
+    "worker --metrics-listen": ("worker", "--name", "w", "--master", "FREE", "--metrics-listen", "BUSY"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TAKEN_PORTS))
+def test_a_daemon_whose_port_is_taken_exits_2_with_a_message(tmp_path, case) -> None:
+    command = TAKEN_PORTS[case][0]
     with taken_port() as busy:
-        result = run_tickline(
-            "master",
-            "--listen",
-            f"127.0.0.1:{free_port()}",
-            "--database",
-            sqlite_url(tmp_path / "m.db"),
-            "--metrics-listen",
-            f"127.0.0.1:{busy}",
-            timeout=20,
-        )
+        addresses = {"BUSY": f"127.0.0.1:{busy}", "FREE": f"127.0.0.1:{free_port()}"}
+        args = [addresses.get(arg, arg) for arg in TAKEN_PORTS[case]]
+        result = run_tickline(*args, "--database", sqlite_url(tmp_path / f"{command}.db"), timeout=30)
     assert result.returncode == 2
-    assert f"tickline master: error: Couldn't listen on 127.0.0.1:{busy}" in result.stderr
-    assert "Traceback" not in result.stderr
-
-
-def test_master_whose_listen_port_is_taken_exits_2_with_one_line(tmp_path) -> None:
-    with taken_port() as busy:
-        result = run_tickline(
-            "master", "--listen", f"127.0.0.1:{busy}", "--database", sqlite_url(tmp_path / "m.db"), timeout=20
-        )
-    assert result.returncode == 2
-    line = one_error_line(result.stderr, "tickline master: error: ")
-    assert f"Couldn't listen on 127.0.0.1:{busy}" in line and "Address already in use" in line
-
-
-def test_worker_whose_metrics_port_is_taken_exits_2_with_one_line(tmp_path) -> None:
-    with taken_port() as busy:
-        result = run_tickline(
-            "worker",
-            "--name",
-            "w",
-            "--master",
-            f"127.0.0.1:{free_port()}",
-            "--database",
-            sqlite_url(tmp_path / "w.db"),
-            "--metrics-listen",
-            f"127.0.0.1:{busy}",
-            timeout=30,
-        )
-    assert result.returncode == 2
-    assert f"tickline worker: error: Couldn't listen on 127.0.0.1:{busy}" in result.stderr
-    assert "Traceback" not in result.stderr
+    # A master logs its other listener's start before the failure: the error is the last line.
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"tickline {command}: error: Couldn't listen on 127.0.0.1:{busy}")
+    assert "Address already in use" in line and "Traceback" not in result.stderr
