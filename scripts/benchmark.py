@@ -708,7 +708,11 @@ def main(
     if rows < 1 or repeat < 1 or rate < 1 or not seconds > 0:
         print("tickline bench: error: --rows, --repeat, --rate and --seconds must be positive", file=sys.stderr)
         return 2
-    print(f"tickline bench: {rows:,} rows, best of {repeat} runs, {os.cpu_count()} cores", flush=True)
+    print(
+        f"tickline bench: {rows:,} rows, {repeat} runs per scenario (wire scenarios: the best run; fanout: the "
+        f"best and the median; PostgreSQL scenarios: the median of interleaved runs), {os.cpu_count()} cores",
+        flush=True,
+    )
     workdir = tempfile.mkdtemp(prefix="tickline-bench-")
     wire = [s for s in chosen if s in WIRE_SCENARIOS]
     try:
