@@ -131,7 +131,9 @@ def role_fanout_clients(
     """
     import re
 
-    from twisted.internet import reactor
+    from replication.reactor_types import global_reactor, transport_of
+
+    reactor = global_reactor()
     from twisted.internet.protocol import ClientFactory, Protocol
 
     # Every line is searched with the newline before it (the carried tail keeps it).
@@ -150,7 +152,7 @@ def role_fanout_clients(
             self.at = 0 if first else -1  # where this client is in ``expected`` (-1: token by token)
             self.positioned = False
             if send:
-                self.transport.write(send.encode() + b"\n")
+                transport_of(self).write(send.encode() + b"\n")
 
         def dataReceived(self, data: bytes) -> None:
             buf = self.tail + data
@@ -187,7 +189,7 @@ def role_fanout_clients(
             if self.count >= rows:
                 result["rows"] += self.count
                 result["done"] += 1
-                self.transport.abortConnection()
+                transport_of(self).abortConnection()
                 if result["done"] == clients:
                     result["t_last"] = time.monotonic()
                     reactor.stop()
