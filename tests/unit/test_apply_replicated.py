@@ -8,6 +8,7 @@ are applied the general way, which names the bad row; nothing is half applied.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import orjson
 import pytest
@@ -15,6 +16,7 @@ import pytest
 from storage.schema import Column, RowError, StreamSchema
 from storage.store import StaleApply
 from storage.worker_store import expand_received, open_worker_store
+from tests.stores import backend_worker_store
 
 MIXED = StreamSchema(
     "mixed",
@@ -57,7 +59,7 @@ def _back(store):
 def test_received_rows_round_trip_every_value(db_url, count) -> None:
     store = open_worker_store(db_url)
     store.create_replicated_table(MIXED)
-    values = [
+    values: list[list[Any]] = [
         [
             TEXTS[i % len(TEXTS)] if i % 4 else None,
             [None, 0, -(2**63), 2**63 - 1, 12345678901234][i % 5],
@@ -141,7 +143,7 @@ PLAIN = StreamSchema("plain", (Column("t", "text"), Column("n", "bigint", True),
 @pytest.mark.parametrize("count", [3, 120])  # one statement; COPY
 def test_a_run_of_single_row_tokens_applies_as_its_tokens(db_url, schema, count) -> None:
     """A run (one entry, its tokens as a list, one per row) stores exactly what one entry per token does."""
-    store = open_worker_store(db_url)
+    store = backend_worker_store(open_worker_store(db_url))
     store.create_replicated_table(schema)
     if schema is MIXED:
         rows = [[TEXTS[i % len(TEXTS)], i, 0.5 + i, i % 2 == 0, {"i": i}, 1000 + i] for i in range(count)]

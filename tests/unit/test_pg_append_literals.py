@@ -8,6 +8,8 @@ as written.
 
 from __future__ import annotations
 
+from typing import Any
+
 import psycopg2
 
 from replication.streams import EVENTS
@@ -44,7 +46,7 @@ def test_single_row_appends_store_every_value_as_written(pg_url: str) -> None:
         stored = store.read_rows("events", 0, tokens[-1], 1000)
         assert [list(r[FIRST_VALUE:]) for r in stored] == events
         # Doubles and booleans are not written as literals: psycopg2 adapts them, as before.
-        mixed = [["a'b", -5, -1.5, True, {"k": "v"}], [None, 2**63 - 1, 1e300, False, None]]
+        mixed: list[list[Any]] = [["a'b", -5, -1.5, True, {"k": "v"}], [None, 2**63 - 1, 1e300, False, None]]
         last = [store.append("mixed", [row], "w")[0] for row in mixed][-1]
         got = [list(r[FIRST_VALUE:]) for r in store.read_rows("mixed", 0, last, 10)]
         assert got[0][:4] == ["a'b", -5, -1.5, True]

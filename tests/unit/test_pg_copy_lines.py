@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import pytest
 
+from storage.contracts import Row
 from storage.limits import DEFAULT_MAX_LINE_BYTES
 from storage.pg_copy import chunk_formatter, lines_need_escapes
 from storage.pg_store import _statements
 from storage.schema import Column, RowError, StreamSchema
 from storage.store import open_store
+from tests.stores import pg_store, pg_worker_store
 
 MIXED = StreamSchema(
     "mixed",
@@ -22,7 +24,7 @@ MIXED = StreamSchema(
         Column("s", "text", nullable=True),
     ),
 )
-GOOD = [
+GOOD: list[Row] = [
     ["plain", 1, 1.5, True, None],
     ["x", -(2**63), -0.0, False, "s"],
     ["y", 2**63 - 1, 1e300, None, "é ünïcode ☃ 🎉"],
@@ -133,7 +135,7 @@ def test_the_workers_quick_lines_are_the_careful_ones() -> None:
 def test_the_worker_applies_rows_that_need_escapes_exactly(pg_url, value: str) -> None:
     from storage.worker_store import open_worker_store
 
-    store = open_worker_store(pg_url)
+    store = pg_worker_store(open_worker_store(pg_url))
     try:
         store.create_replicated_table(MIXED)
         rows = [[value if i % 7 == 3 else f"r{i}", i, 0.5, i % 2 == 0, value] for i in range(120)]
@@ -180,7 +182,7 @@ def test_a_fenced_bulk_write_commits_nothing_and_append_retries_with_new_tokens(
     """A writer declared dead while its COPY transaction is open: the commit refuses, nothing is stored."""
     from storage.pg_store import Fenced
 
-    store = open_store(pg_url)
+    store = pg_store(open_store(pg_url))
     other = open_store(pg_url)
     try:
         store.register_stream(MIXED)

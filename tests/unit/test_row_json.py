@@ -14,6 +14,7 @@ import pytest
 
 from replication.rows import encode_json_rows, encode_rows, row_encoder
 from storage.bulk import write_rows
+from storage.contracts import Row
 from storage.limits import check_row
 from storage.schema import ROW_JSON_COLUMN, ROW_LINE_COLUMN, Column, SchemaError, StreamSchema
 from storage.sqlite_db import SqliteChangeWatch
@@ -30,7 +31,7 @@ SCHEMA = StreamSchema(
         Column("doc", "json", True),
     ),
 )
-ROWS = [
+ROWS: list[Row] = [
     ["plain", 1, 0.5, True, {"a": [1, "b"]}],
     ['quote " back \\ slash / tab \t nl \n é 😀', -(2**63), -1.25e-7, False, [None, True, 1.5]],
     ["nulls", None, None, None, None],

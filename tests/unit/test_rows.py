@@ -6,6 +6,7 @@ import orjson
 import pytest
 
 from replication.rows import encode_json_rows, encode_rows, row_encoder
+from storage.contracts import Row
 from storage.schema import Column, StreamSchema
 from storage.store import open_store
 
@@ -19,7 +20,7 @@ SCHEMA = StreamSchema(
         Column("doc", "json", True),
     ),
 )
-ROWS = [
+ROWS: list[Row] = [
     ["plain", 1, 0.5, True, {"a": [1, "b"]}],
     ['quote " back \\ slash / tab \t nl \n é 😀', -(2**63), -1.25e-7, False, [None, True, 1.5]],
     ["nulls", None, None, None, None],

@@ -4,22 +4,30 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from replication.streams import EVENTS
 from storage import time_index
 from storage.store import open_store
 from storage.tso import compose
+from tests.stores import backend_store
+
+if TYPE_CHECKING:
+    from storage.pg_store import PgStreamStore
+    from storage.sqlite_store import SqliteStreamStore
+
+    Store = SqliteStreamStore | PgStreamStore
 
 
-def row(n: int) -> list:
+def row(n: int) -> list[Any]:
     return [f"$e{n}", "!r", "t", None, None]
 
 
 @contextlib.contextmanager
-def two_stores(url: str) -> Iterator[tuple]:
+def two_stores(url: str) -> Iterator[tuple[Store, Store]]:
     """Two processes' stores on one database, the events stream registered by the first."""
-    store = open_store(url)
-    other = open_store(url)
+    store = backend_store(open_store(url))
+    other = backend_store(open_store(url))
     try:
         store.register_stream(EVENTS)
         other.schema("events")
@@ -29,12 +37,12 @@ def two_stores(url: str) -> Iterator[tuple]:
         other.close()
 
 
-def stored_ts(store, token: int) -> int:
+def stored_ts(store: Store, token: int) -> int:
     return next(r[3] for r in store.read_rows("events", token - 1, token, 10))
 
 
 def test_idle_streams_are_safe_up_to_a_fresh_oracle_time(db_url) -> None:
-    store = open_store(db_url)
+    store = backend_store(open_store(db_url))
     try:
         store.register_stream(EVENTS)
         (token,) = store.append("events", [row(1)], "w")
@@ -79,7 +87,7 @@ def test_a_write_between_the_time_and_the_positions_lifts_the_safe_time(db_url) 
 
 
 def test_ts_increases_with_the_token(db_url) -> None:
-    store = open_store(db_url)
+    store = backend_store(open_store(db_url))
     try:
         store.register_stream(EVENTS)
         for n in range(5):
@@ -94,8 +102,8 @@ def test_ts_increases_with_the_token(db_url) -> None:
 
 
 def test_a_row_in_flight_keeps_the_safe_time_below_it_on_postgresql(pg_url) -> None:
-    store = open_store(pg_url)
-    other = open_store(pg_url)
+    store = backend_store(open_store(pg_url))
+    other = backend_store(open_store(pg_url))
     try:
         store.register_stream(EVENTS)
         (first,) = store.append("events", [row(1)], "A")
@@ -117,7 +125,7 @@ def test_a_row_in_flight_keeps_the_safe_time_below_it_on_postgresql(pg_url) -> N
 
 
 def test_burned_tokens_without_a_live_writer_do_not_hold_the_safe_time_on_postgresql(pg_url) -> None:
-    store = open_store(pg_url)
+    store = backend_store(open_store(pg_url))
     try:
         store.register_stream(EVENTS)
         (token,) = store.append("events", [row(1)], "A")
@@ -136,7 +144,7 @@ def test_burned_tokens_without_a_live_writer_do_not_hold_the_safe_time_on_postgr
 
 
 def test_first_token_at(db_url) -> None:
-    store = open_store(db_url)
+    store = backend_store(open_store(db_url))
     try:
         store.register_stream(EVENTS)
         tokens = [store.append("events", [row(n)], "w")[0] for n in range(4)]
@@ -172,7 +180,7 @@ def test_the_wake_up_safe_point_agrees_with_the_full_one_on_postgresql(pg_url) -
 
 def test_first_token_at_inside_a_batch_and_across_gaps(db_url) -> None:
     """The search lands on the exact row: inside a token of many rows, past gaps in the tokens."""
-    store = open_store(db_url)
+    store = backend_store(open_store(db_url))
     try:
         store.register_stream(EVENTS)
         before = store.append("events", [row(0)], "w")[0]
@@ -204,7 +212,7 @@ def test_first_token_at_inside_a_batch_and_across_gaps(db_url) -> None:
 
 
 def test_first_token_at_on_an_empty_stream(db_url) -> None:
-    store = open_store(db_url)
+    store = backend_store(open_store(db_url))
     try:
         store.register_stream(EVENTS)
         assert time_index.first_token_at(store, "events", 0) == time_index.TokenAt(None, None, 1)
@@ -214,7 +222,7 @@ def test_first_token_at_on_an_empty_stream(db_url) -> None:
 
 def test_postgresql_stream_tables_have_only_the_token_index(pg_url) -> None:
     """Only the (token, seq) index; a table made with the old ts index loses it on migrate; lookups still exact."""
-    store = open_store(pg_url)
+    store = backend_store(open_store(pg_url))
     try:
         store.register_stream(EVENTS)
         tokens = store.append("events", [row(n) for n in range(200)], "w")
@@ -232,7 +240,7 @@ def test_postgresql_stream_tables_have_only_the_token_index(pg_url) -> None:
         assert indexes() == ["stream_events_token", "stream_events_ts"]
     finally:
         store.close()
-    store = open_store(pg_url)  # opening migrates
+    store = backend_store(open_store(pg_url))  # opening migrates
     try:
         assert indexes() == ["stream_events_token"]
         stamp = stored_ts(store, tokens[57])
