@@ -16,8 +16,12 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from storage.contracts import StreamStore
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
@@ -237,7 +241,7 @@ class MasterProcess:
         self.server_name = server_name
         self.log_path = workdir / "master.log"
         self._clients: list[LineClient] = []
-        self._store = None
+        self._store: StreamStore | None = None
         command = [*tickline_command(), "master"]
         if self.config_path is not None:
             command += ["-c", str(self.config_path)]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -12,6 +14,10 @@ from storage.schema import Column, StreamSchema
 from storage.store import open_store
 from storage.tso import compose, physical_ms
 from tests.conftest import run_tickline
+from tests.stores import backend_store, pg_store, sqlite_store
+
+if TYPE_CHECKING:
+    from storage.pg_db import Cursor
 
 ROWS = 1_000_000
 BASE_MS = 1_790_000_000_000
@@ -31,7 +37,7 @@ def fill(url: str) -> None:
     last_ts = ts_of(ROWS - 1)
     if url.startswith("sqlite"):
 
-        def run(conn) -> None:
+        def run_sqlite(conn: sqlite3.Connection) -> None:
             conn.executemany(
                 "INSERT INTO stream_big (token, instance_name, ts, n) VALUES (?, 'bulk', ?, ?)",
                 ((i + 1, ts_of(i), i) for i in range(ROWS)),
@@ -39,10 +45,10 @@ def fill(url: str) -> None:
             conn.execute("UPDATE tickline_stream_heads SET token = ? WHERE stream = 'big'", (ROWS,))
             conn.execute("UPDATE tickline_tso SET last_ts = MAX(last_ts, ?)", (last_ts,))
 
-        store.database.write(run)
+        sqlite_store(store).database.write(run_sqlite)
     else:
 
-        def run(cur) -> None:
+        def run_pg(cur: Cursor) -> None:
             cur.execute(
                 "INSERT INTO stream_big (token, instance_name, ts, n) SELECT i + 1, 'bulk', "
                 "((%s + i / 7) << 18) | (i %% 7), i FROM generate_series(0, %s) AS i",
@@ -52,7 +58,7 @@ def fill(url: str) -> None:
             cur.execute("UPDATE tickline_tso SET last_ts = GREATEST(last_ts, %s)", (last_ts,))
             cur.execute("ANALYZE stream_big")
 
-        store.database.write(run)
+        pg_store(store).database.write(run_pg)
     store.close()
 
 
@@ -69,7 +75,7 @@ def first_index(since_ms: int) -> int:
 
 def test_the_search_is_a_few_index_lookups(db_url) -> None:
     fill(db_url)
-    store = open_store(db_url)
+    store = backend_store(open_store(db_url))
     try:
         for since_ms in (BASE_MS - 5, BASE_MS, BASE_MS + 1, BASE_MS + 70_000, BASE_MS + ROWS // 7 - 1):
             start = time.monotonic()

@@ -14,6 +14,7 @@ import orjson
 
 from tests.conftest import ROOT, _env
 from tests.integration.procs import Proc, query_pg, wait_for
+from tests.stores import pg_store
 
 WRITER_TIMEOUT = 2.0
 CONFIG = f"master:\n  writer_timeout: {WRITER_TIMEOUT}\n"
@@ -50,6 +51,7 @@ def test_row_waits_for_an_earlier_open_transaction(master, pg_url) -> None:
     client.send("REPLICATE events 0")
     assert client.expect("POSITION").startswith("POSITION events")
     a = writer(pg_url, "A", "hold")
+    assert a.stdin is not None and a.stdout is not None  # both pipes
     try:
         assert a.stdout.readline().strip() == "HOLDING 1"
         assert m.write("events", '["$b", "!r", "t", null, null]', instance="B") == [2]
@@ -75,6 +77,7 @@ def test_a_writer_killed_mid_transaction_stalls_the_stream_only_until_the_timeou
     client.expect("OPTIONS ts")
     client.expect("POSITION")
     a = writer(pg_url, "A", "hold")
+    assert a.stdout is not None  # a pipe
     assert a.stdout.readline().strip() == "HOLDING 1"
     assert m.write("events", '["$b", "!r", "t", null, null]', instance="B") == [2]
     killed = time.monotonic()
@@ -94,11 +97,11 @@ def test_a_fenced_writer_retries_with_new_tokens_and_loses_nothing(pg_url, caplo
     from replication.streams import EVENTS
     from storage.store import open_store
 
-    store = open_store(pg_url, writer_timeout=0.5)
+    store = pg_store(open_store(pg_url, writer_timeout=0.5))
     store.register_stream(EVENTS)
     store._stop_reporting.set()  # a writer that went silent, as if stalled
     store.append("events", [["$a", "!r", "t", None, None]], "slow")
-    other = open_store(pg_url, writer_timeout=0.5)
+    other = pg_store(open_store(pg_url, writer_timeout=0.5))
 
     def slow_is_dead() -> bool:
         other.safe_positions()  # what the master does: expire silent writers
@@ -154,12 +157,13 @@ def test_four_writers_5000_rows_each_reach_a_worker_and_a_tail_once_in_order(
     )
     # Drain the tail while the writers run: a full stdout pipe would block its
     # reactor, and the master would drop it for not answering PINGs.
-    output: list[tuple[str, str]] = []
+    output: list[tuple[bytes, bytes]] = []
     reader = threading.Thread(target=lambda: output.append(tail.communicate(timeout=240)), daemon=True)
     reader.start()
     writers = [writer(pg_url, f"w{i}", "5000") for i in range(4)]
     try:
         for w in writers:
+            assert w.stdout is not None  # a pipe
             assert w.stdout.readline().strip() == "DONE"
             assert w.wait(timeout=120) == 0
         reader.join(timeout=240)
@@ -204,7 +208,7 @@ def test_two_processes_with_one_instance_name_do_not_fence_each_other(pg_url, ca
     from replication.streams import EVENTS
     from storage.store import open_store
 
-    first, second = open_store(pg_url), open_store(pg_url)  # as two processes would
+    first, second = pg_store(open_store(pg_url)), open_store(pg_url)  # as two processes would
     first.register_stream(EVENTS)
     with caplog.at_level(logging.WARNING):
         tokens = []

@@ -26,7 +26,7 @@ def rdata(lines: list[str]) -> list[tuple[int, list]]:
 
 
 def collect(client, until, timeout: float = 10.0) -> list[str]:
-    lines = []
+    lines: list[str] = []
     deadline = time.monotonic() + timeout
     while True:
         line = client.try_line(max(0.0, deadline - time.monotonic()))
@@ -186,6 +186,7 @@ def test_tick_never_passes_a_row_still_in_flight_on_postgresql(master, pg_url) -
     assert client.expect("OPTIONS") == "OPTIONS tick"
     collect(client, lambda line: line.startswith("TICK events"))
     a = writer(pg_url, "A", "hold")
+    assert a.stdin is not None and a.stdout is not None  # both pipes
     try:
         held = int(a.stdout.readline().split()[1])
         (b_token,) = m.append("events", [row(2)], instance="B")
