@@ -200,6 +200,13 @@ def sample(text: str, name: str, **labels: str) -> float | None:
     return None
 
 
+def value_of(text: str, name: str, **labels: str) -> float:
+    """The value of one sample that must be exposed (the test fails if it is not)."""
+    value = sample(text, name, **labels)
+    assert value is not None, f"no sample {name}{labels}"
+    return value
+
+
 def wait_for_log(proc: Proc, text: str, timeout: float = 15.0, after: int = 0) -> str:
     """Wait (bounded) until ``text`` is in the process's log after character ``after``; returns the log."""
     deadline = time.monotonic() + timeout

@@ -6,12 +6,13 @@ Storage calls go through a runner the test drives, so the interleavings
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from twisted.internet import defer, task
+from twisted.internet.base import DelayedCall
 
 from replication.commands import (
     Command,
@@ -23,8 +24,10 @@ from replication.commands import (
     TimelineCommand,
     parse_line,
 )
+from replication.reactor_types import Transport
 from replication.timeline import TimelineService
 from replication.timeline_settings import TimelineSettings
+from storage.timeline_contract import PassResult
 from storage.timeline_store import open_timeline_store
 
 T0 = 1_700_000_000.0  # seconds
@@ -59,7 +62,7 @@ class Conn:
         self.conn_name = name
         self.paused = False
         self.read_closed = False
-        self.transport = None
+        self.transport: Transport | None = None
         self.sent: list[Command] = []
 
     def send(self, command: Command) -> None:
@@ -90,7 +93,7 @@ def env(db_url: str):
 
     def settle(advance: float = 0.0) -> None:
         clock.advance(advance)
-        while runner.step() or any(c.getTime() <= clock.seconds() for c in clock.getDelayedCalls()):
+        while runner.step() or any(c.getTime() <= clock.seconds() for c in delayed_calls(clock)):
             clock.advance(0)
 
     service.start()
@@ -100,12 +103,17 @@ def env(db_url: str):
     store.close()
 
 
+def delayed_calls(clock: task.Clock) -> Sequence[DelayedCall]:
+    """The clock's pending calls (``base.DelayedCall``s; Twisted types them as the zope interface)."""
+    return cast("Sequence[DelayedCall]", clock.getDelayedCalls())
+
+
 def ms(seconds: float) -> int:
     return int(seconds * 1000)
 
 
 def timers(clock: task.Clock) -> list[float]:
-    return sorted(round(c.getTime() - clock.seconds(), 3) for c in clock.getDelayedCalls())
+    return sorted(round(c.getTime() - clock.seconds(), 3) for c in delayed_calls(clock))
 
 
 def test_sleeps_until_the_next_due_message_without_polling(env) -> None:
@@ -194,7 +202,7 @@ def test_bursts_are_paced_and_spread_fairly(env) -> None:
         passes.extend([n for _, _, n in reqs] for _, reqs, _ in requests)
         return cycle(calls, frees, requests)
 
-    service.store.cycle = recording  # type: ignore[method-assign]
+    service.store.cycle = recording
     workers = [Conn(f"w{i}") for i in range(3)]
     for i, w in enumerate(workers):
         service.command(w, TimelineCommand("jobs", f"w{i}", 100, 10_000))
@@ -296,11 +304,15 @@ def _record_cycles(service: TimelineService) -> list[tuple[list[str], list[list[
     seen: list[tuple[list[str], list[list[tuple[str, int, int]]]]] = []
     cycle = service.store.cycle
 
-    def recording(calls: list, frees: list, passes: list) -> Any:
+    def recording(
+        calls: Sequence[tuple[str, tuple[Any, ...]]],
+        frees: Sequence[tuple[int, int] | None],
+        passes: Sequence[tuple[str, Sequence[tuple[str, int, int]], int]],
+    ) -> tuple[list[Any], list[PassResult]]:
         seen.append(([name for name, _ in calls], [list(reqs) for _, reqs, _ in passes]))
         return cycle(calls, frees, passes)
 
-    service.store.cycle = recording  # type: ignore[method-assign]
+    service.store.cycle = recording  # type: ignore[method-assign]  # a deliberate wrapper
     return seen
 
 
@@ -356,10 +368,10 @@ def test_a_failed_transaction_answers_error_and_sends_no_lease(env) -> None:
     cycle = service.store.cycle
 
     def broken(calls: list, frees: list, passes: list) -> Any:
-        service.store.cycle = cycle  # type: ignore[method-assign]
+        service.store.cycle = cycle
         raise RuntimeError("connection reset")
 
-    service.store.cycle = broken  # type: ignore[method-assign]
+    service.store.cycle = broken
     service.command(w, DeleteCommand("jobs", lease.id, lease.version))
     settle()
     assert w.answers() == ["ERROR DELETE failed: storage unavailable (connection reset); retry"]
@@ -385,9 +397,7 @@ def test_the_remover_takes_batches_while_they_come_full(db_url: str) -> None:
     service = TimelineService(store, TimelineSettings(remove_batch=2, remove_interval=3600), runner, clock)
     service.start()
     clock.advance(0)
-    while runner.step() or (
-        clock.getDelayedCalls() and min(c.getTime() for c in clock.getDelayedCalls()) <= clock.seconds()
-    ):
+    while runner.step() or (delayed_calls(clock) and min(c.getTime() for c in delayed_calls(clock)) <= clock.seconds()):
         clock.advance(0)
     assert store.deleted_count() == 0  # 2 + 2 + 1 in one run, each batch its own transaction
     assert service.stats.counts["jobs"] == {"available": 0, "waiting": 0, "processing": 0}
