@@ -54,7 +54,7 @@ def test_snapshot_holds_exactly_the_rows_up_to_its_token_while_the_worker_writes
     assert len({(r["token"], r["ts"]) for r in rows}) == len(rows)  # ... each once
     assert after_read > token
     # Four token ranges, side by side, none empty.
-    ranges = {}
+    ranges: dict[int, tuple[int, int]] = {}
     for r in rows:
         low, high = ranges.get(r["pid"], (r["token"], r["token"]))
         ranges[r["pid"]] = (min(low, r["token"]), max(high, r["token"]))

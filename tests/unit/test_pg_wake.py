@@ -13,6 +13,7 @@ from storage.pg_store import PgStreamStore
 from storage.pg_wake import PgWake, wake_function_sql
 from storage.schema import Column, StreamSchema
 from storage.store import DatabaseUnavailable, open_store
+from tests.stores import pg_store
 
 NUMBERS = StreamSchema("numbers", (Column("x", "double", nullable=True), Column("flag", "boolean")))
 
@@ -37,9 +38,9 @@ def threaded(store: PgStreamStore, reads: dict, read_mark: bool = True, limit: i
         if positions[stream] > after:
             encoded = {}
             for v in variants:
-                data, last, count = store.read_lines_json(
-                    stream, after, positions[stream], limit, f"RDATA {stream} ", v
-                )
+                built = store.read_lines_json(stream, after, positions[stream], limit, f"RDATA {stream} ", v)
+                assert built is not None  # PostgreSQL builds the lines
+                data, last, count = built
                 encoded[v] = data
             first[stream] = (after, (encoded, last if count else after, count))
     return times, positions, first
@@ -48,7 +49,7 @@ def threaded(store: PgStreamStore, reads: dict, read_mark: bool = True, limit: i
 @pytest.fixture
 def stores(pg_url):
     writer = open_store(pg_url)
-    reader = open_store(pg_url)
+    reader = pg_store(open_store(pg_url))
     for schema in (EVENTS, CACHES, NUMBERS):
         writer.register_stream(schema)
     reader.catalog()

@@ -23,6 +23,7 @@ from twisted.internet.testing import MemoryReactorClock, StringTransport
 
 from replication.client import ClientProtocol, ReplicationHandler
 from replication.commands import PositionCommand
+from replication.limits import LimitedFactory
 from replication.master import Master, MasterConfig
 from replication.protocol import ProtocolConfig
 from replication.server import ServerProtocol
@@ -110,12 +111,15 @@ class Env:
         failures: list = []
         started.addErrback(failures.append)
         assert started.called and not failures, "master.start() should finish at once on ManualDB"
-        self.factory = self.reactor.tcpServers[0][1]
+        factory = self.reactor.tcpServers[0][1]
+        assert isinstance(factory, LimitedFactory)  # the master listens without TLS here
+        self.factory: LimitedFactory = factory
         self._port = 40000
 
     def connect(self) -> Conn:
         self._port += 1
         proto = self.factory.buildProtocol(IPv4Address("TCP", "127.0.0.1", self._port))
+        assert isinstance(proto, ServerProtocol)  # within the connection limits
         transport = StringTransport(peerAddress=IPv4Address("TCP", "127.0.0.1", self._port))
         proto.makeConnection(transport)
         return Conn(proto, transport)

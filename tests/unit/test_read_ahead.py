@@ -68,7 +68,7 @@ def test_reads_let_go_swallow_their_failures() -> None:
     ahead = ReadAhead(reads, "s", 10, 2)
     ahead.fill(0, 100, (False,))
     ahead.drop()
-    failures = []
+    failures: list[Failure] = []
     for d in reads.pending:
         d.errback(Failure(RuntimeError("connection lost")))
         d.addErrback(failures.append)  # nothing left to catch: the drop handled it

@@ -41,13 +41,13 @@ class Paths:
         seq_range = SqliteStreamStore._read_seq_range
         token_range = SqliteStreamStore._read_token_range
 
-        def by_seq(*args, **kwargs):  # type: ignore[no-untyped-def]
+        def by_seq(*args, **kwargs):
             self.seq += 1
             got = seq_range(*args, **kwargs)
             self.seq_used += got is not None
             return got
 
-        def by_token(*args, **kwargs):  # type: ignore[no-untyped-def]
+        def by_token(*args, **kwargs):
             self.token += 1
             return token_range(*args, **kwargs)
 

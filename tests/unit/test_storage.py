@@ -10,6 +10,7 @@ import orjson
 import pytest
 
 from replication.streams import CACHES, EVENTS
+from storage.contracts import ApplyTransaction, Effects
 from storage.migrate import migrations
 from storage.schema import Column, RowError, SchemaError, StreamSchema
 from storage.sqlite_store import SqliteStreamStore
@@ -23,6 +24,7 @@ from storage.store import (
     open_store,
 )
 from storage.urls import BadDatabaseUrl, parse_database_url, redact_url
+from tests.stores import backend_worker_store, pg_worker_store, sqlite_store
 
 EVENT = ["$e", "!r", "m.room.message", None, None]
 
@@ -47,7 +49,7 @@ def test_migrations_are_versioned_and_applied_once(tmp_path) -> None:
 
 
 def test_wal_mode(tmp_path) -> None:
-    store = open_store(f"sqlite:///{tmp_path}/t.db")
+    store = sqlite_store(open_store(f"sqlite:///{tmp_path}/t.db"))
     assert sqlite3.connect(store.path).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
@@ -232,9 +234,9 @@ def test_no_message_shows_a_password(tmp_path) -> None:
             fail()
         assert "hunter2" not in str(raised.value) and "u:***@" in str(raised.value)
     for bad in ("postgresql://u:hunter2@/", "sqlite://u:hunter2@x", "mysql://u:hunter2@h/db"):
-        with pytest.raises(BadDatabaseUrl) as raised:
+        with pytest.raises(BadDatabaseUrl) as refused:
             parse_database_url(bad)
-        assert "hunter2" not in str(raised.value)
+        assert "hunter2" not in str(refused.value)
 
 
 def test_snapshot_reader_never_creates_a_database(tmp_path) -> None:
@@ -252,9 +254,11 @@ def test_snapshot_reader_sees_the_worker_state_read_only(db_url) -> None:
     store = open_worker_store(db_url)
     store.create_replicated_table(EVENTS)
     for token in (3, 5, 9):
-        store.apply(
-            "events", token, lambda txn, t=token: txn.replicate(EVENTS, [(t, "w", 1, "$e", "!r", "t", None, None)])
-        )
+
+        def effects(txn: ApplyTransaction, t: int = token) -> None:
+            txn.replicate(EVENTS, [(t, "w", 1, "$e", "!r", "t", None, None)])
+
+        store.apply("events", token, effects)
     store.close()
 
     def look(view):
@@ -304,10 +308,10 @@ def test_concurrent_writer_processes_get_distinct_increasing_tokens(db_url) -> N
 def test_worker_apply_moves_the_token_only_forwards_with_its_effects(db_url) -> None:
     from storage.worker_store import StaleApply, open_worker_store
 
-    store = open_worker_store(db_url)
+    store = backend_worker_store(open_worker_store(db_url))
     store.create_replicated_table(EVENTS)
 
-    def effects(token: int):
+    def effects(token: int) -> Effects:
         return lambda txn: txn.replicate(EVENTS, [(token, "w", 1, f"$e{token}", "!r", "t", None, None)])
 
     store.apply("events", 5, effects(5))
@@ -389,7 +393,7 @@ def test_worker_replicates_every_value_by_statement_and_by_copy(db_url, count) -
         "mixed",
         (Column("t", "text", True), Column("x", "double", True), Column("ok", "boolean"), Column("j", "json", True)),
     )
-    store = open_worker_store(db_url)
+    store = backend_worker_store(open_worker_store(db_url))
     store.create_replicated_table(schema)
     texts = ["tab\there", "new\nline\r", "back\\slash \\N", "ünïcode ☃", ""]
     rows = [
@@ -418,7 +422,7 @@ def test_worker_synchronous_commit_is_a_choice(pg_url) -> None:
     from storage.worker_store import open_worker_store
 
     for choice, expected in ((False, "off"), (True, "on")):
-        store = open_worker_store(pg_url, synchronous_commit=choice)
+        store = pg_worker_store(open_worker_store(pg_url, synchronous_commit=choice))
         assert store.database.read(lambda c: c.execute("SHOW synchronous_commit").fetchone()[0]) == expected
         store.close()
 

@@ -14,6 +14,7 @@ from storage.timeline_contract import (
     NOT_OWNER,
     STALE_VERSION,
     UNKNOWN_MESSAGE,
+    Outcome,
     new_message_id,
 )
 from storage.timeline_store import SqlTimelineStore, open_timeline_store
@@ -269,7 +270,8 @@ def test_expired_leases_are_swapped_off_their_last_holders(store: SqlTimelineSto
         [("b", "A", T0 + 250)],
         [("a", "B", T0 + 270)],
     ]
-    assert store.get("jobs", "a").version == a.version + 1  # one change: one version step
+    stored = store.get("jobs", "a")
+    assert stored is not None and stored.version == a.version + 1  # one change: one version step
 
 
 def _lease_pass_one(store: SqlTimelineStore, consumer: str, n: int, now: int, lease: int = 1000) -> list[Any]:
@@ -329,7 +331,7 @@ def test_a_database_error_rolls_the_whole_cycle_back(store: SqlTimelineStore) ->
         store.schedule("jobs", "g", f"m{i}", T0, "{}", T0)
     (x,) = _lease_pass_one(store, "c", 1, T0)
 
-    def broken(*args: Any) -> Any:
+    def broken(topic: str, message_id: str, consumer: str, version: int, lease_ms: int, now_ms: int) -> Outcome:
         raise RuntimeError("disk on fire")
 
     store.extend = broken  # type: ignore[method-assign]

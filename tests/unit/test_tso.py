@@ -11,6 +11,7 @@ from replication.streams import EVENTS
 from scripts.pg_local import PostgresServer
 from storage import tso
 from storage.store import open_store
+from tests.stores import pg_store
 
 
 class SteppingClock:
@@ -162,7 +163,7 @@ def _append_many(url: str, instance: str, count: int) -> None:
 
 def test_oracle_survives_a_postgresql_server_crash() -> None:
     """Server killed (immediate stop: WAL replay) and the clock a minute back: the oracle still goes up."""
-    from scripts.pg_local import PostgresServer, pg_bin
+    from scripts.pg_local import PostgresServer
 
     server = PostgresServer()
     server.start()
@@ -176,14 +177,14 @@ def test_oracle_survives_a_postgresql_server_crash() -> None:
             cur.execute(f"ALTER DATABASE {url.rsplit('/', 1)[1]} SET synchronous_commit = on")
         admin.close()
         clock = SteppingClock(1_900_000_000.0)
-        store = open_store(url, clock=clock, report_interval=3600.0)
+        store = pg_store(open_store(url, clock=clock, report_interval=3600.0))
         store.register_stream(EVENTS)
         store.append("events", [["$e", "!r", "t", None, None]] * 5, "w")
         store.append("events", [["$e", "!r", "t", None, None]] * 300, "w")
         last_row = store.read_rows("events", 0, 10**9, 10**6)[-1][3]
         before = store.allocate_timestamps(2)
         store.database.close()
-        server._run(pg_bin("pg_ctl"), "-D", str(server.datadir / "data"), "-m", "immediate", "stop")
+        server._run(server._pg_ctl(), "-D", str(server.datadir / "data"), "-m", "immediate", "stop")
         server._launch()
         clock.now -= 60.0
         again = open_store(url, clock=clock, report_interval=3600.0)

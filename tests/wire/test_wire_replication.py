@@ -27,7 +27,7 @@ def live_client(m):
     client = m.connect()
     client.handshake()
     client.send("REPLICATE")
-    positions = {}
+    positions: dict[str, int] = {}
     while len(positions) < 2:
         _, stream, _, _, new = client.next_command().split(" ")
         positions[stream] = int(new)
@@ -157,7 +157,7 @@ def test_replay_during_concurrent_writes_has_no_gap_and_no_duplicate(master) -> 
     client.send("REPLICATE events 0")
     thread.start()
     assert client.next_command() == "POSITION events master 0 0"
-    seen = []
+    seen: list[int] = []
     try:
         while len(seen) < total:
             _, _, token, row = parse_rdata(client.next_command(timeout=5.0))

@@ -21,6 +21,7 @@ from twisted.internet.testing import StringTransport
 from replication.protocol import ProtocolConfig
 from replication.streams import all_streams
 from storage.worker_store import open_worker_store
+from tests.stores import backend_worker_store
 from workers.caches import CacheRegistry
 from workers.consumer import ApplySettings
 from workers.handlers import HandlerRegistry
@@ -66,7 +67,7 @@ class Harness:
         self.caches = config.pop("caches", CacheRegistry({"room_caches": ["members", "state"]}))
         defaults = dict(name="w1", replicate=("events",), apply=ApplySettings(retry_initial=1.0))
         self.config = WorkerConfig(**{**defaults, **config})
-        self.store = open_worker_store(url)
+        self.store = backend_worker_store(open_worker_store(url))
         self.db = SyncDB()
         self.worker = Worker(
             self.config, ProtocolConfig(), self.store, all_streams(), self.clock, self.handlers, self.caches, db=self.db
@@ -345,7 +346,10 @@ def test_invalidation_batch_applies_at_its_token(h, cached) -> None:
 def test_lru_size_limit() -> None:
     registry = CacheRegistry(default_max_size=2)
     cache = registry.cache("c")
-    cache.set("a", 1), cache.set("b", 2), cache.get("a"), cache.set("c", 3)
+    cache.set("a", 1)
+    cache.set("b", 2)
+    cache.get("a")
+    cache.set("c", 3)
     assert "a" in cache and "c" in cache and "b" not in cache
     with pytest.raises(ValueError):
         CacheRegistry({"x": ["a"]}).cache("x")
