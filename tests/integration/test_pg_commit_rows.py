@@ -15,6 +15,7 @@ import pytest
 
 from replication.rows import encode_json_rows
 from replication.streams import EVENTS
+from storage.contracts import CommittedRows
 from storage.pg_store import MAX_PAYLOAD_BYTES, PgNotifier, PgStreamStore
 from storage.store import open_store
 from tests.integration.procs import rdata_tokens as rdata
@@ -26,7 +27,7 @@ ROW = ["$a", "!r", "m.room.message", None, None]
 def drain(notifier: PgNotifier, want: int, timeout: float = 10.0):
     """Notifications until ``want`` carried rows arrived (or the timeout)."""
     plain: set[str] = set()
-    committed = []
+    committed: list[CommittedRows] = []
     deadline = time.monotonic() + timeout
     while len(committed) < want and time.monotonic() < deadline:
         select.select([notifier.fileno()], [], [], 0.05)
@@ -86,7 +87,12 @@ def test_large_or_batch_appends_notify_the_stream_only(store, pg_url) -> None:
         store.append("events", [big, big], "w1")
         store.append("events", [ROW, ROW], "w1", batch=True)
         plain: set[str] = set()
-        wait_for(lambda: bool(plain.update(notifier.drain_committed()[0]) or plain), 10, "the notifications")
+
+        def notified() -> bool:
+            plain.update(notifier.drain_committed()[0])
+            return bool(plain)
+
+        wait_for(notified, 10, "the notifications")
         assert plain == {"events"}
         select.select([notifier.fileno()], [], [], 0.2)
         assert notifier.drain_committed()[1] == []
@@ -162,7 +168,12 @@ def test_a_report_of_the_position_an_append_notified_does_not_notify_again(store
         assert len(drain(notifier, 1)[1]) == 1
         quiet.report_positions()  # w1 is idle: its position moves to the head, 2
         plain: set[str] = set()
-        wait_for(lambda: bool(plain.update(notifier.drain_committed()[0]) or plain), 10, "the report's notification")
+
+        def notified() -> bool:
+            plain.update(notifier.drain_committed()[0])
+            return bool(plain)
+
+        wait_for(notified, 10, "the report's notification")
         assert plain == {"events"}
     finally:
         quiet.close()

@@ -69,7 +69,7 @@ def test_postgresql_pipeline_replicates_exactly_once_through_worker_kills(pg_ser
     source, target = pg_server.new_database(), pg_server.new_database()
     port = free_port()
     master = Proc(tmp_path / "master.log", "master", "--database", source, "--listen", f"127.0.0.1:{port}")
-    worker_args = ("worker", "--name", "pg", "--master", f"127.0.0.1:{port}", "--database", target)
+    worker_args: tuple[str, ...] = ("worker", "--name", "pg", "--master", f"127.0.0.1:{port}", "--database", target)
     worker_args += ("--replicate", "events")
     wait_for(lambda: accepts(port), 30, "the master to listen")
     writer = Writer(source)

@@ -13,6 +13,7 @@ import socket
 import sqlite3
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -67,7 +68,7 @@ class SeedMaster:
 
 
 @pytest.fixture
-def seed() -> SeedMaster:
+def seed() -> Iterator[SeedMaster]:
     master = SeedMaster()
     yield master
     master.close()

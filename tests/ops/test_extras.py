@@ -37,7 +37,7 @@ def _env(tmp: Path) -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{ROOT}")
 
 
-def _tickline(env: dict[str, str], *args: str, **kw: object) -> subprocess.CompletedProcess[str]:
+def _tickline(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "scripts.cli", *args],
         cwd=ROOT,
@@ -45,7 +45,6 @@ def _tickline(env: dict[str, str], *args: str, **kw: object) -> subprocess.Compl
         capture_output=True,
         text=True,
         timeout=60,
-        **kw,  # type: ignore[arg-type]
     )
 
 

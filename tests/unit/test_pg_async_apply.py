@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import select
+from typing import Any
 
 import psycopg2
 import pytest
@@ -20,6 +21,7 @@ from storage.pg_worker import COPY_ROWS, PgAsyncApply, one_row_params
 from storage.schema import StreamSchema
 from storage.store import ApplyRefused, DatabaseUnavailable, StaleApply
 from storage.worker_store import open_worker_store
+from tests.stores import pg_worker_store
 from tests.unit.test_apply_replicated import MIXED
 
 
@@ -42,7 +44,7 @@ def row(i: int) -> list:
 
 @pytest.fixture
 def worker_db(pg_url):
-    store = open_worker_store(pg_url)
+    store = pg_worker_store(open_worker_store(pg_url))
     store.create_replicated_table(EVENTS)
     call = store.open_async_apply()
     yield store, call
@@ -109,7 +111,7 @@ def test_a_terminated_connection_is_database_unavailable(worker_db, pg_url) -> N
 # MIXED (every column type) is test_apply_replicated's: one definition of the apply tests' schema.
 # The same columns, applied by the JSON statement (apply_replicated's, on the threads).
 BY_JSON = StreamSchema("by_json", MIXED.columns)
-TAKEN = [
+TAKEN: list[list[Any]] = [
     ["a", 1, 1.5, True, None],
     [None, None, None, False, None],
     ["tab\there new\nline \\N 'q' \"dq\" %s %(x)s ünïcode ☃", -(2**63), -0.0, True, {"k": [1, 2.5, None, "s"]}],
@@ -118,7 +120,7 @@ TAKEN = [
     ["x", 0, 7, True, [True, None]],  # an integer for a double
     ["x", 0, 2**64 - 1, True, -0.0],  # an integer beyond bigint for a double: its nearest double
 ]
-LEFT_TO_JSON = [
+LEFT_TO_JSON: list[list[Any]] = [
     ["a", 5.0, 1.5, True, None],  # a float for a bigint
     ["a", True, 1.5, True, None],  # a boolean for a bigint
     ["a", 2**63, 1.5, True, None],  # beyond bigint
@@ -128,7 +130,7 @@ LEFT_TO_JSON = [
     ["a", 1, 1.5, 1, None],  # a number for a boolean
     ["a\x00b", 1, 1.5, True, None],  # NUL in text (PostgreSQL text cannot hold it)
 ]
-REFUSED_BY_BOTH = [["a", 1, 1.5, None, None]]  # null where the column may not hold it
+REFUSED_BY_BOTH: list[list[Any]] = [["a", 1, 1.5, None, None]]  # null where the column may not hold it
 
 
 def one_row_outcome(store, call, schema: StreamSchema, token: int, row: list) -> tuple | str:
@@ -162,7 +164,7 @@ def one_row_outcome(store, call, schema: StreamSchema, token: int, row: list) ->
 
 @pytest.fixture
 def mixed_db(pg_url):
-    store = open_worker_store(pg_url)
+    store = pg_worker_store(open_worker_store(pg_url))
     store.create_replicated_table(MIXED)
     store.create_replicated_table(BY_JSON)
     call = store.open_async_apply()
@@ -257,7 +259,7 @@ def test_one_row_literals_are_what_psycopg2_would_send_and_store_the_same(mixed_
         check.close()
     for bad in (["a\x00b"], [True], [1.5], [b"x"]):
         with pytest.raises(ValueError):
-            sql_literals(bad)
+            sql_literals(bad)  # type: ignore[arg-type]  # deliberately a bool, float or bytes too
     texts = [v for v in values if isinstance(v, str)]
     for token, text in enumerate(texts, 1):
         assert one_row_params(MIXED, [(token, "w", [[text, token, 1.0, True, None, token]])]) is not None

@@ -71,7 +71,7 @@ def master_tls(certs: Path, mutual: bool = True) -> str:
     return text
 
 
-def client_config(tmp_path: Path, name: str, **tls: str) -> str:
+def client_config(tmp_path: Path, name: str, **tls: str | Path) -> str:
     path = tmp_path / f"{name}.yaml"
     lines = ["tls:"] + [f"  {k}: {v}" for k, v in tls.items()]
     path.write_text("\n".join(lines) + "\n")
@@ -266,7 +266,7 @@ def test_openssl_s_client_is_the_netcat_of_tls(master, certs, unused_port) -> No
         assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.write(b"PING 1\nREPLICATE events 0\n")
         proc.stdin.flush()
-        lines = []
+        lines: list[str] = []
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and not any(line.startswith("RDATA") for line in lines):
             line = proc.stdout.readline()
