@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from typing import Any
 
 from tests.conftest import ROOT, _env, run_tickline
 
@@ -149,7 +150,7 @@ def test_ordered_scenario_is_ordered_and_exactly_once(tmp_path) -> None:
 def test_the_postgresql_plot_draws_every_ratio_against_its_target(tmp_path) -> None:
     from scripts.bench_pg import plot
 
-    results = {
+    results: dict[str, dict[str, Any]] = {
         "writer": {"tickline": {"single": 900, "bulk": 90}, "plain": {"single": 1000, "bulk": 100}},
         "end-to-end": {"tickline": 80, "copy": 100, "execute_values": 40},
         "catch-up": {"tickline": 3, "baseline": 1},

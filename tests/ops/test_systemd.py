@@ -27,9 +27,13 @@ UNITS = ROOT / "scripts" / "systemd"
 APPLIED = "SELECT token FROM tickline_applied WHERE stream = 'events'"
 
 
+class UnitParser(configparser.ConfigParser):
+    def optionxform(self, optionstr: str) -> str:
+        return optionstr  # keys are case-sensitive in units
+
+
 def unit_setting(unit: str, key: str, section: str = "Service") -> str:
-    parser = configparser.ConfigParser(interpolation=None, strict=False)
-    parser.optionxform = str  # keys are case-sensitive in units
+    parser = UnitParser(interpolation=None, strict=False)
     parser.read(UNITS / unit)
     return parser[section][key]
 
@@ -124,7 +128,12 @@ def test_watchdog_is_only_kicked_for_its_own_pid_and_abstract_sockets_work(tmp_p
         ready_at, _ = abstract.wait("READY", "1", pid=master.pid, alive=lambda: master.popen.poll() is None)
         # A watched master sends its first kick before READY=1 and one every 0.1 s
         # after it: observe for three intervals, then stop.
-        wait_for(lambda: abstract.drain() or time.monotonic() - abstract.times[ready_at] > 0.3, 5, "0.3 s after READY")
+
+        def observed() -> bool:
+            abstract.drain()
+            return time.monotonic() - abstract.times[ready_at] > 0.3
+
+        wait_for(observed, 5, "0.3 s after READY")
         assert master.stop(timeout=stop_timeout("tickline-master.service")) == 0
         abstract.drain()
         assert any("STOPPING" in m for m in abstract.messages)

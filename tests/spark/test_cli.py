@@ -10,6 +10,7 @@ import pytest
 
 from tests.conftest import ROOT, free_port, run_tickline
 from tests.spark.conftest import SAMPLE, SAMPLE_CONFIG, SimulatedWorker, as_tuples, expected_rows
+from tests.stores import sqlite_worker_store
 from workers.snapshot import snapshot
 
 
@@ -117,7 +118,9 @@ def test_errors_are_clear_and_need_no_spark(pg_server, config_file: Path, tmp_pa
     w.fill(20)
     w.stop()
     bare = SimulatedWorker(f"sqlite:///{tmp_path / 'bare.db'}", SAMPLE)  # a worker db ...
-    bare.store.database.write(lambda conn: conn.execute("DROP TABLE replicated_sample"))  # ... that replicates nothing
+    sqlite_worker_store(bare.store).database.write(
+        lambda conn: conn.execute("DROP TABLE replicated_sample")
+    )  # ... that replicates nothing
     bare.stop()
     base = ["snapshot", "-c", str(config_file)]
     cases = [

@@ -13,6 +13,7 @@ import pytest
 
 from replication.settings import MasterConfig, ProtocolConfig
 from scripts.config import COUNT, NUMBER_RANGES, SECONDS, ConfigError, config_from_mapping, load_config
+from storage.contracts import ApplyTransaction
 from storage.schema import SQL_KEYWORDS, Column, SchemaError, StreamSchema
 from storage.store import open_store
 from workers.settings import ApplySettings, WorkerConfig
@@ -171,7 +172,11 @@ def test_keywords_not_refused_work_as_columns_on_both_backends(db_url) -> None:
     for i, word in enumerate(ALLOWED_KEYWORDS[:20]):
         schema = StreamSchema(f"k{i}", (Column(word, "text"),))
         worker.create_replicated_table(schema)
-        worker.apply(schema.name, 1, lambda txn, schema=schema: txn.replicate(schema, [(1, "w", 1, "v")]))
+
+        def effects(txn: ApplyTransaction, schema: StreamSchema = schema) -> None:
+            txn.replicate(schema, [(1, "w", 1, "v")])
+
+        worker.apply(schema.name, 1, effects)
     worker.close()
 
 

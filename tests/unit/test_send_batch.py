@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
+from typing import cast
 
 import pytest
 from twisted.internet import tcp
+from twisted.internet.interfaces import IProtocol, IReactorFDSet
+from twisted.internet.protocol import Protocol
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 
 from replication.protocol import LineCommandProtocol, ProtocolConfig, send_batch, send_now
@@ -22,7 +25,8 @@ def pair() -> Iterator[tuple[tcp.Connection, socket.socket, MemoryReactorClock]]
     ours.setblocking(False)
     peer.settimeout(5)
     reactor = MemoryReactorClock()
-    conn = tcp.Connection(ours, None, reactor)
+    # A bare protocol (nothing is read here); casts: Twisted types these as zope interfaces.
+    conn = tcp.Connection(ours, cast(IProtocol, Protocol()), cast(IReactorFDSet, reactor))
     conn.connected = 1
     yield conn, peer, reactor
     ours.close()

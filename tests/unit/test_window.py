@@ -14,7 +14,7 @@ from twisted.internet import defer
 from replication.master import MasterConfig
 from replication.protocol import ProtocolConfig
 from replication.rows import encode_json_rows
-from replication.window import CHUNK_OVERHEAD, RecentWindow, SharedReads, WindowFiller
+from replication.window import CHUNK_OVERHEAD, Read, RecentWindow, SharedReads, WindowFiller
 from tests.unit.test_protocol import Env, event, rdata, tokens
 
 
@@ -120,7 +120,11 @@ def test_shared_reads_share_one_read_in_flight_and_keep_answers() -> None:
 def test_shared_reads_are_bounded_in_bytes() -> None:
     shared = SharedReads(100)
     for i in range(10):
-        shared.read("s", i, 100, False, lambda i=i: defer.succeed((b"x" * 30, i + 1, 1)))
+
+        def start(i: int = i) -> defer.Deferred[Read]:
+            return defer.succeed((b"x" * 30, i + 1, 1))
+
+        shared.read("s", i, 100, False, start)
         assert shared.size <= 100
 
 

@@ -65,6 +65,7 @@ class Harness:
 
     def release(self) -> tuple[str, int]:
         """Run the oldest held apply; returns its (stream, token)."""
+        assert self.db.hold is not None, "the test holds applies (db.hold = [])"
         d, fn, args, kwargs = self.db.hold.pop(0)
         d.callback(fn(*args, **kwargs))
         return args[0], args[1]
@@ -230,6 +231,7 @@ def test_rows_held_for_a_stream_that_is_behind_are_bounded_and_asked_for_again(d
     h.send(f"TICK notes 0 {ts(5)}")
     h.send(*(ev(i, ts(10 * i)) for i in range(1, 6)))
     # notes is behind: events rows 1..5 would pile up; past 4 they are dropped.
+    assert h.worker.ordering is not None  # worker.ordered
     lanes = h.worker.ordering.lanes
     assert lanes["events"].parked and lanes["events"].pending_rows == 0
     assert h.worker.consumers["events"].queued_rows == 0
@@ -261,4 +263,4 @@ def test_without_tick_acknowledged_the_streams_go_unordered(db_url: str, answer:
     h.start()
     h.send(ev(1, ts(10)))  # no TICK will ever come: nothing may wait for one
     assert h.tokens() == [("events", 1)]
-    assert not h.worker.ordering.enabled
+    assert h.worker.ordering is not None and not h.worker.ordering.enabled
