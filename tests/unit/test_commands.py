@@ -329,7 +329,7 @@ def test_commands_are_immutable_values() -> None:
     assert command == PositionCommand("events", "master", 1, 2)
     assert hash(command) == hash(PositionCommand("events", "master", 1, 2))
     with pytest.raises(AttributeError):
-        command.new_token = 3  # type: ignore[misc]
+        command.new_token = 3  # type: ignore[misc]  # deliberately: a frozen command refuses it
 
 
 # -- the receiving fast path ---------------------------------------------------------

@@ -90,7 +90,8 @@ def test_lines_built_by_the_store_equal_the_json_rows(db_url, with_ts: bool) -> 
                 x for x in expected.splitlines() if b"int-like" in x
             ]
         assert store.read_lines_json("mixed", 7, 100, 100, "RDATA mixed ", with_ts) == (b"", 7, 0)
-        assert store.read_lines_json("mixed", 0, 100, 3, "RDATA mixed ", with_ts)[1:] == (3, 3)  # type: ignore[index]
+        limited = store.read_lines_json("mixed", 0, 100, 3, "RDATA mixed ", with_ts)
+        assert limited is not None and limited[1:] == (3, 3)
         return
     expected, _ = encode_json_rows("mixed", store.read_rows_json("mixed", 0, 6, 100), with_ts)
     assert built == (expected, 6, 6)
@@ -99,7 +100,8 @@ def test_lines_built_by_the_store_equal_the_json_rows(db_url, with_ts: bool) -> 
         4,
         2,
     )
-    assert store.read_lines_json("mixed", 0, 100, 3, "RDATA mixed ", with_ts)[1:] == (3, 3)  # type: ignore[index]
+    limited = store.read_lines_json("mixed", 0, 100, 3, "RDATA mixed ", with_ts)
+    assert limited is not None and limited[1:] == (3, 3)
     assert store.read_lines_json("mixed", 7, 100, 100, "RDATA mixed ", with_ts) == (b"", 7, 0)
     # A batch in range, or cut by the limit: the caller encodes.
     assert store.read_lines_json("mixed", 5, 7, 100, "RDATA mixed ", with_ts) is None

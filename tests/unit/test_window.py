@@ -45,7 +45,9 @@ def test_window_starts_inside_a_chunk_on_whole_tokens() -> None:
     w = RecentWindow(1 << 20)
     data = rows_bytes(1, 4, batch_of=3)  # every token a batch of 3 lines
     w.append("s", 0, 4, 12, {False: data})
-    got, last, count = w.read("s", 2, 4, 100, False)  # type: ignore[misc]
+    read = w.read("s", 2, 4, 100, False)
+    assert read is not None
+    got, last, count = read
     assert (got, last, count) == (rows_bytes(3, 4, batch_of=3), 4, 6)
     assert got.startswith(b"RDATA s w batch ") and got.count(b"\n") == 6
     # A start between tokens (no row at 10) in a chunk with sparse tokens.
