@@ -39,7 +39,7 @@ def threaded(store: PgStreamStore, reads: dict, read_mark: bool = True, limit: i
             encoded = {}
             for v in variants:
                 built = store.read_lines_json(stream, after, positions[stream], limit, f"RDATA {stream} ", v)
-                assert built is not None  # PostgreSQL builds the lines
+                assert built is not None  # no line over the limit here: PostgreSQL built them all
                 data, last, count = built
                 encoded[v] = data
             first[stream] = (after, (encoded, last if count else after, count))

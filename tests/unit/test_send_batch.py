@@ -8,7 +8,7 @@ from typing import cast
 
 import pytest
 from twisted.internet import tcp
-from twisted.internet.interfaces import IProtocol, IReactorFDSet
+from twisted.internet.interfaces import IProtocol, IReactorFDSet, ITransport
 from twisted.internet.protocol import Protocol
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 
@@ -33,9 +33,9 @@ def pair() -> Iterator[tuple[tcp.Connection, socket.socket, MemoryReactorClock]]
     peer.close()
 
 
-def _proto(transport: object) -> Proto:
+def _proto(transport: tcp.Connection | StringTransport) -> Proto:
     proto = Proto(ProtocolConfig(), MemoryReactorClock())
-    proto.transport = transport  # type: ignore[assignment]
+    proto.transport = cast(ITransport, transport)  # Twisted types it as the zope interface
     return proto
 
 
