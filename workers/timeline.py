@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import attr
 import orjson
@@ -34,6 +34,7 @@ from twisted.python.threadpool import ThreadPool
 
 from replication.commands import (
     AckCommand,
+    Command,
     DeleteCommand,
     ExtendCommand,
     LeaseCommand,
@@ -44,6 +45,17 @@ from replication.commands import (
 from replication.settings import ProtocolConfig
 from replication.timeline_client import TimelineClientProtocol
 from workers.settings import TimelineWorkerSettings
+
+
+class LeaseConnection(Protocol):
+    """What the consumer needs of its connection to the master (a ``TimelineClientProtocol``)."""
+
+    conn_name: str
+
+    def command(self, command: Command) -> None: ...
+
+    def close(self) -> None: ...
+
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +111,7 @@ class TimelineConsumer:
         self.protocol_config = protocol_config
         self.reactor = reactor
         self.secret = secret
-        self.client: TimelineClientProtocol | None = None
+        self.client: LeaseConnection | None = None
         self.running: dict[str, _Running] = {}
         self.failures: OrderedDict[str, int] = OrderedDict()
         self.counters = {"handled": 0, "failed": 0, "extended": 0, "lost": 0}
@@ -134,7 +146,7 @@ class TimelineConsumer:
         s = self.settings
         return TimelineCommand(s.topic, self.consumer_id, s.credit, s.lease_ms)
 
-    def connected(self, client: TimelineClientProtocol) -> None:
+    def connected(self, client: LeaseConnection) -> None:
         self.client = client
         self._factory.resetDelay()
         logger.info("[%s] consuming timeline %s as %s", client.conn_name, self.settings.topic, self.consumer_id)
@@ -144,18 +156,18 @@ class TimelineConsumer:
             if job.finished is not None:
                 self._finish(mid, job)
 
-    def disconnected(self, client: TimelineClientProtocol, reason: Failure) -> None:
+    def disconnected(self, client: LeaseConnection, reason: Failure) -> None:
         if self.client is client:
             self.client = None
         if not self._stopping:
             logger.warning("timeline connection lost (%s); reconnecting", reason.getErrorMessage())
 
-    def on_error(self, client: TimelineClientProtocol, message: str) -> None:
+    def on_error(self, client: LeaseConnection, message: str) -> None:
         logger.error("[%s] master sent ERROR %s", client.conn_name, message)
 
     # -- leases ----------------------------------------------------------------------------
 
-    def on_lease(self, client: TimelineClientProtocol, command: LeaseCommand) -> None:
+    def on_lease(self, client: LeaseConnection, command: LeaseCommand) -> None:
         known = self.running.get(command.id)
         if known is not None:
             # Ours already (a lease sent again after a reconnect): keep running.
@@ -230,7 +242,7 @@ class TimelineConsumer:
         else:
             self.client.command(ReleaseCommand(self.settings.topic, mid, job.version, delay))
 
-    def on_answer(self, client: TimelineClientProtocol, command: AckCommand | NackCommand) -> None:
+    def on_answer(self, client: LeaseConnection, command: AckCommand | NackCommand) -> None:
         mid = command.id
         job = self.running.get(mid)
         if job is None:

@@ -42,7 +42,7 @@ def make(**settings: Any) -> tuple[TimelineConsumer, task.Clock, Client, dict[st
     s = TimelineWorkerSettings(handler="x:y", **settings)
     consumer = TimelineConsumer(s, lambda job: None, "w", "127.0.0.1", 1, ProtocolConfig(), clock, run_handler=run)
     client = Client()
-    consumer.connected(client)  # type: ignore[arg-type]
+    consumer.connected(client)
     return consumer, clock, client, running
 
 
@@ -53,13 +53,13 @@ def lease(mid: str, version: int, until_ms: int) -> LeaseCommand:
 def test_a_running_handler_is_extended_at_half_of_each_lease() -> None:
     consumer, clock, client, running = make(lease_ms=1000)
     now = int(T0 * 1000)
-    consumer.on_lease(client, lease("a", 2, now + 1000))  # type: ignore[arg-type]
+    consumer.on_lease(client, lease("a", 2, now + 1000))
     assert "a" in running
     clock.advance(0.499)
     assert client.sent == []
     clock.advance(0.001)
     assert client.sent == ["EXTEND jobs a 2 1000"]
-    consumer.on_answer(client, AckCommand("EXTEND", "jobs", "a", 3, now + 1500))  # type: ignore[arg-type]
+    consumer.on_answer(client, AckCommand("EXTEND", "jobs", "a", 3, now + 1500))
     clock.advance(0.499)
     assert len(client.sent) == 1
     clock.advance(0.001)
@@ -67,9 +67,9 @@ def test_a_running_handler_is_extended_at_half_of_each_lease() -> None:
     # The handler returns while that EXTEND is out: DELETE waits for its new version.
     running["a"].callback(None)
     assert client.sent[-1] == "EXTEND jobs a 3 1000"
-    consumer.on_answer(client, AckCommand("EXTEND", "jobs", "a", 4, now + 2000))  # type: ignore[arg-type]
+    consumer.on_answer(client, AckCommand("EXTEND", "jobs", "a", 4, now + 2000))
     assert client.sent[-1] == "DELETE jobs a 4"
-    consumer.on_answer(client, AckCommand("DELETE", "jobs", "a", 5, now + 2000))  # type: ignore[arg-type]
+    consumer.on_answer(client, AckCommand("DELETE", "jobs", "a", 5, now + 2000))
     assert consumer.running == {}
     clock.advance(10)
     assert client.sent[-1] == "DELETE jobs a 4"  # no more extensions
@@ -80,16 +80,16 @@ def test_a_raising_handler_is_released_with_exponential_backoff() -> None:
     now = int(T0 * 1000)
     delays = []
     for version in (2, 4, 6, 8):
-        consumer.on_lease(client, lease("a", version, now + 60_000))  # type: ignore[arg-type]
+        consumer.on_lease(client, lease("a", version, now + 60_000))
         running["a"].errback(RuntimeError("boom"))
         line = client.sent[-1]
         assert line.startswith(f"RELEASE jobs a {version} ")
         delays.append(int(line.split()[-1]))
-        consumer.on_answer(client, AckCommand("RELEASE", "jobs", "a", version + 1, now))  # type: ignore[arg-type]
+        consumer.on_answer(client, AckCommand("RELEASE", "jobs", "a", version + 1, now))
     assert delays == [1000, 2000, 3000, 3000]
     assert consumer.counters["failed"] == 4
     # Success forgets the failures.
-    consumer.on_lease(client, lease("a", 10, now + 60_000))  # type: ignore[arg-type]
+    consumer.on_lease(client, lease("a", 10, now + 60_000))
     running["a"].callback(None)
     assert client.sent[-1] == "DELETE jobs a 10"
     assert "a" not in consumer.failures
@@ -98,25 +98,25 @@ def test_a_raising_handler_is_released_with_exponential_backoff() -> None:
 def test_a_refused_extend_is_a_lost_lease_and_the_finish_is_still_reported() -> None:
     consumer, clock, client, running = make(lease_ms=1000)
     now = int(T0 * 1000)
-    consumer.on_lease(client, lease("a", 2, now + 1000))  # type: ignore[arg-type]
+    consumer.on_lease(client, lease("a", 2, now + 1000))
     clock.advance(0.5)
-    consumer.on_answer(client, NackCommand("EXTEND", "jobs", "a", "lease expired"))  # type: ignore[arg-type]
+    consumer.on_answer(client, NackCommand("EXTEND", "jobs", "a", "lease expired"))
     assert consumer.counters["lost"] == 1
     running["a"].callback(None)
     assert client.sent[-1] == "DELETE jobs a 2"
-    consumer.on_answer(client, NackCommand("DELETE", "jobs", "a", "not the holder"))  # type: ignore[arg-type]
+    consumer.on_answer(client, NackCommand("DELETE", "jobs", "a", "not the holder"))
     assert consumer.running == {} and consumer.counters["lost"] == 2
 
 
 def test_a_lease_sent_again_after_a_reconnect_keeps_the_running_handler() -> None:
     consumer, _clock, client, running = make(lease_ms=1000)
     now = int(T0 * 1000)
-    consumer.on_lease(client, lease("a", 2, now + 1000))  # type: ignore[arg-type]
+    consumer.on_lease(client, lease("a", 2, now + 1000))
     first = running["a"]
-    consumer.disconnected(client, Failure(ConnectionDone()))  # type: ignore[arg-type]
+    consumer.disconnected(client, Failure(ConnectionDone()))
     again = Client()
-    consumer.connected(again)  # type: ignore[arg-type]
-    consumer.on_lease(again, lease("a", 2, now + 1000))  # type: ignore[arg-type]
+    consumer.connected(again)
+    consumer.on_lease(again, lease("a", 2, now + 1000))
     assert running["a"] is first  # not started twice
     first.callback(None)
     assert again.sent[-1] == "DELETE jobs a 2"
