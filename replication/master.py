@@ -124,6 +124,9 @@ class Master:
         self._safe: dict[str, int] = {}
         self._allocated: dict[str, int] = {}  # the store's heads, see refresh_heads
         self._live_subs: dict[str, dict[FanOutTarget, Subscription]] = {}
+        # Per stream, the variants its live subscriptions last took: new rows are kept in them
+        # while nobody is live (a worker that comes back asks for the same).
+        self._last_variants: dict[str, tuple[bool, ...]] = {}
         self.window = RecentWindow(config.recent_bytes)
         # Answers of replay reads kept for other replays of the same range.
         self.shared_reads = SharedReads(config.recent_bytes // 8)
@@ -335,6 +338,25 @@ class Master:
             limits=LIMIT_STATS.snapshot(),
         )
 
+    def _keeps_recent(self, stream: str) -> bool:
+        """Whether new rows of ``stream`` are read into the window while nobody is live on it.
+
+        They are while the window holds the stream (filled on start, or for a
+        replay), and also, with a window of any size, once a subscription was
+        live on it since the start: a consumer that went away (a worker
+        stopped for a while) comes back and catches up from the bytes built
+        once, as the rows were committed, in the variant it took
+        (:meth:`_variants`), instead of having the server build every line
+        again while it waits. A stream nobody has replicated is not read.
+        """
+        return self.window.start(stream) is not None or (self.window.max_bytes > 0 and stream in self._last_variants)
+
+    def _variants(self, stream: str, subs: dict[FanOutTarget, Subscription]) -> tuple[bool, ...]:
+        """The variants (with and without ``ts``) to encode new rows in: the live subscriptions', else the last ones seen live."""
+        if subs:
+            return tuple(sorted({target.with_ts for target in subs}))
+        return self._last_variants.get(stream, (False,))
+
     def read_recent(self, stream: str, after: int, upto: int, limit: int, with_ts: bool) -> Read | None:
         """RDATA bytes for rows after ``after`` from the window of recent rows; None if it does not hold them."""
         return self.window.read(stream, after, upto, limit, with_ts)
@@ -469,8 +491,8 @@ class Master:
         if live != first - 1 or committed.safe is None or committed.safe < last:
             return False
         subs = self._live_subs[stream]
-        if subs or self.window.start(stream) is not None:
-            variants = tuple(sorted({target.with_ts for target in subs})) or (False,)
+        if subs or self._keeps_recent(stream):
+            variants = self._variants(stream, subs)
             instance = committed.instance.encode()
             stored = [(0, token, instance, ts, values) for token, ts, values in rows]
             encoded = {v: encode_json_rows(stream, stored, v)[0] for v in variants}
@@ -696,10 +718,10 @@ class Master:
             try:
                 while self._live[stream] < head:
                     subs = self._live_subs[stream]
-                    if not subs and self.window.start(stream) is None:
-                        self._live[stream] = head  # nobody live and nothing kept: no read
+                    if not subs and not self._keeps_recent(stream):
+                        self._live[stream] = head  # nobody live and nobody to keep them for: no read
                         break
-                    variants = tuple(sorted({target.with_ts for target in subs})) or (False,)
+                    variants = self._variants(stream, subs)
                     after = self._live[stream]
                     pre = first.pop(stream, None)
                     read = None if pre is not None and pre[0] == after else ahead.take(after, variants)
@@ -787,7 +809,9 @@ class Master:
     # -- what subscriptions ask (StreamSource) ----------------------------------------------
 
     def join_live(self, target: FanOutTarget, sub: Subscription) -> None:
-        self._live_subs[sub.stream][target] = sub
+        subs = self._live_subs[sub.stream]
+        subs[target] = sub
+        self._last_variants[sub.stream] = tuple(sorted({t.with_ts for t in subs}))
 
     def leave_live(self, target: FanOutTarget, sub: Subscription) -> None:
         subs = self._live_subs.get(sub.stream)

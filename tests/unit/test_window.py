@@ -4,6 +4,7 @@ lagging live connection that stays in (or drops out of) the shared fan-out."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from twisted.internet import defer
 from replication.master import MasterConfig
 from replication.protocol import ProtocolConfig
 from replication.rows import encode_json_rows
+from replication.streams import EVENTS
 from replication.window import CHUNK_OVERHEAD, Read, RecentWindow, SharedReads, WindowFiller
 from tests.unit.test_protocol import Env, event, rdata, tokens
 
@@ -321,6 +323,35 @@ def test_the_fan_out_keeps_a_stream_the_window_holds_when_nobody_is_live(window_
     conn.send("REPLICATE events 0")
     assert tokens(conn.commands()) == [1, 2, 3, 4]
     assert reads(env) == before and fills(env) == 0  # all from memory
+
+
+def test_rows_committed_after_the_last_live_connection_left_are_kept_in_its_variant(
+    window_env: Callable[..., Env],
+) -> None:
+    """A worker (``OPTIONS ts``) caught up on an empty stream stops; rows are written; it comes back.
+
+    Nothing was in the window when it left (no row was ever sent): the rows
+    are still read into the window as they commit, in the variant it took,
+    and its catch-up is served from memory, each row once and in order.
+    """
+    env = window_env()
+    worker = env.connected()
+    worker.send("OPTIONS ts", "REPLICATE events 0")
+    worker.commands()
+    assert env.master.window.start("events") is None
+    worker.proto.connectionLost(None)
+    env.write("events", [event(i) for i in range(1, 6)])
+    env.follow()
+    assert reads(env) == 1  # read once, as committed
+    assert env.master.window.read("events", 0, 5, 100, True) is not None
+    assert env.master.window.read("events", 0, 5, 100, False) is None  # the variant nobody took: not built
+    back = env.connected()
+    back.send("OPTIONS ts", "REPLICATE events 0")
+    lines = back.commands()
+    assert tokens(lines) == [1, 2, 3, 4, 5]
+    rdata_lines = [line for line in lines if line.startswith("RDATA")]
+    assert all(len(json.loads(line.split(" ", 4)[4])) == len(EVENTS.columns) + 1 for line in rdata_lines)  # with ts
+    assert reads(env) == 1 and fills(env) == 0  # the catch-up: all from memory
 
 
 def test_a_stream_nobody_reads_and_the_window_does_not_hold_is_not_read(window_env: Callable[..., Env]) -> None:
