@@ -137,7 +137,7 @@ class Master:
         self._watch: ChangeWatch | None = None  # SQLite: PRAGMA data_version (storage.sqlite_db)
         self._watcher: DelayedCall | None = None  # the next look (a bare callLater: no Deferred per look)
         self._checkpointing: defer.Deferred[Any] | None = None  # SQLite: the WAL checkpoint running, if one is
-        self._checkpoint_rows = 0  # SQLite: rows committed since the last checkpoint began (see _checkpoint)
+        self._checkpoint_rows = 0  # SQLite: rows delivered live since the last checkpoint began (see _checkpoint)
         self._checkpoint_at = 0.0  # when it began (reactor time; 0: none yet)
         self._checkpoint_complete = True  # whether it copied every frame
         self._following = False
@@ -518,14 +518,17 @@ class Master:
     def _checkpoint(self) -> None:
         """SQLite: after a pass, checkpoint the WAL on a database thread when it is due (``storage.sqlite_db``).
 
-        Due once ``CHECKPOINT_ROWS`` rows were committed since the last one
-        (or ``CHECKPOINT_SECONDS`` went by), after the pass, and only while no
-        connection is paused (its client has not yet taken what was written
-        to it), so a large commit's checkpoint (about 0.65 us of CPU per row
-        of the fan-out benchmark) runs once its rows went out, not beside
-        their delivery; a later pass checkpoints once they did, or once
-        ``CHECKPOINT_SECONDS`` went by whatever the clients do (the writers
-        also checkpoint past a backstop). One at a time; passive, through
+        Due once this master delivered ``CHECKPOINT_ROWS`` rows to live
+        connections since the last one (or ``CHECKPOINT_SECONDS`` went by),
+        after the pass, and only while no connection is paused (its client
+        has not yet taken what was written to it), so a large commit's
+        checkpoint (about 0.65 us of CPU per row of the fan-out benchmark)
+        runs once its rows went out, not beside their delivery; a later pass
+        checkpoints once they did, or once ``CHECKPOINT_SECONDS`` went by
+        whatever the clients do (the writers also checkpoint past a
+        backstop). Rows only counted where they were delivered: a master
+        with no live connection on the stream (another master on the same
+        database may be delivering them) leaves them to the timer. One at a time; passive, through
         SQLite (``PRAGMA wal_checkpoint(PASSIVE)``): it never waits for a
         reader or a writer, and what it cannot copy now a later one does.
         """
@@ -733,8 +736,6 @@ class Master:
         finally:
             self._waking = False
         safe_times, heads, first = answer
-        for stream, head in heads.items():  # rows committed since the last pass (SQLite's checkpoints)
-            self._checkpoint_rows += max(0, head - self._safe.get(stream, self._live.get(stream, head)))
         self._safe.update(heads)
         if any(stream not in self._schemas for stream in heads):
             self._learn(await self.db.run(self.store.catalog))
@@ -809,6 +810,8 @@ class Master:
 
     def _fan_out(self, stream: str, encoded: dict[bool, bytes], last_token: int, count: int) -> None:
         self._live_rows += count
+        if self._live_subs[stream]:
+            self._checkpoint_rows += count  # SQLite: checkpointed after their delivery (_checkpoint)
         after = self._live[stream]
         self.window.append(stream, after, last_token, count, encoded)
         self._live[stream] = last_token

@@ -110,7 +110,7 @@ class ChangeWatch(Protocol):
     def checkpoint_due(self, rows: int, seconds: float, complete: bool, paused: bool) -> bool:
         """Whether the master should checkpoint now (cheap: on the reactor, no I/O).
 
-        ``rows`` committed and ``seconds`` since its last one began,
+        ``rows`` delivered live and ``seconds`` since its last one began,
         ``complete`` whether that one copied everything, ``paused`` whether
         a connection is paused (a delivery not over).
         """

@@ -9,8 +9,9 @@ also when the WAL is synced: with ``synchronous = NORMAL`` a commit is
 durable against a power loss once a checkpoint has run after it) are left to
 the master where one follows the database: after its passes it runs a passive
 checkpoint through SQLite (``PRAGMA wal_checkpoint(PASSIVE)`` on a database
-thread, :meth:`SqliteChangeWatch.checkpoint`) once :data:`CHECKPOINT_ROWS`
-rows were committed since its last one, or :data:`CHECKPOINT_SECONDS` went by
+thread, :meth:`SqliteChangeWatch.checkpoint`) once it delivered
+:data:`CHECKPOINT_ROWS` rows to live connections since its last one, or
+:data:`CHECKPOINT_SECONDS` went by
 (:func:`checkpoint_due`), so a large commit's checkpoint runs after its rows
 went out, not beside the delivery. The master never opens SQLite's files
 itself (closing any descriptor of ``<db>-shm`` would drop the process's
@@ -34,12 +35,12 @@ from typing import Any
 from storage.migrate import apply_migrations
 from storage.store import DatabaseUnavailable, StorageError
 
-# The master checkpoints after a pass once this many rows were committed since
+# The master checkpoints after a pass once it delivered this many rows live since
 # its last checkpoint (about SQLite's own 1000 pages for rows of ~300 bytes in
 # single-row commits, more rows per page in large ones) ...
 CHECKPOINT_ROWS = 1000
-# ... or this long after its last one (the master's own commits, rows of
-# streams it does not follow, anything else written to the file); a checkpoint
+# ... or this long after its last one (the master's own commits, rows nobody
+# took live from it, anything else written to the file); a checkpoint
 # with nothing to copy does no I/O.
 CHECKPOINT_SECONDS = 30.0
 # After a checkpoint that could not copy every frame (a reader's snapshot holds
@@ -55,7 +56,7 @@ WRITER_CHECKPOINT_BYTES = 256 << 20
 def checkpoint_due(rows: int, seconds: float, complete: bool, paused: bool) -> bool:
     """Whether the master checkpoints the WAL now.
 
-    ``rows``: rows committed since its last checkpoint began (those it did not
+    ``rows``: rows it delivered live since its last checkpoint began (those it did not
     copy counted again); ``seconds``: since then; ``complete``: whether that
     checkpoint copied every frame (one that did not is tried again after
     :data:`CHECKPOINT_RETRY_SECONDS`); ``paused``: whether a connection is

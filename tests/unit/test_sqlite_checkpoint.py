@@ -2,8 +2,8 @@
 
 ``storage.sqlite_db``: a writer's automatic checkpoint runs only once the WAL
 holds ``WRITER_CHECKPOINT_BYTES``; the master (``Master._checkpoint``) runs a
-passive checkpoint through SQLite on a database thread after a pass once
-``CHECKPOINT_ROWS`` rows were committed since its last one (or
+passive checkpoint through SQLite on a database thread after a pass once it
+delivered ``CHECKPOINT_ROWS`` rows live since its last one (or
 ``CHECKPOINT_SECONDS`` went by), and not while a connection is paused, so a
 large commit's checkpoint runs after its rows went out. The master never opens
 SQLite's files itself. No row is lost, repeated or reordered by it.
@@ -128,7 +128,8 @@ def test_the_master_checkpoints_after_a_pass_once_enough_rows_came(env: Env) -> 
 
 
 def test_the_master_checkpoints_when_a_while_went_by(env: Env) -> None:
-    env.write("events", [event(1)])
+    # Rows nobody takes live from this master (another may be delivering them): the timer's.
+    env.write("events", [event(n) for n in range(1, CHECKPOINT_ROWS + 1)])
     env.follow()
     assert "checkpoint" not in env.db.calls
     env.advance_by(CHECKPOINT_SECONDS, step=1.0)
@@ -136,6 +137,8 @@ def test_the_master_checkpoints_when_a_while_went_by(env: Env) -> None:
 
 
 def test_one_checkpoint_at_a_time_and_the_watch_closed_after_it(env: Env) -> None:
+    env.connected().send("REPLICATE events 0")
+    env.follow()
     env.write("events", [event(n) for n in range(1, CHECKPOINT_ROWS + 1)])
     env.db.hold = "checkpoint"
     env.follow()
@@ -153,6 +156,8 @@ def test_one_checkpoint_at_a_time_and_the_watch_closed_after_it(env: Env) -> Non
 
 
 def test_an_incomplete_checkpoint_is_tried_again_later(env: Env) -> None:
+    env.connected().send("REPLICATE events 0")
+    env.follow()
     env.write("events", [event(n) for n in range(1, CHECKPOINT_ROWS + 1)])
     env.db.hold = "checkpoint"
     env.follow()
