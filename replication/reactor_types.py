@@ -9,7 +9,7 @@ TCP transport all satisfy them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 
 class DelayedCall(Protocol):
@@ -67,3 +67,27 @@ class Reactor(Clock, Protocol):
     def removeWriter(self, writer: Any) -> None: ...
 
     def addSystemEventTrigger(self, phase: str, eventType: str, callable: Callable[..., Any], *args: Any) -> Any: ...
+
+
+class RunningReactor(Reactor, Protocol):
+    """The global reactor as a command's main loop uses it."""
+
+    running: bool
+
+    def run(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+def global_reactor() -> RunningReactor:
+    """Twisted's installed global reactor, typed (importing it installs the default one if none is)."""
+    from twisted.internet import reactor
+
+    return cast(RunningReactor, reactor)
+
+
+def transport_of(protocol: Any) -> Transport:
+    """A connected protocol's transport, typed (Twisted declares it ``ITransport | None``)."""
+    transport = protocol.transport
+    assert transport is not None, "the protocol is not connected"
+    return cast(Transport, transport)

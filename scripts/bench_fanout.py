@@ -38,7 +38,7 @@ way, from its first token (1). Baseline, in the same run and interleaved: a bare
 server that writes the same pre-built bytes to each of the N connections (a
 push producer), read by the same clients.
 
-Reported per variant: rows/s delivered (all clients together; best run),
+Reported per variant: rows/s delivered (all clients together; the median run, and the best),
 master CPU per delivered row (the time its threads ran, from
 ``/proc/<pid>/task/*/schedstat``, in nanoseconds where ``/proc/<pid>/stat``
 counts 10 ms ticks; median of the runs; steadier than wall time on a shared
@@ -149,7 +149,9 @@ def role_fanout_clients(
     """
     import re
 
-    from twisted.internet import reactor
+    from replication.reactor_types import global_reactor, transport_of
+
+    reactor = global_reactor()
     from twisted.internet.protocol import ClientFactory, Protocol
 
     # Every line is searched with the newline before it (the carried tail keeps it).
@@ -168,7 +170,7 @@ def role_fanout_clients(
             self.at = 0 if first else -1  # where this client is in ``expected`` (-1: token by token)
             self.positioned = False
             if send:
-                self.transport.write(send.encode() + b"\n")
+                transport_of(self).write(send.encode() + b"\n")
 
         def dataReceived(self, data: bytes) -> None:
             buf = self.tail + data
@@ -205,7 +207,7 @@ def role_fanout_clients(
             if self.count >= rows:
                 result["rows"] += self.count
                 result["done"] += 1
-                self.transport.abortConnection()
+                transport_of(self).abortConnection()
                 if result["done"] == clients:
                     result["t_last"] = time.monotonic()
                     reactor.stop()
@@ -393,18 +395,19 @@ def run_fanout(
         med = statistics.median(r["seconds"] for r in runs[name])
         results[name] = {
             "db": db,
-            "tickline": max(r["rate"] for r in runs[name]),
-            "baseline": max(r["rate"] for r in base_runs[name]),
+            # The headline is the median run (the issue's targets are medians); the best is printed too.
+            "tickline": statistics.median(r["rate"] for r in runs[name]),
+            "baseline": statistics.median(r["rate"] for r in base_runs[name]),
+            "best_rate": max(r["rate"] for r in runs[name]),
             "master_us": statistics.median(r["server_us"] for r in runs[name]),
             "master_us_commit": statistics.median(r["server_us_commit"] for r in runs[name]),
             "client_us": statistics.median(r["client_us"] for r in runs[name]),
             "baseline_us": statistics.median(r["server_us"] for r in base_runs[name]),
             "peak_mib": max(r["peak_mib"] for r in runs[name]),
             "baseline_peak_mib": max(r["peak_mib"] for r in base_runs[name]),
-            "median_rate": statistics.median(r["rate"] for r in runs[name]),
             "first_ms": statistics.median(r["first_ms"] for r in runs[name]),
-            "visible": max(r["rate_visible"] for r in runs[name]),
-            "median_visible": statistics.median(r["rate_visible"] for r in runs[name]),
+            "visible": statistics.median(r["rate_visible"] for r in runs[name]),
+            "best_visible": max(r["rate_visible"] for r in runs[name]),
             "commit_ms": statistics.median(r["commit_ms"] for r in runs[name]),
             "spread": max(r["seconds"] for r in runs[name]) / med if med > 0 else 1.0,
             "runs": runs[name],
@@ -424,14 +427,14 @@ def print_results(results: dict[str, dict[str, Any]]) -> None:
         print(
             f"  master CPU per delivered row {r['master_us']:.3f} us (baseline server {r['baseline_us']:.3f} us); "
             f"master peak memory {r['peak_mib']:.0f} MiB (baseline {r['baseline_peak_mib']:.0f} MiB); "
-            f"median {_fmt(r['median_rate'])} rows/s, slowest run {r['spread']:.2f}x the median; "
+            f"best run {_fmt(r['best_rate'])} rows/s, slowest run {r['spread']:.2f}x the median; "
             f"clients {r['client_us']:.3f} us/row, first row after {r['first_ms']:.1f} ms",
             flush=True,
         )
         if name.startswith("live-"):
             print(
                 f"  live, timed from the COMMIT's return (rows visible) instead of before it: "
-                f"{_fmt(r['visible'])} rows/s (median {_fmt(r['median_visible'])}); "
+                f"{_fmt(r['visible'])} rows/s (best run {_fmt(r['best_visible'])}); "
                 f"the COMMIT took {r['commit_ms']:.1f} ms; master CPU per row from just before the COMMIT "
                 f"{r['master_us_commit']:.3f} us",
                 flush=True,

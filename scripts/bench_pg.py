@@ -793,9 +793,9 @@ def run(
             runs: dict[str, list[float]] = {"tickline": [], "copy": [], "execute_values": []}
             for i in range(repeat):
                 for which in runs:
-                    value = end_to_end_once(clusters, workdir, rows, which)
-                    runs[which].append(value)
-                    log(f"end-to-end run {i + 1} {which}: {_fmt(value)} rows/s")
+                    got = end_to_end_once(clusters, workdir, rows, which)
+                    runs[which].append(got)
+                    log(f"end-to-end run {i + 1} {which}: {_fmt(got)} rows/s")
             r = {k: _median(v) for k, v in runs.items()}
             results["end-to-end"] = r
             print(
@@ -849,9 +849,9 @@ def run(
             cu: dict[str, list[float]] = {"tickline": [], "baseline": []}
             for i in range(repeat):
                 for which in cu:
-                    value = catch_up_once(clusters, workdir, n, which)
-                    cu[which].append(value)
-                    log(f"catch-up run {i + 1} {which}: {_fmt(value)} rows/s")
+                    got = catch_up_once(clusters, workdir, n, which)
+                    cu[which].append(got)
+                    log(f"catch-up run {i + 1} {which}: {_fmt(got)} rows/s")
             c = {k: _median(v) for k, v in cu.items()}
             results["catch-up"] = c
             print(

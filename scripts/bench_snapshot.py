@@ -25,6 +25,7 @@ from __future__ import annotations
 import io
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from scripts.benchmark import BenchError, _fmt, make_rows
@@ -48,6 +49,7 @@ def fill_worker_database(url: str, rows: int) -> int:
     for start in range(0, rows, FILL_CHUNK):
         count = min(FILL_CHUNK, rows - start)
         values = [(start + i + 1, "master", TS_BASE + start + i, *row) for i, row in enumerate(make_rows(start, count))]
+        effects: Callable[[ApplyTransaction], None]
         if sqlite:
 
             def effects(txn: ApplyTransaction, values: list = values) -> None:
@@ -55,10 +57,12 @@ def fill_worker_database(url: str, rows: int) -> int:
         else:
             text = "".join("\t".join("\\N" if v is None else str(v) for v in row) + "\n" for row in values)
 
-            def effects(txn: ApplyTransaction, text: str = text) -> None:  # COPY: the fastest load PostgreSQL has
+            def copy(txn: ApplyTransaction, text: str = text) -> None:  # COPY: the fastest load PostgreSQL has
                 txn.connection.cursor.copy_expert(
                     f"COPY {EVENTS.replicated_table} ({columns}) FROM STDIN", io.StringIO(text)
                 )
+
+            effects = copy
 
         store.apply("events", start + count, effects)
     store.close()

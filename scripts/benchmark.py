@@ -69,11 +69,14 @@ import orjson
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIRE_SCENARIOS = ("wire", "wire-live")
 PG_SCENARIOS = ("end-to-end", "latency", "catch-up", "writer")  # against logical replication: scripts/bench_pg.py
-SCENARIOS = (*WIRE_SCENARIOS, *PG_SCENARIOS)
-SCENARIOS += ("snapshot",)  # Spark JDBC snapshots: scripts/bench_snapshot.py
-SCENARIOS += ("ordered",)  # timestamp order across streams: scripts/bench_ordered.py
-SCENARIOS += ("timeline",)  # timeline leases/s on PostgreSQL: scripts/bench_timeline.py
-SCENARIOS += ("fanout",)  # 1, 10 and 50 clients, live and replay: scripts/bench_fanout.py
+SCENARIOS: tuple[str, ...] = (
+    *WIRE_SCENARIOS,
+    *PG_SCENARIOS,
+    "snapshot",  # Spark JDBC snapshots: scripts/bench_snapshot.py
+    "ordered",  # timestamp order across streams: scripts/bench_ordered.py
+    "timeline",  # timeline leases/s on PostgreSQL: scripts/bench_timeline.py
+    "fanout",  # 1, 10 and 50 clients, live and replay: scripts/bench_fanout.py
+)
 DEFAULT_ROWS = 200_000
 DEFAULT_REPEAT = 5
 STREAM = "events"
@@ -97,7 +100,7 @@ def make_rows(first: int, count: int) -> list[tuple[Any, ...]]:
     About 80% messages, 15% memberships (with a state key), 5% redactions;
     an RDATA line is about 140 bytes.
     """
-    rows = []
+    rows: list[tuple[Any, ...]] = []
     for n in range(first, first + count):
         event_id = "$" + _ident(n, 43)
         room_id = f"!{_ident(n % 997 + 10_000_000, 18)}:example.org"
@@ -301,7 +304,9 @@ def _wait_for_profiler() -> None:
 
 
 def role_tickline_client(port: int, rows: int, mode: str, timeout: float, profiled: bool) -> int:
-    from twisted.internet import reactor
+    from replication.reactor_types import global_reactor, transport_of
+
+    reactor = global_reactor()
     from twisted.internet.protocol import ClientFactory
 
     from replication.client import ClientProtocol, ReplicationHandler
@@ -331,7 +336,7 @@ def role_tickline_client(port: int, rows: int, mode: str, timeout: float, profil
             result["rows"] += len(batch)
             if result["rows"] >= rows:
                 result["t_last"] = time.monotonic()
-                client.transport.abortConnection()
+                transport_of(client).abortConnection()
                 reactor.stop()
 
         def on_error(self, client: ClientProtocol, message: str) -> None:
@@ -367,7 +372,9 @@ def role_tickline_client(port: int, rows: int, mode: str, timeout: float, profil
 def role_baseline_client(port: int, rows: int, timeout: float, profiled: bool, send: str | None = None) -> int:
     """A bare ``LineOnlyReceiver`` counting ``RDATA`` lines; with ``send``, it first sends that line
     (``REPLICATE events 0`` makes it a client of the master that parses nothing)."""
-    from twisted.internet import reactor
+    from replication.reactor_types import global_reactor, transport_of
+
+    reactor = global_reactor()
     from twisted.internet.protocol import ClientFactory
     from twisted.protocols.basic import LineOnlyReceiver
 
@@ -382,7 +389,7 @@ def role_baseline_client(port: int, rows: int, timeout: float, profiled: bool, s
 
         def connectionMade(self) -> None:
             if send:
-                self.transport.write(send.encode() + b"\n")
+                transport_of(self).write(send.encode() + b"\n")
 
         def lineReceived(self, line: bytes) -> None:
             if line[:6] != b"RDATA ":
@@ -392,7 +399,7 @@ def role_baseline_client(port: int, rows: int, timeout: float, profiled: bool, s
                 result["t_first"] = time.monotonic()
             if count == rows:
                 result["t_last"] = time.monotonic()
-                self.transport.abortConnection()
+                transport_of(self).abortConnection()
                 reactor.stop()
 
     class Factory(ClientFactory):
@@ -420,7 +427,9 @@ def role_baseline_client(port: int, rows: int, timeout: float, profiled: bool, s
 
 def role_baseline_server(port: int, rows: int) -> int:
     """Write the N pre-built lines to every connection, as fast as the transport takes them."""
-    from twisted.internet import reactor
+    from replication.reactor_types import global_reactor, transport_of
+
+    reactor = global_reactor()
     from twisted.internet.interfaces import IPushProducer
     from twisted.internet.protocol import Factory, Protocol
     from zope.interface import implementer
@@ -434,14 +443,14 @@ def role_baseline_server(port: int, rows: int) -> int:
         def connectionMade(self) -> None:
             self.next = 0
             self.paused = False
-            self.transport.registerProducer(self, True)
+            transport_of(self).registerProducer(self, True)
             self.resumeProducing()
 
         def resumeProducing(self) -> None:
             self.paused = False
             while not self.paused and self.next < len(chunks):
                 self.next += 1
-                self.transport.write(chunks[self.next - 1])  # may call pauseProducing
+                transport_of(self).write(chunks[self.next - 1])  # may call pauseProducing
 
         def pauseProducing(self) -> None:
             self.paused = True
@@ -576,7 +585,7 @@ def run_wire(
                 live_args = ["_tickline-client", "--port", str(port), "--rows", str(rows), "--mode", "live"]
                 runs["wire-live"].append(measure("tickline live", master, live_args, "t_commit", commit))
 
-        if pyspy:
+        if pyspy and profile_dir:
             # One more replay run under py-spy; sampling takes a core, so it does not count.
             profilers.append(Profiler(pyspy, master.proc.pid, os.path.join(profile_dir, "master-wire.txt")))
             profile = (pyspy, os.path.join(profile_dir, "client-wire.txt"))
@@ -708,7 +717,11 @@ def main(
     if rows < 1 or repeat < 1 or rate < 1 or not seconds > 0:
         print("tickline bench: error: --rows, --repeat, --rate and --seconds must be positive", file=sys.stderr)
         return 2
-    print(f"tickline bench: {rows:,} rows, best of {repeat} runs, {os.cpu_count()} cores", flush=True)
+    print(
+        f"tickline bench: {rows:,} rows, {repeat} runs per scenario (wire scenarios: the best run; fanout: the "
+        f"best and the median; PostgreSQL scenarios: the median of interleaved runs), {os.cpu_count()} cores",
+        flush=True,
+    )
     workdir = tempfile.mkdtemp(prefix="tickline-bench-")
     wire = [s for s in chosen if s in WIRE_SCENARIOS]
     try:

@@ -14,11 +14,11 @@ import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 from twisted.internet import defer, task
 from twisted.internet.error import CannotListenError
-from twisted.logger import STDLibLogObserver, globalLogBeginner
+from twisted.logger import ILogObserver, STDLibLogObserver, globalLogBeginner
 
 from scripts.config import ConfigError, load_config, setup_logging
 from scripts.stopping import stop_reactor
@@ -45,7 +45,7 @@ def run_daemon(
     # Twisted's own messages (an unhandled error in a Deferred, ...) go to the
     # same one-line-per-event log as ours.
     # Its chatter ("Starting factory ...") stays out: warnings and errors only.
-    globalLogBeginner.beginLoggingTo([STDLibLogObserver(name="twisted")], redirectStandardIO=False)
+    globalLogBeginner.beginLoggingTo([cast(ILogObserver, STDLibLogObserver(name="twisted"))], redirectStandardIO=False)
     logging.getLogger("twisted").setLevel(logging.WARNING)
     notifier = SystemdNotifier()
     exit_code = [0]

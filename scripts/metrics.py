@@ -7,12 +7,12 @@ this module only serves them.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
-from twisted.web.resource import Resource
+from twisted.web.resource import IResource, Resource
 from twisted.web.server import Site
 
 
@@ -43,5 +43,5 @@ def serve_metrics(reactor: Any, collector: Collector, host: str, port: int) -> A
     registry = CollectorRegistry()
     registry.register(collector)
     root = Resource()
-    root.putChild(b"metrics", MetricsPage(registry))
+    root.putChild(b"metrics", cast(IResource, MetricsPage(registry)))
     return reactor.listenTCP(port, Site(root), interface=host)

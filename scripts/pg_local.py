@@ -23,6 +23,7 @@ START_TIMEOUT = 30.0
 
 
 def pg_bin(name: str) -> str | None:
+    """The path of a PostgreSQL server program, or None when it is not installed."""
     for directory in PG_BIN_DIRS:
         candidate = directory / name
         if candidate.exists():
@@ -77,11 +78,11 @@ class PostgresServer:
 
     def restart(self) -> None:
         """Stop the server (dropping every connection) and start it again, same port and data."""
-        self._run(pg_bin("pg_ctl"), "-D", str(self.datadir / "data"), "-m", "fast", "-w", "stop")
+        self._run(self._pg_ctl(), "-D", str(self.datadir / "data"), "-m", "fast", "-w", "stop")
         self._launch()
 
     def _launch(self) -> None:
-        pg_ctl, data, options = pg_bin("pg_ctl"), str(self.datadir / "data"), self._options
+        pg_ctl, data, options = self._pg_ctl(), str(self.datadir / "data"), self._options
         result = self._run(
             pg_ctl, "-D", data, "-o", options, "-l", str(self.datadir / "log"), "-w", "-t", "30", "start"
         )
@@ -97,6 +98,13 @@ class PostgresServer:
                 if time.monotonic() > deadline:
                     raise RuntimeError("PostgreSQL did not accept connections") from None
                 time.sleep(0.05)
+
+    @staticmethod
+    def _pg_ctl() -> str:
+        pg_ctl = pg_bin("pg_ctl")
+        if pg_ctl is None:
+            raise RuntimeError("PostgreSQL server binaries not found: run ./scripts/setup.sh (installs postgresql)")
+        return pg_ctl
 
     def stop(self) -> None:
         pg_ctl = pg_bin("pg_ctl")

@@ -190,7 +190,9 @@ class TailFactory(ClientFactory):
 
 
 def run_tail(args: argparse.Namespace, config: Config) -> int:
-    from twisted.internet import reactor
+    from replication.reactor_types import global_reactor
+
+    reactor = global_reactor()
 
     if args.master:
         host, port = parse_address(args.master, "--master")

@@ -9,6 +9,6 @@ status=0
 echo "lint: ruff check and ruff format --check"
 .venv/bin/ruff check replication storage workers scripts tests || status=1
 .venv/bin/ruff format --check --quiet replication storage workers scripts tests || status=1
-echo "types: mypy (replication, storage, workers)"
+echo "types: mypy (replication, storage, workers, scripts)"
 .venv/bin/mypy || status=1
 exit "$status"

@@ -107,8 +107,11 @@ class HandlerRegistry:
         return list(self._handlers.get(stream, ()))
 
 
-def load_handler(path: str) -> Handler:
-    """A handler from ``package.module:name`` or ``package.module.name``."""
+def load_handler(path: str) -> Callable[..., Any]:
+    """A handler from ``package.module:name`` or ``package.module.name``.
+
+    Any callable: a stream's rows handler (:data:`Handler`) or a timeline's job
+    handler; what it is called with is the caller's contract."""
     module_name, sep, attr_name = path.partition(":")
     if not sep:
         module_name, _, attr_name = path.rpartition(".")
