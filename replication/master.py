@@ -140,6 +140,7 @@ class Master:
         self._checkpoint_rows = 0  # SQLite: rows delivered live since the last checkpoint began (see _checkpoint)
         self._checkpoint_at = 0.0  # when it began (reactor time; 0: none yet)
         self._checkpoint_complete = True  # whether it copied every frame
+        self._checkpoint_frames = 0  # the frames in the WAL it found (SQLite's answer)
         self._following = False
         self._follow_again = False
         self._expire_writers = True
@@ -538,7 +539,10 @@ class Master:
         now = self.reactor.seconds()
         seconds = now - self._checkpoint_at
         paused = any(conn.paused for conn in self.connections)
-        if not watch.checkpoint_due(self._checkpoint_rows, seconds, self._checkpoint_complete, paused):
+        due = watch.checkpoint_due(
+            self._checkpoint_rows, seconds, self._checkpoint_complete, paused, self._checkpoint_frames
+        )
+        if not due:
             return
         rows, self._checkpoint_rows = self._checkpoint_rows, 0
         self._checkpoint_at = now
@@ -547,11 +551,12 @@ class Master:
             self._checkpointing = None
             if isinstance(result, Failure):
                 logger.debug("checkpointing the WAL failed (a later pass tries again): %s", result.getErrorMessage())
-                complete = False
+                complete, frames = False, 0
             else:
                 busy, frames, copied = cast(tuple[int, int, int], result)
                 complete = busy == 0 and frames == copied
             self._checkpoint_complete = complete
+            self._checkpoint_frames = max(frames, 0)
             if not complete:
                 self._checkpoint_rows += rows  # still due, after CHECKPOINT_RETRY_SECONDS
             return None

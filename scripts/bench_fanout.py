@@ -10,7 +10,7 @@ Variants ``live-1``, ``live-10``, ``live-50``, ``replay-1``, ``replay-10``,
   returned (the rows became visible: the master's delivery rate). The
   writer is the store's, with its own checkpoint policy: on SQLite the
   masters checkpoint the WAL after the pass that delivered the rows
-  (``storage.sqlite_db``; the next run starts once the WAL is checkpointed).
+  (``storage.sqlite_db``; the next run starts once the masters are idle).
   The master
   reads them from storage (``fanout_rows`` per read) and fans each chunk out
   once: what bounds it is the master's storage read (SQLite concatenates each

@@ -107,12 +107,13 @@ class ChangeWatch(Protocol):
         """Whether another connection committed since the last call (True when unsure)."""
         ...
 
-    def checkpoint_due(self, rows: int, seconds: float, complete: bool, paused: bool) -> bool:
+    def checkpoint_due(self, rows: int, seconds: float, complete: bool, paused: bool, frames: int) -> bool:
         """Whether the master should checkpoint now (cheap: on the reactor, no I/O).
 
         ``rows`` delivered live and ``seconds`` since its last one began,
         ``complete`` whether that one copied everything, ``paused`` whether
-        a connection is paused (a delivery not over).
+        a connection is paused (a delivery not over), ``frames`` the frames
+        the WAL held at that one.
         """
         ...
 

@@ -46,6 +46,9 @@ CHECKPOINT_SECONDS = 30.0
 # After a checkpoint that could not copy every frame (a reader's snapshot holds
 # them, or another checkpoint ran), the next try waits this long.
 CHECKPOINT_RETRY_SECONDS = 1.0
+# While the WAL holds this many frames (SQLite's own threshold, 1000 pages) the
+# master checkpoints every CHECKPOINT_RETRY_SECONDS until a write started it over.
+CHECKPOINT_FRAMES = 1000
 # A writer's automatic checkpoint (wal_autocheckpoint, in pages of the file's
 # size) runs only past this: the backstop where no master checkpoints. A
 # transaction of 200,000 rows of the fan-out benchmark is about 62 MiB of WAL;
@@ -53,7 +56,7 @@ CHECKPOINT_RETRY_SECONDS = 1.0
 WRITER_CHECKPOINT_BYTES = 256 << 20
 
 
-def checkpoint_due(rows: int, seconds: float, complete: bool, paused: bool) -> bool:
+def checkpoint_due(rows: int, seconds: float, complete: bool, paused: bool, frames: int = 0) -> bool:
     """Whether the master checkpoints the WAL now.
 
     ``rows``: rows it delivered live since its last checkpoint began (those it did not
@@ -61,13 +64,23 @@ def checkpoint_due(rows: int, seconds: float, complete: bool, paused: bool) -> b
     checkpoint copied every frame (one that did not is tried again after
     :data:`CHECKPOINT_RETRY_SECONDS`); ``paused``: whether a connection is
     paused (its client has not taken what was written to it: the delivery is
-    not over; then only once :data:`CHECKPOINT_SECONDS` went by).
+    not over; then only once :data:`CHECKPOINT_SECONDS` went by); ``frames``:
+    the frames the WAL held at that checkpoint (SQLite's answer). From
+    :data:`CHECKPOINT_FRAMES` on (SQLite's own rule) it is also due every
+    :data:`CHECKPOINT_RETRY_SECONDS` until an answer shows fewer: a WAL is
+    started over from its beginning only by a write that finds every frame
+    checkpointed and no reader in it, and a write that could not (the
+    master's own timestamp commit beside a read) leaves frames that keep
+    the next large commit from starting it over, so the file would grow by
+    each burst.
     """
     if seconds >= CHECKPOINT_SECONDS:
         return True
-    if paused or (not complete and seconds < CHECKPOINT_RETRY_SECONDS):
+    if paused:
         return False
-    return rows >= CHECKPOINT_ROWS
+    if seconds >= CHECKPOINT_RETRY_SECONDS and (not complete or frames >= CHECKPOINT_FRAMES):
+        return True
+    return complete and rows >= CHECKPOINT_ROWS
 
 
 class SqliteDatabase:
@@ -222,9 +235,9 @@ class SqliteChangeWatch:
         self._version = version
         return True
 
-    def checkpoint_due(self, rows: int, seconds: float, complete: bool, paused: bool) -> bool:
+    def checkpoint_due(self, rows: int, seconds: float, complete: bool, paused: bool, frames: int) -> bool:
         """:func:`checkpoint_due` (on the reactor: no I/O)."""
-        return checkpoint_due(rows, seconds, complete, paused)
+        return checkpoint_due(rows, seconds, complete, paused, frames)
 
     def checkpoint(self) -> tuple[int, int, int]:
         """A passive checkpoint (never waits for readers or writers), on a database thread, one at a time.

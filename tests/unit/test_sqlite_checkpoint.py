@@ -22,6 +22,7 @@ from replication.master import MasterConfig
 from replication.protocol import ProtocolConfig
 from replication.streams import EVENTS
 from storage.sqlite_db import (
+    CHECKPOINT_FRAMES,
     CHECKPOINT_RETRY_SECONDS,
     CHECKPOINT_ROWS,
     CHECKPOINT_SECONDS,
@@ -72,6 +73,11 @@ def test_when_a_checkpoint_is_due() -> None:
     # One that could not copy everything: tried again, not at once.
     assert not checkpoint_due(CHECKPOINT_ROWS, CHECKPOINT_RETRY_SECONDS / 2, False, False)
     assert checkpoint_due(CHECKPOINT_ROWS, CHECKPOINT_RETRY_SECONDS, False, False)
+    # A WAL of SQLite's 1000 frames not started over yet: again, until it was.
+    assert not checkpoint_due(0, CHECKPOINT_RETRY_SECONDS / 2, True, False, CHECKPOINT_FRAMES)
+    assert checkpoint_due(0, CHECKPOINT_RETRY_SECONDS, True, False, CHECKPOINT_FRAMES)
+    assert not checkpoint_due(0, CHECKPOINT_RETRY_SECONDS, True, True, CHECKPOINT_FRAMES)
+    assert not checkpoint_due(0, CHECKPOINT_RETRY_SECONDS, True, False, CHECKPOINT_FRAMES - 1)
 
 
 def test_the_watch_checkpoints_through_sqlite_and_the_wal_starts_over(tmp_path: Path) -> None:
@@ -183,3 +189,20 @@ def test_no_checkpoint_while_a_connection_is_paused(env: Env) -> None:
     env.follow()
     assert env.db.calls.count("checkpoint") == 1
     assert tokens(conn.commands()) == list(range(1, CHECKPOINT_ROWS + 1))
+
+
+def test_a_large_wal_is_checkpointed_again_until_a_write_started_it_over(env: Env) -> None:
+    env.connected().send("REPLICATE events 0")
+    env.follow()
+    env.write("events", [event(n) for n in range(1, CHECKPOINT_ROWS + 1)])
+    env.db.hold = "checkpoint"
+    env.follow()
+    # Every frame copied, but the WAL was not started over (a write beside a read): again later.
+    env.db.held.pop()[3].callback((0, 5 * CHECKPOINT_FRAMES, 5 * CHECKPOINT_FRAMES))
+    env.follow()
+    assert env.db.calls.count("checkpoint") == 1 and not env.db.held
+    env.advance_by(CHECKPOINT_RETRY_SECONDS, step=0.05)
+    assert env.db.calls.count("checkpoint") == 2
+    env.db.held.pop()[3].callback((0, 3, 3))  # started over: a few frames
+    env.advance_by(3 * CHECKPOINT_RETRY_SECONDS, step=0.05)
+    assert env.db.calls.count("checkpoint") == 2
