@@ -107,6 +107,20 @@ class ChangeWatch(Protocol):
         """Whether another connection committed since the last call (True when unsure)."""
         ...
 
+    def checkpoint_due(self, rows: int, seconds: float, complete: bool, paused: bool, frames: int) -> bool:
+        """Whether the master should checkpoint now (cheap: on the reactor, no I/O).
+
+        ``rows`` delivered live and ``seconds`` since its last one began,
+        ``complete`` whether that one copied everything, ``paused`` whether
+        a connection is paused (a delivery not over), ``frames`` the frames
+        the WAL held at that one.
+        """
+        ...
+
+    def checkpoint(self) -> tuple[int, int, int]:
+        """Checkpoint without waiting for anyone (a database thread, one at a time): (busy, frames, copied)."""
+        ...
+
     def close(self) -> None: ...
 
 

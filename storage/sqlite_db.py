@@ -3,6 +3,24 @@
 ``sqlite3`` connections must stay on their thread, so each thread gets its
 own. WAL mode lets readers run beside the writer (and Spark's reads beside
 both).
+
+WAL checkpoints (copying the WAL's pages into the database file, which is
+also when the WAL is synced: with ``synchronous = NORMAL`` a commit is
+durable against a power loss once a checkpoint has run after it) are left to
+the master where one follows the database: after its passes it runs a passive
+checkpoint through SQLite (``PRAGMA wal_checkpoint(PASSIVE)`` on a database
+thread, :meth:`SqliteChangeWatch.checkpoint`) once it delivered
+:data:`CHECKPOINT_ROWS` rows to live connections since its last one, or
+:data:`CHECKPOINT_SECONDS` went by
+(:func:`checkpoint_due`), so a large commit's checkpoint runs after its rows
+went out, not beside the delivery. The master never opens SQLite's files
+itself (closing any descriptor of ``<db>-shm`` would drop the process's
+``fcntl`` locks on it: docs/benchmarks.md, "sqfan"). The writers of a stream
+database (``SqliteStreamStore``) checkpoint on their own commits only once
+the WAL holds :data:`WRITER_CHECKPOINT_BYTES` (SQLite's automatic
+checkpoint, the backstop where no master runs): that bounds the WAL's growth
+and what a power loss can take. Other databases (a worker's, a timeline's)
+keep SQLite's default, 1000 pages.
 """
 
 from __future__ import annotations
@@ -17,14 +35,64 @@ from typing import Any
 from storage.migrate import apply_migrations
 from storage.store import DatabaseUnavailable, StorageError
 
+# The master checkpoints after a pass once it delivered this many rows live since
+# its last checkpoint (about SQLite's own 1000 pages for rows of ~300 bytes in
+# single-row commits, more rows per page in large ones) ...
+CHECKPOINT_ROWS = 1000
+# ... or this long after its last one (the master's own commits, rows nobody
+# took live from it, anything else written to the file); a checkpoint
+# with nothing to copy does no I/O.
+CHECKPOINT_SECONDS = 30.0
+# After a checkpoint that could not copy every frame (a reader's snapshot holds
+# them, or another checkpoint ran), the next try waits this long.
+CHECKPOINT_RETRY_SECONDS = 1.0
+# While the WAL holds this many frames (SQLite's own threshold, 1000 pages) the
+# master checkpoints every CHECKPOINT_RETRY_SECONDS until a write started it over.
+CHECKPOINT_FRAMES = 1000
+# A writer's automatic checkpoint (wal_autocheckpoint, in pages of the file's
+# size) runs only past this: the backstop where no master checkpoints. A
+# transaction of 200,000 rows of the fan-out benchmark is about 62 MiB of WAL;
+# its checkpoint costs about 0.65 us of CPU per row (docs/benchmarks.md, "sqfan").
+WRITER_CHECKPOINT_BYTES = 256 << 20
+
+
+def checkpoint_due(rows: int, seconds: float, complete: bool, paused: bool, frames: int = 0) -> bool:
+    """Whether the master checkpoints the WAL now.
+
+    ``rows``: rows it delivered live since its last checkpoint began (those it did not
+    copy counted again); ``seconds``: since then; ``complete``: whether that
+    checkpoint copied every frame (one that did not is tried again after
+    :data:`CHECKPOINT_RETRY_SECONDS`); ``paused``: whether a connection is
+    paused (its client has not taken what was written to it: the delivery is
+    not over; then only once :data:`CHECKPOINT_SECONDS` went by); ``frames``:
+    the frames the WAL held at that checkpoint (SQLite's answer). From
+    :data:`CHECKPOINT_FRAMES` on (SQLite's own rule) it is also due every
+    :data:`CHECKPOINT_RETRY_SECONDS` until an answer shows fewer: a WAL is
+    started over from its beginning only by a write that finds every frame
+    checkpointed and no reader in it, and a write that could not (the
+    master's own timestamp commit beside a read) leaves frames that keep
+    the next large commit from starting it over, so the file would grow by
+    each burst.
+    """
+    if seconds >= CHECKPOINT_SECONDS:
+        return True
+    if paused:
+        return False
+    if seconds >= CHECKPOINT_RETRY_SECONDS and (not complete or frames >= CHECKPOINT_FRAMES):
+        return True
+    return complete and rows >= CHECKPOINT_ROWS
+
 
 class SqliteDatabase:
     dialect = "sqlite"
     placeholder = "?"
 
-    def __init__(self, path: str, busy_timeout_ms: int = 30_000) -> None:
+    def __init__(self, path: str, busy_timeout_ms: int = 30_000, checkpoint_bytes: int | None = None) -> None:
         self.path = path
         self._busy_timeout_ms = busy_timeout_ms
+        # The size of the WAL past which a commit of this object's connections
+        # checkpoints (None: SQLite's default, 1000 pages).
+        self._checkpoint_bytes = checkpoint_bytes
         self._local = threading.local()
 
     # -- connections ------------------------------------------------------
@@ -42,6 +110,9 @@ class SqliteDatabase:
                 conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
                 conn.execute("PRAGMA journal_mode = WAL")
                 conn.execute("PRAGMA synchronous = NORMAL")
+                if self._checkpoint_bytes is not None:
+                    (page_size,) = conn.execute("PRAGMA page_size").fetchone()
+                    conn.execute(f"PRAGMA wal_autocheckpoint = {max(1, self._checkpoint_bytes // int(page_size))}")
             except sqlite3.Error as e:
                 raise DatabaseUnavailable(f"cannot open SQLite database {self.path}: {e}") from None
             self._local.conn = conn
@@ -140,6 +211,7 @@ class SqliteChangeWatch:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self._checkpointer: sqlite3.Connection | None = None  # opened by the first checkpoint
         try:
             self._conn: sqlite3.Connection | None = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
             self._conn.execute("PRAGMA busy_timeout = 0")
@@ -163,7 +235,31 @@ class SqliteChangeWatch:
         self._version = version
         return True
 
+    def checkpoint_due(self, rows: int, seconds: float, complete: bool, paused: bool, frames: int) -> bool:
+        """:func:`checkpoint_due` (on the reactor: no I/O)."""
+        return checkpoint_due(rows, seconds, complete, paused, frames)
+
+    def checkpoint(self) -> tuple[int, int, int]:
+        """A passive checkpoint (never waits for readers or writers), on a database thread, one at a time.
+
+        Returns SQLite's answer: (busy, frames in the WAL, frames checkpointed);
+        every frame was copied when busy is 0 and the last two are equal (-1
+        and -1 for a database not in WAL mode). Its own connection, opened on
+        first use: the master never opens SQLite's files itself.
+        """
+        if self._checkpointer is None:
+            try:
+                self._checkpointer = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+                self._checkpointer.execute("PRAGMA busy_timeout = 0")
+            except sqlite3.Error as e:
+                raise DatabaseUnavailable(f"cannot open SQLite database {self.path}: {e}") from None
+        busy, frames, done = self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        return int(busy), int(frames), int(done)
+
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+            self._checkpointer = None

@@ -17,7 +17,7 @@ from storage import time_index, tso
 from storage.contracts import JsonRow, Row, StoredRow
 from storage.limits import DEFAULT_MAX_LINE_BYTES, check_batch_rows, check_rows
 from storage.schema import ROW_JSON_COLUMN, ROW_LINE_COLUMN, StreamSchema, check_instance_name
-from storage.sqlite_db import SqliteChangeWatch, SqliteDatabase
+from storage.sqlite_db import WRITER_CHECKPOINT_BYTES, SqliteChangeWatch, SqliteDatabase
 from storage.store import StreamCatalog
 
 
@@ -33,7 +33,8 @@ class SqliteStreamStore:
         clock: Callable[[], float] = time.time,
         busy_timeout_ms: int = 30_000,
     ) -> None:
-        self.database = SqliteDatabase(path, busy_timeout_ms)
+        # A master following the database checkpoints it (storage.sqlite_db); its writers only past a backstop.
+        self.database = SqliteDatabase(path, busy_timeout_ms, WRITER_CHECKPOINT_BYTES)
         self._clock = clock
         self._catalog = StreamCatalog(self.database)
 
