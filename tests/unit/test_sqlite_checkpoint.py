@@ -41,6 +41,15 @@ def _wal_size(env: Env) -> int:
     return os.path.getsize(cast(SqliteStreamStore, env.store).path + "-wal")
 
 
+def _checkpoint_held_after_live_rows(env: Env) -> None:
+    """A live connection takes ``CHECKPOINT_ROWS`` rows; the checkpoint that follows is held (``env.db.held``)."""
+    env.connected().send("REPLICATE events 0")
+    env.follow()
+    env.write("events", [event(n) for n in range(1, CHECKPOINT_ROWS + 1)])
+    env.db.hold = "checkpoint"
+    env.follow()
+
+
 @pytest.fixture
 def env(tmp_path: Path) -> Iterator[Env]:
     made = Env(tmp_path, ProtocolConfig(), MasterConfig(server_name="unit"))
@@ -143,11 +152,7 @@ def test_the_master_checkpoints_when_a_while_went_by(env: Env) -> None:
 
 
 def test_one_checkpoint_at_a_time_and_the_watch_closed_after_it(env: Env) -> None:
-    env.connected().send("REPLICATE events 0")
-    env.follow()
-    env.write("events", [event(n) for n in range(1, CHECKPOINT_ROWS + 1)])
-    env.db.hold = "checkpoint"
-    env.follow()
+    _checkpoint_held_after_live_rows(env)
     assert len(env.db.held) == 1
     env.write("events", [event(n) for n in range(CHECKPOINT_ROWS + 1, 2 * CHECKPOINT_ROWS + 1)])
     env.follow()  # another pass while it runs, rows enough: no second checkpoint
@@ -162,11 +167,7 @@ def test_one_checkpoint_at_a_time_and_the_watch_closed_after_it(env: Env) -> Non
 
 
 def test_an_incomplete_checkpoint_is_tried_again_later(env: Env) -> None:
-    env.connected().send("REPLICATE events 0")
-    env.follow()
-    env.write("events", [event(n) for n in range(1, CHECKPOINT_ROWS + 1)])
-    env.db.hold = "checkpoint"
-    env.follow()
+    _checkpoint_held_after_live_rows(env)
     env.db.held[0][3].callback((0, 10, 5))  # a reader's snapshot kept 5 frames
     env.db.held.clear()
     env.db.hold = False
@@ -192,11 +193,7 @@ def test_no_checkpoint_while_a_connection_is_paused(env: Env) -> None:
 
 
 def test_a_large_wal_is_checkpointed_again_until_a_write_started_it_over(env: Env) -> None:
-    env.connected().send("REPLICATE events 0")
-    env.follow()
-    env.write("events", [event(n) for n in range(1, CHECKPOINT_ROWS + 1)])
-    env.db.hold = "checkpoint"
-    env.follow()
+    _checkpoint_held_after_live_rows(env)
     # Every frame copied, but the WAL was not started over (a write beside a read): again later.
     env.db.held.pop()[3].callback((0, 5 * CHECKPOINT_FRAMES, 5 * CHECKPOINT_FRAMES))
     env.follow()
