@@ -93,6 +93,11 @@ logger = logging.getLogger(__name__)
 MAX_HELD_COMMITS = 256
 
 
+def _live_variants(subs: dict[FanOutTarget, Subscription]) -> tuple[bool, ...]:
+    """The variants (with and without ``ts``) live subscriptions take, in order."""
+    return tuple(sorted({target.with_ts for target in subs}))
+
+
 class Master:
     def __init__(
         self,
@@ -363,7 +368,7 @@ class Master:
     def _variants(self, stream: str, subs: dict[FanOutTarget, Subscription]) -> tuple[bool, ...]:
         """The variants (with and without ``ts``) to encode new rows in: the live subscriptions', else the last ones seen live."""
         if subs:
-            return tuple(sorted({target.with_ts for target in subs}))
+            return _live_variants(subs)
         return self._last_variants.get(stream, (False,))
 
     def read_recent(self, stream: str, after: int, upto: int, limit: int, with_ts: bool) -> Read | None:
@@ -746,7 +751,7 @@ class Master:
         # Streams with live subscriptions: their first rows are read in the same
         # database hop as the safe point (no second hop through the thread pool).
         reads = {
-            stream: (self._live[stream], tuple(sorted({target.with_ts for target in subs})))
+            stream: (self._live[stream], _live_variants(subs))
             for stream, subs in self._live_subs.items()
             if subs and stream in self._live
         }
@@ -872,7 +877,7 @@ class Master:
     def join_live(self, target: FanOutTarget, sub: Subscription) -> None:
         subs = self._live_subs[sub.stream]
         subs[target] = sub
-        self._last_variants[sub.stream] = tuple(sorted({t.with_ts for t in subs}))
+        self._last_variants[sub.stream] = _live_variants(subs)
 
     def leave_live(self, target: FanOutTarget, sub: Subscription) -> None:
         subs = self._live_subs.get(sub.stream)

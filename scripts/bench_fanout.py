@@ -149,10 +149,11 @@ def role_fanout_clients(
     """
     import re
 
+    from twisted.internet.protocol import ClientFactory, Protocol
+
     from replication.reactor_types import global_reactor, transport_of
 
     reactor = global_reactor()
-    from twisted.internet.protocol import ClientFactory, Protocol
 
     # Every line is searched with the newline before it (the carried tail keeps it).
     token_re = re.compile(rb"\nRDATA \S+ \S+ (\d+) ")

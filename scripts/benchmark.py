@@ -304,13 +304,13 @@ def _wait_for_profiler() -> None:
 
 
 def role_tickline_client(port: int, rows: int, mode: str, timeout: float, profiled: bool) -> int:
-    from replication.reactor_types import global_reactor, transport_of
-
-    reactor = global_reactor()
     from twisted.internet.protocol import ClientFactory
 
     from replication.client import ClientProtocol, ReplicationHandler
     from replication.protocol import ProtocolConfig
+    from replication.reactor_types import global_reactor, transport_of
+
+    reactor = global_reactor()
 
     if profiled:
         _wait_for_profiler()
@@ -372,11 +372,12 @@ def role_tickline_client(port: int, rows: int, mode: str, timeout: float, profil
 def role_baseline_client(port: int, rows: int, timeout: float, profiled: bool, send: str | None = None) -> int:
     """A bare ``LineOnlyReceiver`` counting ``RDATA`` lines; with ``send``, it first sends that line
     (``REPLICATE events 0`` makes it a client of the master that parses nothing)."""
+    from twisted.internet.protocol import ClientFactory
+    from twisted.protocols.basic import LineOnlyReceiver
+
     from replication.reactor_types import global_reactor, transport_of
 
     reactor = global_reactor()
-    from twisted.internet.protocol import ClientFactory
-    from twisted.protocols.basic import LineOnlyReceiver
 
     if profiled:
         _wait_for_profiler()
@@ -427,12 +428,13 @@ def role_baseline_client(port: int, rows: int, timeout: float, profiled: bool, s
 
 def role_baseline_server(port: int, rows: int) -> int:
     """Write the N pre-built lines to every connection, as fast as the transport takes them."""
-    from replication.reactor_types import global_reactor, transport_of
-
-    reactor = global_reactor()
     from twisted.internet.interfaces import IPushProducer
     from twisted.internet.protocol import Factory, Protocol
     from zope.interface import implementer
+
+    from replication.reactor_types import global_reactor, transport_of
+
+    reactor = global_reactor()
 
     lines = rdata_lines(0, rows)
     chunks = [b"".join(lines[i : i + BASELINE_CHUNK_LINES]) for i in range(0, rows, BASELINE_CHUNK_LINES)]
