@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import cast
 
 import pytest
 
@@ -31,14 +30,14 @@ from storage.sqlite_db import (
     SqliteDatabase,
     checkpoint_due,
 )
-from storage.sqlite_store import SqliteStreamStore
 from storage.store import open_store
+from tests.stores import sqlite_store
 from tests.unit.test_protocol import Env, event, tokens
 
 
 def _wal_size(env: Env) -> int:
     """The WAL file's size (a stat: SQLite's files are never opened here)."""
-    return os.path.getsize(cast(SqliteStreamStore, env.store).path + "-wal")
+    return os.path.getsize(sqlite_store(env.store).path + "-wal")
 
 
 def _checkpoint_held_after_live_rows(env: Env) -> None:
@@ -61,7 +60,7 @@ def env(tmp_path: Path) -> Iterator[Env]:
 def test_a_writer_checkpoints_only_past_the_backstop(tmp_path: Path) -> None:
     store = open_store(f"sqlite:///{tmp_path / 'w.db'}")
     try:
-        conn = store.database.connection()  # type: ignore[attr-defined]
+        conn = sqlite_store(store).database.connection()
         (pages,) = conn.execute("PRAGMA wal_autocheckpoint").fetchone()
         (page_size,) = conn.execute("PRAGMA page_size").fetchone()
         assert pages == WRITER_CHECKPOINT_BYTES // page_size
