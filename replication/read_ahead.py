@@ -4,11 +4,9 @@ The master's live loop (``Master._advance``) reads a stream's new rows in
 chunks of about ``fanout_rows`` rows, each chunk whole tokens, and fans each
 chunk out in token order. With ``depth`` 1 the next chunk is read (on a
 database thread) while the current one is fanned out: ``(last, head]``, the
-read itself finds where it ends. With a larger ``depth`` (both stores: on
-PostgreSQL the server's line building bounds the delivery and another backend
-can build the next lines on the other core; on SQLite one database thread's
-reads bounded one live client, and WAL readers run beside each other) more
-chunks are read at once, each on its
+read itself finds where it ends. With a larger ``depth`` (PostgreSQL, where
+the server's line building bounds the delivery and another backend can build
+the next lines on the other core) more chunks are read at once, each on its
 own thread and connection; a read's start must then be known before the
 reads before it end. So each is a **range of tokens**: ``(start, start +
 span]``, ``span`` the tokens the last chunk held per ``fanout_rows`` rows

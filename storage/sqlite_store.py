@@ -25,9 +25,7 @@ class SqliteStreamStore:
     """Implements :class:`storage.contracts.StreamStore`; holds its :class:`SqliteDatabase`."""
 
     max_line_bytes: int | None = DEFAULT_MAX_LINE_BYTES  # refuse rows whose RDATA line could be longer
-    # Two live reads at once: each chunk read on its own database thread and connection (WAL readers
-    # run beside each other); the serial read was what bounded one live client (docs/benchmarks.md, "sqlive2").
-    parallel_reads = 2
+    parallel_reads = 1  # concurrent reads of one database cost more than they give (docs/benchmarks.md)
 
     def __init__(
         self,

@@ -1,6 +1,7 @@
-"""The master's live reads ahead on SQLite (two chunks read at once, ``replication.read_ahead``):
-rows committed in one transaction, with batches larger than a read and single rows, arrive once
-each, in token order, every batch whole; and so do rows committed by many small transactions."""
+"""The master's live reads ahead on SQLite (``replication.read_ahead`` with the store's
+``parallel_reads``): rows committed in one transaction, with batches larger than a read and single
+rows, arrive once each, in token order, every batch whole; and so do rows committed by many small
+transactions."""
 
 from __future__ import annotations
 
