@@ -145,10 +145,6 @@ class Master:
         self._watch: ChangeWatch | None = None  # SQLite: PRAGMA data_version (storage.sqlite_db)
         self._watcher: DelayedCall | None = None  # the next look (a bare callLater: no Deferred per look)
         self._checkpointing: defer.Deferred[Any] | None = None  # SQLite: the WAL checkpoint running, if one is
-        self._checkpoint_rows = 0  # SQLite: rows delivered live since the last checkpoint began (see _checkpoint)
-        self._checkpoint_at = 0.0  # when it began (reactor time; 0: none yet)
-        self._checkpoint_complete = True  # whether it copied every frame
-        self._checkpoint_frames = 0  # the frames in the WAL it found (SQLite's answer)
         self._following = False
         self._follow_again = False
         self._expire_writers = True
@@ -187,7 +183,7 @@ class Master:
         if watch is not None:
             # SQLite: a cheap look for other processes' commits, often; a pass only when one came.
             self._watch = watch
-            self._checkpoint_at = self.reactor.seconds()
+            watch.schedule.at = self.reactor.seconds()  # the first checkpoint counts from the start
             self._watcher = self.reactor.callLater(self.config.change_check_interval, self._check_changes)
         if notifier is not None:
             # PostgreSQL: commits and writer reports wake us (LISTEN/NOTIFY);
@@ -563,29 +559,19 @@ class Master:
         watch = self._watch
         if watch is None or self._checkpointing is not None:
             return
+        schedule = watch.schedule
         now = self.reactor.seconds()
-        seconds = now - self._checkpoint_at
-        paused = any(conn.paused for conn in self.connections)
-        due = watch.checkpoint_due(
-            self._checkpoint_rows, seconds, self._checkpoint_complete, paused, self._checkpoint_frames
-        )
-        if not due:
+        if not schedule.due(now, any(conn.paused for conn in self.connections)):
             return
-        rows, self._checkpoint_rows = self._checkpoint_rows, 0
-        self._checkpoint_at = now
+        rows = schedule.begin(now)
 
         def done(result: object) -> object:
             self._checkpointing = None
             if isinstance(result, Failure):
                 logger.debug("checkpointing the WAL failed (a later pass tries again): %s", result.getErrorMessage())
-                complete, frames = False, 0
+                schedule.finished(rows, None)
             else:
-                busy, frames, copied = cast(tuple[int, int, int], result)
-                complete = busy == 0 and frames == copied
-            self._checkpoint_complete = complete
-            self._checkpoint_frames = max(frames, 0)
-            if not complete:
-                self._checkpoint_rows += rows  # still due, after CHECKPOINT_RETRY_SECONDS
+                schedule.finished(rows, cast(tuple[int, int, int], result))  # not complete: due again later
             return None
 
         d: defer.Deferred[Any] = self.db.run(watch.checkpoint)
@@ -842,8 +828,8 @@ class Master:
 
     def _fan_out(self, stream: str, encoded: dict[bool, bytes], last_token: int, count: int) -> None:
         self._live_rows += count
-        if self._live_subs[stream]:
-            self._checkpoint_rows += count  # SQLite: checkpointed after their delivery (_checkpoint)
+        if self._live_subs[stream] and self._watch is not None:
+            self._watch.schedule.delivered(count)  # SQLite: checkpointed after their delivery (_checkpoint)
         after = self._live[stream]
         self.window.append(stream, after, last_token, count, encoded)
         self._live[stream] = last_token

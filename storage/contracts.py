@@ -23,11 +23,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import attr
 
 from storage.schema import StreamSchema
+
+if TYPE_CHECKING:
+    from storage.sqlite_db import CheckpointSchedule
 from storage.time_index import TokenAt
 
 # A stored row as read back: (seq, token, instance_name, ts, *column values).
@@ -107,14 +110,10 @@ class ChangeWatch(Protocol):
         """Whether another connection committed since the last call (True when unsure)."""
         ...
 
-    def checkpoint_due(self, rows: int, seconds: float, complete: bool, paused: bool, frames: int) -> bool:
-        """Whether the master should checkpoint now (cheap: on the reactor, no I/O).
-
-        ``rows`` delivered live and ``seconds`` since its last one began,
-        ``complete`` whether that one copied everything, ``paused`` whether
-        a connection is paused (a delivery not over), ``frames`` the frames
-        the WAL held at that one.
-        """
+    @property
+    def schedule(self) -> CheckpointSchedule:
+        """When the master should checkpoint next (used on the reactor, no I/O): rows delivered live
+        since the last checkpoint, when it began, whether it copied everything, the frames it found."""
         ...
 
     def checkpoint(self) -> tuple[int, int, int]:

@@ -12,7 +12,7 @@ checkpoint through SQLite (``PRAGMA wal_checkpoint(PASSIVE)`` on a database
 thread, :meth:`SqliteChangeWatch.checkpoint`) once it delivered
 :data:`CHECKPOINT_ROWS` rows to live connections since its last one, or
 :data:`CHECKPOINT_SECONDS` went by
-(:func:`checkpoint_due`), so a large commit's checkpoint runs after its rows
+(:func:`checkpoint_due`, weighed by the watch's :class:`CheckpointSchedule`), so a large commit's checkpoint runs after its rows
 went out, not beside the delivery. The master never opens SQLite's files
 itself (closing any descriptor of ``<db>-shm`` would drop the process's
 ``fcntl`` locks on it: docs/benchmarks.md, "sqfan"). The writers of a stream
@@ -31,6 +31,8 @@ import sqlite3
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
+
+import attr
 
 from storage.migrate import apply_migrations
 from storage.store import DatabaseUnavailable, StorageError
@@ -81,6 +83,54 @@ def checkpoint_due(rows: int, seconds: float, complete: bool, paused: bool, fram
     if seconds >= CHECKPOINT_RETRY_SECONDS and (not complete or frames >= CHECKPOINT_FRAMES):
         return True
     return complete and rows >= CHECKPOINT_ROWS
+
+
+@attr.s(slots=True, auto_attribs=True)
+class CheckpointSchedule:
+    """When the master checkpoints the WAL next: what :func:`checkpoint_due` weighs, in one place.
+
+    Held by the :class:`SqliteChangeWatch` and used on the master's reactor
+    (no I/O). ``at``: when the last checkpoint began (reactor time; the
+    master's start before the first); ``rows``: rows delivered live since
+    (those a checkpoint did not copy counted again); ``complete``: whether
+    it copied every frame; ``frames``: the frames the WAL held then
+    (SQLite's answer).
+    """
+
+    at: float = 0.0
+    rows: int = 0
+    complete: bool = True
+    frames: int = 0
+
+    def delivered(self, rows: int) -> None:
+        """``rows`` went out to live connections: checkpointed after their delivery."""
+        self.rows += rows
+
+    def due(self, now: float, paused: bool) -> bool:
+        """:func:`checkpoint_due` now; ``paused``: whether a connection is paused (a delivery not over)."""
+        return checkpoint_due(self.rows, now - self.at, self.complete, paused, self.frames)
+
+    def begin(self, now: float) -> int:
+        """A checkpoint begins now; returns the rows it covers (given back to :meth:`finished`)."""
+        rows, self.rows = self.rows, 0
+        self.at = now
+        return rows
+
+    def finished(self, rows: int, answer: tuple[int, int, int] | None) -> None:
+        """SQLite's answer ``(busy, frames, copied)`` to the checkpoint that covered ``rows`` (None: it failed).
+
+        One that did not copy every frame leaves its rows due again (after
+        :data:`CHECKPOINT_RETRY_SECONDS`).
+        """
+        if answer is None:
+            complete, frames = False, 0
+        else:
+            busy, frames, copied = answer
+            complete = busy == 0 and frames == copied
+        self.complete = complete
+        self.frames = max(frames, 0)
+        if not complete:
+            self.rows += rows
 
 
 class SqliteDatabase:
@@ -212,6 +262,7 @@ class SqliteChangeWatch:
     def __init__(self, path: str) -> None:
         self.path = path
         self._checkpointer: sqlite3.Connection | None = None  # opened by the first checkpoint
+        self.schedule = CheckpointSchedule()  # when the master checkpoints next (on its reactor)
         try:
             self._conn: sqlite3.Connection | None = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
             self._conn.execute("PRAGMA busy_timeout = 0")
@@ -234,10 +285,6 @@ class SqliteChangeWatch:
             return False
         self._version = version
         return True
-
-    def checkpoint_due(self, rows: int, seconds: float, complete: bool, paused: bool, frames: int) -> bool:
-        """:func:`checkpoint_due` (on the reactor: no I/O)."""
-        return checkpoint_due(rows, seconds, complete, paused, frames)
 
     def checkpoint(self) -> tuple[int, int, int]:
         """A passive checkpoint (never waits for readers or writers), on a database thread, one at a time.

@@ -26,6 +26,7 @@ from storage.sqlite_db import (
     CHECKPOINT_ROWS,
     CHECKPOINT_SECONDS,
     WRITER_CHECKPOINT_BYTES,
+    CheckpointSchedule,
     SqliteChangeWatch,
     SqliteDatabase,
     checkpoint_due,
@@ -86,6 +87,29 @@ def test_when_a_checkpoint_is_due() -> None:
     assert checkpoint_due(0, CHECKPOINT_RETRY_SECONDS, True, False, CHECKPOINT_FRAMES)
     assert not checkpoint_due(0, CHECKPOINT_RETRY_SECONDS, True, True, CHECKPOINT_FRAMES)
     assert not checkpoint_due(0, CHECKPOINT_RETRY_SECONDS, True, False, CHECKPOINT_FRAMES - 1)
+
+
+def test_the_schedule_counts_rows_and_keeps_an_incomplete_checkpoints_rows_due() -> None:
+    schedule = CheckpointSchedule(at=100.0)
+    schedule.delivered(CHECKPOINT_ROWS - 1)
+    assert not schedule.due(100.5, paused=False)
+    schedule.delivered(1)
+    assert schedule.due(100.5, paused=False)
+    assert not schedule.due(100.5, paused=True)  # a delivery not over
+    rows = schedule.begin(101.0)
+    assert rows == CHECKPOINT_ROWS and schedule.rows == 0 and schedule.at == 101.0
+    schedule.delivered(5)  # rows delivered while it runs
+    schedule.finished(rows, (0, 10, 5))  # a reader's snapshot kept 5 frames: its rows due again
+    assert (schedule.rows, schedule.complete, schedule.frames) == (CHECKPOINT_ROWS + 5, False, 10)
+    assert not schedule.due(101.0 + CHECKPOINT_RETRY_SECONDS / 2, paused=False)
+    assert schedule.due(101.0 + CHECKPOINT_RETRY_SECONDS, paused=False)
+    rows = schedule.begin(102.0)
+    schedule.finished(rows, (0, 10, 10))
+    assert (schedule.rows, schedule.complete, schedule.frames) == (0, True, 10)
+    schedule.finished(schedule.begin(103.0), None)  # it failed: tried again later
+    assert not schedule.complete and schedule.frames == 0
+    schedule.finished(schedule.begin(104.0), (0, -1, -1))  # not in WAL mode: nothing to copy
+    assert schedule.complete and schedule.frames == 0
 
 
 def test_the_watch_checkpoints_through_sqlite_and_the_wal_starts_over(tmp_path: Path) -> None:
