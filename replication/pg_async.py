@@ -14,9 +14,10 @@ A call may be run *lazily* (``run(..., lazy=True)``, the worker's apply): its
 answer is not watched for once sent. The caller takes it when it wants it
 (:meth:`AsyncQuery.settle`: the answer if it has come, else it is watched for
 from then on), and a backstop timer settles a call nobody asked about within
-one to two ``LAZY_ANSWER_SECONDS`` (one timer for many calls, not one each). A worker applying one commit at a time thus wakes once per
-commit (for the next rows, which settle the previous answer, long arrived)
-instead of twice (the rows, then the answer). Nothing about the call changes:
+one to two ``LAZY_ANSWER_SECONDS`` (one timer for many calls, not one each).
+A worker applying one commit at a time thus wakes once per commit (for the
+next rows, which settle the previous answer, long arrived) instead of twice
+(the rows, then the answer). Nothing about the call changes:
 it is sent at once, it commits or fails in its database as before; only when
 this process reads its answer does.
 
