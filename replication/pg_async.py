@@ -10,6 +10,17 @@ connection is non-blocking and only the storage object speaks SQL. Opening
 the connection blocks, so the master and the worker do that on their
 database threads.
 
+A call may be run *lazily* (``run(..., lazy=True)``, the worker's apply): its
+answer is not watched for once sent. The caller takes it when it wants it
+(:meth:`AsyncQuery.settle`: the answer if it has come, else it is watched for
+from then on), and a backstop timer settles a call nobody asked about within
+one to two ``LAZY_ANSWER_SECONDS`` (one timer for many calls, not one each).
+A worker applying one commit at a time thus wakes once per commit (for the
+next rows, which settle the previous answer, long arrived) instead of twice
+(the rows, then the answer). Nothing about the call changes:
+it is sent at once, it commits or fails in its database as before; only when
+this process reads its answer does.
+
 A lost connection fails the call's Deferred with
 :class:`~storage.store.DatabaseUnavailable` and marks the object
 :attr:`~AsyncQuery.broken`: the caller then uses its database threads and
@@ -35,6 +46,9 @@ from storage.store import DatabaseUnavailable
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
+# A lazy call nobody settles is settled 1-2 times this long after it was sent (the backstop timer).
+LAZY_ANSWER_SECONDS = 0.01
+
 
 @implementer(IReadDescriptor, IWriteDescriptor)
 class AsyncQuery(Generic[T]):
@@ -50,6 +64,10 @@ class AsyncQuery(Generic[T]):
         self._call: defer.Deferred[T] | None = None
         self._reading = self._writing = False
         self.broken = False
+        # The call in flight is lazy and not settled yet: its answer is not watched for.
+        self._lazy = False
+        self._calls = 0  # calls sent so far: which one the backstop timer was set for
+        self._backstop: Any = None
 
     @property
     def busy(self) -> bool:
@@ -59,11 +77,13 @@ class AsyncQuery(Generic[T]):
     def usable(self) -> bool:
         return not self.broken and self._call is None
 
-    def run(self, send: Callable[[], bool | None]) -> defer.Deferred[T] | None:
+    def run(self, send: Callable[[], bool | None], lazy: bool = False) -> defer.Deferred[T] | None:
         """``send()`` sends a call (never blocks); the Deferred fires with its answer.
 
         None, nothing sent, when ``send`` returns False (the call does not
-        suit this connection: the caller uses its threads).
+        suit this connection: the caller uses its threads). ``lazy``: the
+        answer is taken when :meth:`settle` is called, or by the backstop
+        timer (see the module doc).
         """
         assert self._call is None, "one call at a time"
         if self.broken:
@@ -76,8 +96,29 @@ class AsyncQuery(Generic[T]):
             return defer.fail(e)
         d: defer.Deferred[T] = defer.Deferred()
         self._call = d
+        self._calls += 1
+        self._lazy = lazy
         self._poll()
         return d
+
+    def settle(self) -> None:
+        """The answer of a lazy call in flight is wanted now: taken if it has come, else watched for."""
+        if self._lazy and self._call is not None:
+            self._lazy = False
+            self._poll()
+
+    def _arm_backstop(self) -> None:
+        if self._backstop is None:
+            self._backstop = self._reactor.callLater(LAZY_ANSWER_SECONDS, self._backstop_fired, self._calls)
+
+    def _backstop_fired(self, call: int) -> None:
+        self._backstop = None
+        if not self._lazy or self._call is None:
+            return
+        if call == self._calls:
+            self.settle()
+        else:  # a later call: its own time is not up yet
+            self._backstop = self._reactor.callLater(LAZY_ANSWER_SECONDS, self._backstop_fired, self._calls)
 
     def _poll(self) -> None:
         try:
@@ -87,7 +128,11 @@ class AsyncQuery(Generic[T]):
             self._break()
             return
         if state == "read":
-            self._watch(read=True, write=False)
+            if self._lazy:
+                self._watch(read=False, write=False)
+                self._arm_backstop()
+            else:
+                self._watch(read=True, write=False)
         elif state == "write":
             self._watch(read=False, write=True)
         else:
@@ -105,6 +150,7 @@ class AsyncQuery(Generic[T]):
 
     def _finish(self, result: T | Failure) -> None:
         d, self._call = self._call, None
+        self._lazy = False
         if d is not None:
             if isinstance(result, Failure):
                 d.errback(result)
@@ -124,6 +170,10 @@ class AsyncQuery(Generic[T]):
             return
         self.broken = True
         self._watch(read=False, write=False)
+        if self._backstop is not None:
+            if self._backstop.active():
+                self._backstop.cancel()
+            self._backstop = None
         self.query.close()
         if self._fd >= 0:
             os.close(self._fd)

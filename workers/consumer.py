@@ -179,6 +179,7 @@ class StreamConsumer:
         settings: ApplySettings = ApplySettings(),
         on_progress: Callable[[StreamConsumer], None] | None = None,
         replicate_in_db: ReplicateInDb | None = None,
+        nudge: Callable[[], None] | None = None,
     ) -> None:
         self.stream = stream
         self.schema = schema
@@ -193,6 +194,9 @@ class StreamConsumer:
         self._clock = clock
         self.settings = settings
         self._on_progress = on_progress
+        # Asks for the answer of an apply in flight now (a lazy one: replication.pg_async):
+        # called when something waits behind it; may finish it, and kick again, at once.
+        self._nudge = nudge
         self._queue: collections.deque[_Item] = collections.deque()
         self.queued_rows = 0
         self._applying = False
@@ -333,7 +337,11 @@ class StreamConsumer:
         return self._applying or bool(self._queue) or held
 
     def kick(self) -> None:
-        if self._applying or not self._queue:
+        if self._applying:
+            if self._queue and self._nudge is not None:
+                self._nudge()  # its answer, if it came, kicks again
+            return
+        if not self._queue:
             return
         if self._retry_call is not None and self._retry_call.active():
             return

@@ -158,6 +158,7 @@ class Worker(ReplicationHandler):
                 self.config.apply,
                 on_progress=self._progress,
                 replicate_in_db=self._replicate_in_db,
+                nudge=self._settle_apply,
             )
         for stream, consumer in self.consumers.items():
             if self.config.start_at_ms is not None and stream not in applied:
@@ -213,6 +214,7 @@ class Worker(ReplicationHandler):
         # too until the connection has closed, or the reactor's shutdown drops
         # CLEAR_USER_SYNC unwritten (close() aborts after close_grace at most).
         while any(c.applying for c in self.consumers.values()) or (client is not None and self.client is client):
+            self._settle_apply()
             await _sleep(self.reactor, 0.01)
         if self._async_apply is not None:
             self._async_apply.close()
@@ -247,13 +249,22 @@ class Worker(ReplicationHandler):
         """
         apply, call = self._async_apply, self._async_apply_call
         if self.ordering is None and apply is not None and call is not None:
+            if apply.busy:
+                apply.settle()  # another stream's apply: its answer may be in (it may start another)
             if apply.usable:
-                d = apply.run(lambda: call.start(stream, token, schema, received))
+                # Lazy: its answer is taken when the next rows come (they settle it), not
+                # by a wake-up of its own (replication.pg_async, _settle_apply).
+                d = apply.run(lambda: call.start(stream, token, schema, received), lazy=True)
                 if d is not None:
                     return d.addErrback(self._async_apply_failed, stream, token, schema, received, effects)
             elif apply.broken:
                 self._open_async_apply()
         return self._replicate_threaded(stream, token, schema, received, effects)
+
+    def _settle_apply(self) -> None:
+        """Rows wait behind an apply in flight: take its answer now if it came, else watch for it."""
+        if self._async_apply is not None:
+            self._async_apply.settle()
 
     def _replicate_threaded(
         self, stream: str, token: int, schema: StreamSchema, received: list[ReceivedRows], effects: Effects
