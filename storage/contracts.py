@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import attr
 
 from storage.schema import StreamSchema
+from storage.time_index import TokenAt
 
 if TYPE_CHECKING:
     from storage.sqlite_db import CheckpointSchedule
-from storage.time_index import TokenAt
 
 # A stored row as read back: (seq, token, instance_name, ts, *column values).
 # JSON columns are JSON text; booleans may come back as 0/1 from SQLite.

@@ -6,6 +6,7 @@ transactions."""
 from __future__ import annotations
 
 from storage.store import open_store
+from tests.conftest import LineClient, MasterProcess
 from tests.integration.procs import event_row, rdata_events
 
 CONFIG = "master:\n  fanout_rows: 3\n"
@@ -33,12 +34,18 @@ def _append_mixed_in_one_transaction(database: str, steps: int, first: int) -> l
     return expected
 
 
-def test_rows_of_one_commit_are_read_ahead_in_order(master) -> None:
-    m = master(CONFIG)
+def _live_client(m: MasterProcess) -> LineClient:
+    """A client subscribed live to ``events`` from the start (its POSITION taken)."""
     client = m.connect()
     client.handshake()
     client.send("REPLICATE events 0")
     client.expect("POSITION")
+    return client
+
+
+def test_rows_of_one_commit_are_read_ahead_in_order(master) -> None:
+    m = master(CONFIG)
+    client = _live_client(m)
     assert m.append("events", [event_row(0)]) == [1]
     assert client.expect("RDATA events writer 1 ").endswith('["$r0","!r","t",null,null]')
     expected = _append_mixed_in_one_transaction(m.database, 16, 1)
@@ -47,10 +54,7 @@ def test_rows_of_one_commit_are_read_ahead_in_order(master) -> None:
 
 def test_rows_of_many_commits_arrive_once_in_order(master) -> None:
     m = master(CONFIG)
-    client = m.connect()
-    client.handshake()
-    client.send("REPLICATE events 0")
-    client.expect("POSITION")
+    client = _live_client(m)
     expected = []
     for i in range(40):
         rows = [event_row(2 * i), event_row(2 * i + 1)]
