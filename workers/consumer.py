@@ -407,6 +407,8 @@ class StreamConsumer:
         else:
             d = self._apply_in_db(self.stream, token, effects)
         self._handed(d, group, token, count, chained)
+        if chained:
+            self._kick_chained()
 
     def _chain(
         self, token: int, received: list[ReceivedRows], effects: Effects, behind: Callable[[], bool] | None
