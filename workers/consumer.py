@@ -211,9 +211,9 @@ class StreamConsumer:
         self._on_progress = on_progress
         self._queue: collections.deque[_Item] = collections.deque()
         self.queued_rows = 0
-        # Groups handed to the database, in token order: (items, last token, generation, chained).
-        # At most two: the one being applied and one full group queued behind it.
-        self._inflight: list[tuple[list[_Item], int, int, bool]] = []
+        # Groups handed to the database, in token order: (items, last token, generation, chained,
+        # rows). At most two: the one being applied and one full group queued behind it.
+        self._inflight: list[tuple[list[_Item], int, int, bool, int]] = []
         # The highest token a chained apply of this consumer committed; written on the
         # database thread right after the commit, read there by the group queued behind it.
         self._db_committed = applied
@@ -422,9 +422,9 @@ class StreamConsumer:
         return self._chain_in_db(self.stream, token, self.schema, received, effects, behind, committed)
 
     def _handed(self, d: defer.Deferred[None], group: list[_Item], token: int, count: int, chained: bool) -> None:
-        entry = (group, token, self._generation, chained)
+        entry = (group, token, self._generation, chained, count)
         self._inflight.append(entry)
-        d.addCallbacks(self._applied, self._failed, callbackArgs=(entry, count), errbackArgs=(entry,))
+        d.addCallbacks(self._applied, self._failed, callbackArgs=(entry,), errbackArgs=(entry,))
 
     def _kick_chained(self) -> None:
         """While a full group is applied, queue the next full group behind it on the database thread.
@@ -440,16 +440,18 @@ class StreamConsumer:
             return
         if self._retry_call is not None and self._retry_call.active():
             return
-        before, before_token, generation, chained = self._inflight[0]
+        before, before_token, generation, chained, before_rows = self._inflight[0]
         if not chained or generation != self._generation:
             return
+        limit = self.settings.apply_rows
+        if self.queued_rows - before_rows < limit:
+            return  # not a full group behind it yet (known without walking the queue)
         queue = self._queue
         start = len(before)
         if len(queue) <= start or queue[start - 1].token != before_token:
             return
         group: list[_Item] = []
         count = 0
-        limit = self.settings.apply_rows
         full = False
         for index in range(start, len(queue)):
             item = queue[index]
@@ -482,8 +484,8 @@ class StreamConsumer:
         for handler in self.handlers:
             handler(ctx, rows)
 
-    def _applied(self, _: None, entry: tuple[list[_Item], int, int, bool], count: int) -> None:
-        group, token, _generation, _chained = entry
+    def _applied(self, _: None, entry: tuple[list[_Item], int, int, bool, int]) -> None:
+        group, token, _generation, _chained, count = entry
         self._inflight.remove(entry)
         self.applied = max(self.applied, token)
         self.known = max(self.known, token)
@@ -507,7 +509,7 @@ class StreamConsumer:
         if self.gate is not None:
             self.gate.applied(self)
 
-    def _failed(self, failure: Failure, entry: tuple[list[_Item], int, int, bool]) -> None:
+    def _failed(self, failure: Failure, entry: tuple[list[_Item], int, int, bool, int]) -> None:
         group = entry[0]
         self._inflight.remove(entry)
         if failure.check(NotApplied):
