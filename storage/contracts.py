@@ -308,14 +308,26 @@ class WorkerStore(Protocol):
         ...
 
     def apply_replicated(
-        self, stream: str, token: int, schema: StreamSchema, received: Sequence[ReceivedRows], effects: Effects
+        self,
+        stream: str,
+        token: int,
+        schema: StreamSchema,
+        received: Sequence[ReceivedRows],
+        effects: Effects,
+        prepared: bytes | None = None,
     ) -> None:
         """As :meth:`apply` where ``effects`` only copies ``received`` into ``replicated_<stream>``.
 
         A store may take the rows as they came (PostgreSQL: one statement, the
         rows expanded by the server); where they do not fit that form, it runs
-        ``effects`` (which checks each row and names a bad one).
+        ``effects`` (which checks each row and names a bad one). ``prepared``:
+        what :meth:`prepare_replicated` made of the same ``received``, or None.
         """
+        ...
+
+    def prepare_replicated(self, schema: StreamSchema, received: Sequence[ReceivedRows]) -> bytes | None:
+        """Pure, any thread: what :meth:`apply_replicated` would make of ``received`` before it
+        sends anything (PostgreSQL: the ``COPY`` text), or None (nothing to make ahead)."""
         ...
 
     def close(self) -> None: ...

@@ -374,8 +374,22 @@ class PgWorkerStore:
         settings = {**self.database._settings, "standard_conforming_strings": "on"}
         return PgAsyncApply(open_nonblocking(self.database.dsn, "tickline-apply", settings), self.database.dsn)
 
+    def prepare_replicated(self, schema: StreamSchema, received: Sequence[ReceivedRows]) -> bytes | None:
+        """The ``COPY`` text :meth:`apply_replicated` sends for ``received``, or None (below ``COPY_ROWS``
+        rows, or rows that go the general way). Pure: any thread may make it, so the text of a group
+        queued behind another is made while the other is applied."""
+        if sum(len(rows) for _, _, rows in received) < COPY_ROWS:
+            return None
+        return self._copy_text(schema, received)
+
     def apply_replicated(
-        self, stream: str, token: int, schema: StreamSchema, received: Sequence[ReceivedRows], effects: Effects
+        self,
+        stream: str,
+        token: int,
+        schema: StreamSchema,
+        received: Sequence[ReceivedRows],
+        effects: Effects,
+        prepared: bytes | None = None,
     ) -> None:
         """The rows as received, with no Python object per row.
 
@@ -386,10 +400,11 @@ class PgWorkerStore:
         rows: ``COPY`` text made by one generated function per row
         (``storage.pg_copy``), which the server parses faster than JSON; a
         row that function does not take (non-ASCII text, say) is checked by
-        ``check_row``.
+        ``check_row``. ``prepared``: that text, made beforehand from the same
+        ``received`` by :meth:`prepare_replicated`.
         """
-        if sum(len(rows) for _, _, rows in received) >= COPY_ROWS:
-            text = self._copy_text(schema, received)
+        if prepared is not None or sum(len(rows) for _, _, rows in received) >= COPY_ROWS:
+            text = prepared if prepared is not None else self._copy_text(schema, received)
             if text is None:
                 self.apply(stream, token, effects)
                 return

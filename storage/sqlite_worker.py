@@ -64,9 +64,19 @@ class SqliteWorkerStore:
         return None
 
     def apply_replicated(
-        self, stream: str, token: int, schema: StreamSchema, received: Sequence[ReceivedRows], effects: Effects
+        self,
+        stream: str,
+        token: int,
+        schema: StreamSchema,
+        received: Sequence[ReceivedRows],
+        effects: Effects,
+        prepared: bytes | None = None,
     ) -> None:
         self.apply(stream, token, effects)  # the rows go through the handlers' checks and executemany
+
+    def prepare_replicated(self, schema: StreamSchema, received: Sequence[ReceivedRows]) -> None:
+        """Nothing to make ahead on SQLite."""
+        return None
 
 
 class _SqliteView:

@@ -48,6 +48,19 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 # (stream, token, schema, rows as received, the same apply as effects) -> applied
 ReplicateInDb = Callable[[str, int, StreamSchema, list[ReceivedRows], Effects], defer.Deferred[None]]
+# As ReplicateInDb, with two calls run on the database thread: before the apply (False: do not
+# apply, NotApplied) and after its commit; None: not offered now (the caller goes the usual way).
+ChainInDb = Callable[
+    [str, int, StreamSchema, list[ReceivedRows], Effects, "Callable[[], bool] | None", Callable[[], None]],
+    "defer.Deferred[None] | None",
+]
+
+
+class NotApplied(Exception):
+    """A group queued behind another was not applied, because the one before it had not committed.
+
+    Nothing of it ran; it is applied again once the group before it is.
+    """
 
 
 def _replicator_only(handlers: list[Handler], schema: StreamSchema) -> bool:
@@ -180,6 +193,7 @@ class StreamConsumer:
         on_progress: Callable[[StreamConsumer], None] | None = None,
         replicate_in_db: ReplicateInDb | None = None,
         nudge: Callable[[], None] | None = None,
+        chain_in_db: ChainInDb | None = None,
     ) -> None:
         self.stream = stream
         self.schema = schema
@@ -190,6 +204,8 @@ class StreamConsumer:
         self._apply_in_db = apply_in_db
         # The table replicator alone: received rows go to the store as they are.
         self._replicate_in_db = replicate_in_db if _replicator_only(handlers, schema) else None
+        # A second full group queued behind the one being applied (see _kick_chained).
+        self._chain_in_db = chain_in_db if self._replicate_in_db is not None else None
         self._worker_name = worker_name
         self._clock = clock
         self.settings = settings
@@ -199,7 +215,12 @@ class StreamConsumer:
         self._nudge = nudge
         self._queue: collections.deque[_Item] = collections.deque()
         self.queued_rows = 0
-        self._applying = False
+        # Groups handed to the database, in token order: (items, last token, generation, chained,
+        # rows). At most two: the one being applied and one full group queued behind it.
+        self._inflight: list[tuple[list[_Item], int, int, bool, int]] = []
+        # The highest token a chained apply of this consumer committed; written on the
+        # database thread right after the commit, read there by the group queued behind it.
+        self._db_committed = applied
         self._generation = 0
         self._failures = 0
         self._retry_call: Any = None
@@ -329,17 +350,18 @@ class StreamConsumer:
 
     @property
     def applying(self) -> bool:
-        return self._applying
+        return bool(self._inflight)
 
     @property
     def busy(self) -> bool:
         held = self.gate is not None and self.gate.holds(self)
-        return self._applying or bool(self._queue) or held
+        return bool(self._inflight) or bool(self._queue) or held
 
     def kick(self) -> None:
-        if self._applying:
-            if self._queue and self._nudge is not None:
-                self._nudge()  # its answer, if it came, kicks again
+        if self._inflight:
+            self._kick_chained()
+            if self._queue and self._nudge is not None and self._inflight and not self._inflight[-1][3]:
+                self._nudge()  # a lazy small apply: its answer, if it came, kicks again
             return
         if not self._queue:
             return
@@ -360,32 +382,104 @@ class StreamConsumer:
             self._queue.extendleft(reversed(self._queue.popleft().split()))
         group = [self._queue[0]]
         count = group[0].count
+        full = count >= self.settings.apply_rows  # more rows queued than one group takes
         if self._failures == 0:
             queue = self._queue
             for index in range(1, len(queue)):
                 item = queue[index]
                 if count + item.count > self.settings.apply_rows:
+                    full = True
                     break
                 if limit is not None and item.seq >= limit:
                     break
                 group.append(item)
                 count += item.count
         token = group[-1].token
-        generation = self._generation
-        self._applying = True
 
         def effects(txn: ApplyTransaction) -> None:
             self._run_handlers(txn, group)
 
+        d = None
+        chained = False
         if self._replicate_in_db is not None and count and self._failures == 0 and all(i.with_ts for i in group):
             # One statement with the rows as received (PostgreSQL); retries go the general way.
             received = [rows for item in group if item.count for rows in item.received()]
-            d = self._replicate_in_db(self.stream, token, self.schema, received, effects)
+            if (full or count == self.settings.apply_rows) and limit is None:
+                # A full group: a backlog. Applied so that a next full group may queue behind it.
+                d = self._chain(token, received, effects, None)
+                chained = d is not None
+            if d is None:
+                d = self._replicate_in_db(self.stream, token, self.schema, received, effects)
         else:
             d = self._apply_in_db(self.stream, token, effects)
-        d.addCallbacks(
-            self._applied, self._failed, callbackArgs=(group, token, count, generation), errbackArgs=(group,)
-        )
+        self._handed(d, group, token, count, chained)
+        if chained:
+            self._kick_chained()
+
+    def _chain(
+        self, token: int, received: list[ReceivedRows], effects: Effects, behind: Callable[[], bool] | None
+    ) -> defer.Deferred[None] | None:
+        if self._chain_in_db is None:
+            return None
+
+        def committed() -> None:  # on the database thread, after the commit
+            self._db_committed = max(self._db_committed, token)
+
+        return self._chain_in_db(self.stream, token, self.schema, received, effects, behind, committed)
+
+    def _handed(self, d: defer.Deferred[None], group: list[_Item], token: int, count: int, chained: bool) -> None:
+        entry = (group, token, self._generation, chained, count)
+        self._inflight.append(entry)
+        d.addCallbacks(self._applied, self._failed, callbackArgs=(entry,), errbackArgs=(entry,))
+
+    def _kick_chained(self) -> None:
+        """While a full group is applied, queue the next full group behind it on the database thread.
+
+        The database thread then takes it as soon as the first commits, with
+        no wait for the reactor in between. It is applied only if the group
+        before it committed (checked on the database thread, which knows
+        first: ``_db_committed``); otherwise nothing of it runs
+        (:class:`NotApplied`) and it is applied again the usual way, so a
+        failed group is never skipped. At most one group waits so.
+        """
+        if len(self._inflight) != 1 or self._failures or self.gate is not None:
+            return
+        if self._retry_call is not None and self._retry_call.active():
+            return
+        before, before_token, generation, chained, before_rows = self._inflight[0]
+        if not chained or generation != self._generation:
+            return
+        limit = self.settings.apply_rows
+        if self.queued_rows - before_rows < limit:
+            return  # not a full group behind it yet (known without walking the queue)
+        queue = self._queue
+        start = len(before)
+        if len(queue) <= start or queue[start - 1].token != before_token:
+            return
+        group: list[_Item] = []
+        count = 0
+        full = False
+        for index in range(start, len(queue)):
+            item = queue[index]
+            if count + item.count > limit:
+                full = True
+                break
+            group.append(item)
+            count += item.count
+        if not (full or count == limit) or not count or not all(i.with_ts for i in group):
+            return
+        token = group[-1].token
+        received = [rows for item in group if item.count for rows in item.received()]
+
+        def effects(txn: ApplyTransaction) -> None:
+            self._run_handlers(txn, group)
+
+        def ready() -> bool:  # on the database thread: the group before it committed
+            return self._db_committed >= before_token
+
+        d = self._chain(token, received, effects, ready)
+        if d is not None:
+            self._handed(d, group, token, count, True)
 
     def _run_handlers(self, transaction: ApplyTransaction, group: list[_Item]) -> None:
         """On the database thread, inside the apply transaction."""
@@ -396,9 +490,10 @@ class StreamConsumer:
         for handler in self.handlers:
             handler(ctx, rows)
 
-    def _applied(self, _: None, group: list[_Item], token: int, count: int, generation: int) -> None:
-        self._applying = False
-        self.applied = token
+    def _applied(self, _: None, entry: tuple[list[_Item], int, int, bool, int]) -> None:
+        group, token, _generation, _chained, count = entry
+        self._inflight.remove(entry)
+        self.applied = max(self.applied, token)
         self.known = max(self.known, token)
         self.rows_applied += count
         last = next((item for item in reversed(group) if item.count), None)
@@ -409,17 +504,24 @@ class StreamConsumer:
         if self._failures:
             logger.info("%s: applied token %s after %d failed attempts", self.stream, token, self._failures)
         self._failures = 0
-        if generation == self._generation:
-            for _item in group:
-                self.queued_rows -= self._queue.popleft().count
+        # Whatever is queued up to the token is applied (the group's items, unless the
+        # connection was lost since: then rows received again up to it).
+        queue = self._queue
+        while queue and queue[0].token <= token:
+            self.queued_rows -= queue.popleft().count
         if self._on_progress is not None:
             self._on_progress(self)
         self.kick()
         if self.gate is not None:
             self.gate.applied(self)
 
-    def _failed(self, failure: Failure, group: list[_Item]) -> None:
-        self._applying = False
+    def _failed(self, failure: Failure, entry: tuple[list[_Item], int, int, bool, int]) -> None:
+        group = entry[0]
+        self._inflight.remove(entry)
+        if failure.check(NotApplied):
+            # Queued behind a group that did not commit: nothing of it ran.
+            self.kick()
+            return
         self._failures += 1
         delay = min(self.settings.retry_max, self.settings.retry_initial * 2 ** (self._failures - 1))
         if len(group) == 1 and (group[0].tokens is None or len(group[0].tokens) == 1):

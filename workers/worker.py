@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import attr
@@ -47,7 +48,7 @@ from storage.contracts import AsyncApply, Effects, ReceivedRows, WorkerStore
 from storage.schema import StreamSchema
 from storage.store import ApplyRefused, DatabaseUnavailable, StaleApply
 from workers.caches import CacheRegistry
-from workers.consumer import ConsumerStats, StreamConsumer
+from workers.consumer import ConsumerStats, NotApplied, StreamConsumer
 from workers.handlers import HandlerRegistry
 from workers.ordering import OrderedDelivery
 from workers.replicator import cache_invalidator, table_replicator
@@ -159,6 +160,7 @@ class Worker(ReplicationHandler):
                 on_progress=self._progress,
                 replicate_in_db=self._replicate_in_db,
                 nudge=self._settle_apply,
+                chain_in_db=self._chain_in_db,
             )
         for stream, consumer in self.consumers.items():
             if self.config.start_at_ms is not None and stream not in applied:
@@ -271,6 +273,40 @@ class Worker(ReplicationHandler):
     ) -> defer.Deferred[None]:
         d = self.db.run(self.store.apply_replicated, stream, token, schema, received, effects)
         return self._settle_uncertain(d, stream, token)
+
+    def _chain_in_db(
+        self,
+        stream: str,
+        token: int,
+        schema: StreamSchema,
+        received: list[ReceivedRows],
+        effects: Effects,
+        waiting: Callable[[], bool] | None,
+        committed: Callable[[], None],
+    ) -> defer.Deferred[None] | None:
+        """A full group on the database thread, which may take it while the group before it is applied.
+
+        ``waiting``: None for a group that waits for no other; else the group
+        is queued behind another and, on the database thread, ``waiting()``
+        runs first (False: the group before it has not committed, nothing is
+        applied, :class:`NotApplied`). Then the apply, then ``committed()``. None (not offered) while streams are
+        delivered in timestamp order, or while an apply of the stream is
+        uncertain after a lost connection: the usual way then.
+        """
+        if self.ordering is not None or stream in self._uncertain:
+            return None
+
+        # The first group of a chain makes its text on the database thread as before; a group
+        # queued behind it (ready() not yet known) has it made here, while the other is applied.
+        prepared = None if waiting is None else self.store.prepare_replicated(schema, received)
+
+        def run() -> None:
+            if waiting is not None and not waiting():
+                raise NotApplied(f"{stream}: the group before token {token} did not commit")
+            self.store.apply_replicated(stream, token, schema, received, effects, prepared)
+            committed()
+
+        return self.db.run(run)
 
     def _async_apply_failed(
         self,

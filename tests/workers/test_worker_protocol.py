@@ -466,3 +466,67 @@ def test_a_mistyped_row_in_a_run_stops_the_stream_at_its_token_named(url, caplog
     assert "'event_id' expects text" in caplog.text
     h.clock.advance(1.0)
     assert h.applied() == bad - 1  # still stopped there, never skipped
+
+
+def _held(h: Harness) -> list:
+    assert h.db.hold is not None
+    return h.db.hold
+
+
+def _release(h: Harness) -> None:
+    """The database thread takes the first held call (in the order handed) and runs it."""
+    d, fn, args, kwargs = _held(h).pop(0)
+    defer.maybeDeferred(fn, *args, **kwargs).chainDeferred(d)
+
+
+def _queue_three_groups(h: Harness, lines: list[str]) -> None:
+    """Token 1 applied alone (held), then six runs of 30 rows queue behind it (apply_rows 60)."""
+    h.db.hold = []
+    h.send("SERVER s", "POSITION events m 0 0", lines[0])
+    for start in range(1, 181, 30):
+        h.send(*lines[start : start + 30])
+    assert len(_held(h)) == 1  # only token 1 so far: a group that is not full waits for no other
+    _release(h)
+
+
+def test_a_full_group_queues_behind_the_one_applied_and_rows_stay_in_order(url) -> None:
+    """During a backlog a second full group waits on the database side behind the one applied
+    (at most one), and is applied once the first committed: every row once, in token order."""
+    h = Harness(url, apply=ApplySettings(apply_rows=60))
+    _queue_three_groups(h, [f"RDATA events m {n} {ev(n)}" for n in range(1, 182)])
+    assert h.applied() == 1
+    assert len(_held(h)) == 2  # tokens 2..61 handed, 62..121 queued behind them; no third
+    _release(h)
+    assert h.applied() == 61
+    assert len(_held(h)) == 2  # 62..121 next, 122..181 queued behind
+    while h.db.hold:
+        _release(h)
+    assert h.applied() == 181
+    assert [r[0] for r in h.rows()] == list(range(1, 182))
+    assert h.worker.stats().streams[1].pending_rows == 0
+
+
+def test_a_group_queued_behind_a_failed_one_is_not_applied(url, caplog) -> None:
+    """The group before it fails: the queued group finds its predecessor not committed and applies
+    nothing; the stream stops at the bad row, named, and nothing after it is applied or skipped."""
+    h = Harness(url, apply=ApplySettings(apply_rows=60))
+    lines = [f"RDATA events m {n} {ev(n)}" for n in range(1, 182)]
+    lines[29] = f'RDATA events m 30 [12345, "!r", "m.t", null, null, {TS + 30}]'
+    with caplog.at_level(logging.WARNING):
+        _queue_three_groups(h, lines)
+        assert len(_held(h)) == 2
+        _release(h)  # tokens 2..61: refused
+        assert h.applied() == 1
+        _release(h)  # 62..121, queued behind them: not applied
+        assert h.applied() == 1 and [r[0] for r in h.rows()] == [1]
+        for _ in range(40):  # retried token by token
+            h.clock.advance(0)
+            while h.db.hold:
+                _release(h)
+    assert h.applied() == 29
+    assert [r[0] for r in h.rows()] == list(range(1, 30))
+    assert "'event_id' expects text" in caplog.text
+    h.clock.advance(1.0)
+    while h.db.hold:
+        _release(h)
+    assert h.applied() == 29  # still stopped there, never skipped
