@@ -24,6 +24,7 @@ from storage.pg_copy import (
     formatter,
     lines_need_escapes,
     received_chunk_formatter,
+    received_columns_text,
 )
 from storage.pg_db import Cursor, PgDatabase, prepared, rollback_explicit, sql_literals
 from storage.pg_wake import close_quietly, lost_connection, open_nonblocking, poll_word
@@ -454,35 +455,47 @@ class PgWorkerStore:
     def _copy_text(schema: StreamSchema, received: Sequence[ReceivedRows]) -> bytes | None:
         """COPY lines ``token, instance, *values, ts``; None if a row is not ``[*values, ts]`` (the general way).
 
-        Rows of exactly typed values whose text needs no escape (checked once
-        over the whole text) are made by one generated loop
-        (``storage.pg_copy.received_chunk_formatter``); otherwise row by row.
+        Column by column (``storage.pg_copy.received_columns_text``: a few
+        passes in C per column, no Python loop iteration per row) when every
+        column's values are exactly typed; otherwise :func:`rows_copy_text`.
         """
-        chunk = _received_chunk(schema)
-        if chunk is not None:
-            quick, nulls = chunk(received)
-            if quick:
-                joined = "\n".join(quick)
-                if not lines_need_escapes(joined, len(quick), len(schema.columns) + 3, nulls):
-                    try:
-                        return (joined + "\n").encode()
-                    except UnicodeEncodeError:  # a lone surrogate: refused row by row
-                        pass
-        fmt = formatter(schema, with_ts=True)
-        width = len(schema.columns)
-        lines = []
-        for token, instance, rows in expand_received(received):
-            prefix = f"{token}\t{_copy_text(instance)}\t"
-            for row in rows:
-                text = fmt(row)
-                if text is None:
-                    ts = row[-1] if type(row) is list and len(row) == width + 1 else None
-                    if type(ts) is not int or not 0 <= ts <= INT64_MAX:
-                        return None
-                    text = _checked_copy_text(schema, row[:-1]) + f"\t{ts}"
-                lines.append(prefix + text)
-        lines.append("")
-        return "\n".join(lines).encode()
+        return received_columns_text(schema, received) or rows_copy_text(schema, received)
+
+
+def rows_copy_text(schema: StreamSchema, received: Sequence[ReceivedRows]) -> bytes | None:
+    """The per-row path of :meth:`PgWorkerStore._copy_text`, the bytes the column-by-column one must make.
+
+    Rows of exactly typed values whose text needs no escape (checked once
+    over the whole text) are made by one generated loop
+    (``storage.pg_copy.received_chunk_formatter``); otherwise row by row,
+    a row that is not exactly typed checked by ``check_row`` (RowError
+    names it).
+    """
+    chunk = _received_chunk(schema)
+    if chunk is not None:
+        quick, nulls = chunk(received)
+        if quick:
+            joined = "\n".join(quick)
+            if not lines_need_escapes(joined, len(quick), len(schema.columns) + 3, nulls):
+                try:
+                    return (joined + "\n").encode()
+                except UnicodeEncodeError:  # a lone surrogate: refused row by row
+                    pass
+    fmt = formatter(schema, with_ts=True)
+    width = len(schema.columns)
+    lines = []
+    for token, instance, rows in expand_received(received):
+        prefix = f"{token}\t{_copy_text(instance)}\t"
+        for row in rows:
+            text = fmt(row)
+            if text is None:
+                ts = row[-1] if type(row) is list and len(row) == width + 1 else None
+                if type(ts) is not int or not 0 <= ts <= INT64_MAX:
+                    return None
+                text = _checked_copy_text(schema, row[:-1]) + f"\t{ts}"
+            lines.append(prefix + text)
+    lines.append("")
+    return "\n".join(lines).encode()
 
 
 BEGIN = "BEGIN ISOLATION LEVEL READ COMMITTED; "
