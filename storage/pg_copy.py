@@ -309,7 +309,7 @@ def _text_column(values: Sequence[Any], nullable: bool) -> Sequence[str] | None:
     nulls = _types_fit(values, nullable, str)
     if nulls is None:
         return None
-    texts = list(map(_NULL_FOR_NONE, values, values)) if nulls else values
+    texts: Sequence[str] = list(map(_NULL_FOR_NONE, values, values)) if nulls else values
     joined = "".join(texts)
     if "\x00" in joined:
         return None  # refused by check_row, by name
@@ -416,10 +416,10 @@ def received_columns_text(schema: StreamSchema, received: Sequence[Any]) -> byte
         return None
     texts: list[Sequence[str]] = [tokens, names]
     for column, values in zip(schema.columns, columns, strict=False):
-        text = _COLUMN_TEXT[column.type](values, column.nullable)
-        if text is None:
+        made = _COLUMN_TEXT[column.type](values, column.nullable)
+        if made is None:
             return None
-        texts.append(text)
+        texts.append(made)
     stamps = columns[-1]
     if set(map(type, stamps)) != {int} or min(stamps) < 0 or max(stamps) > INT64_MAX:
         return None

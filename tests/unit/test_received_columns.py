@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from replication.streams import EVENTS
+from storage.contracts import ReceivedRows
 from storage.pg_copy import received_columns_text
 from storage.pg_worker import PgWorkerStore, rows_copy_text
 from storage.schema import INT64_MAX, INT64_MIN, Column, StreamSchema
@@ -129,7 +130,7 @@ def test_the_benchmarks_rows_are_made_column_by_column() -> None:
     from scripts.benchmark import make_rows
 
     rows = [[*row, 10**17 + i] for i, row in enumerate(make_rows(0, 2000))]
-    received = [(list(range(5, 1005)), "master", rows[:1000]), (2000, "master", rows[1000:])]
+    received: list[ReceivedRows] = [(list(range(5, 1005)), "master", rows[:1000]), (2000, "master", rows[1000:])]
     text = received_columns_text(EVENTS, received)
     assert text is not None and text == rows_copy_text(EVENTS, received)
     assert text.count(b"\n") == 2000 and text.count(b"\\N") > 0
