@@ -270,6 +270,12 @@ def lines_need_escapes(text: str, lines: int, columns: int, backslashes: int) ->
 
 # -- a worker's received rows, column by column ----------------------------------------------
 #
+# Not used by the worker: measured alone about 10% faster than the generated per-row loop
+# (storage.pg_worker.rows_copy_text), no cheaper in a worker's catch-up (docs/benchmarks.md,
+# wk2: transposing visits every row once per column, and a backlog's rows are out of the
+# caches by then). Kept with its property tests (byte for byte the per-row text) for a
+# column-shaped input, such as rows parsed column by column from the wire.
+#
 # The per-row formatters above run one generated Python loop iteration per row. A catch-up
 # applies groups of thousands of rows of one stream whose columns are each of one type, so
 # each column is checked and turned into text by a few calls that loop in C (``set(map(type,

@@ -24,7 +24,6 @@ from storage.pg_copy import (
     formatter,
     lines_need_escapes,
     received_chunk_formatter,
-    received_columns_text,
 )
 from storage.pg_db import Cursor, PgDatabase, prepared, rollback_explicit, sql_literals
 from storage.pg_wake import close_quietly, lost_connection, open_nonblocking, poll_word
@@ -455,11 +454,13 @@ class PgWorkerStore:
     def _copy_text(schema: StreamSchema, received: Sequence[ReceivedRows]) -> bytes | None:
         """COPY lines ``token, instance, *values, ts``; None if a row is not ``[*values, ts]`` (the general way).
 
-        Column by column (``storage.pg_copy.received_columns_text``: a few
-        passes in C per column, no Python loop iteration per row) when every
-        column's values are exactly typed; otherwise :func:`rows_copy_text`.
+        Row by row (:func:`rows_copy_text`). The same text made column by
+        column (``storage.pg_copy.received_columns_text``) was about 10%
+        faster measured alone but no cheaper in a worker's catch-up (its
+        transposition visits every row once per column, long after the rows
+        were parsed: docs/benchmarks.md, wk2), so it is not used here.
         """
-        return received_columns_text(schema, received) or rows_copy_text(schema, received)
+        return rows_copy_text(schema, received)
 
 
 def rows_copy_text(schema: StreamSchema, received: Sequence[ReceivedRows]) -> bytes | None:
