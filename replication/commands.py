@@ -328,6 +328,26 @@ def _line_token(prefix: bytes) -> re.Pattern[bytes]:
     return found
 
 
+def one_rdata_run(block: bytes) -> bool:
+    """Whether ``block`` may be one run of ``RDATA`` lines of one stream and instance, tried whole.
+
+    ``block`` holds whole lines, each ending with ``\\n``. Its first and last
+    lines start with the same ``RDATA <stream> <instance> `` (two finds, no
+    pass over the block): the receiving hot path's common case, a buffer of
+    one stream's rows. Whether every line between does is
+    :func:`parse_rdata_block`'s to say (None if not), in the same pass as
+    its split.
+    """
+    if not block.startswith(_RDATA_PREFIX):
+        return False
+    first_space = block.find(b" ", 6)
+    second_space = block.find(b" ", first_space + 1)
+    if first_space < 0 or second_space < 0:
+        return False
+    last = block.rfind(b"\n", 0, len(block) - 1) + 1  # the last line's start (0: one line)
+    return block.startswith(block[: second_space + 1], last) and block.find(b"\n") > second_space
+
+
 def parse_rdata_block(block: bytes, max_line_bytes: int) -> tuple[str, str, list[bytes], list[list[Any]]] | None:
     """(stream, instance, tokens, rows) for a run of RDATA lines of one stream and instance.
 
@@ -336,9 +356,6 @@ def parse_rdata_block(block: bytes, max_line_bytes: int) -> tuple[str, str, list
     :class:`RdataCommand` parses it) and no longer than ``max_line_bytes``:
     the caller then takes the lines one by one, with their errors.
     """
-    lines = block.count(b"\n")
-    if len(block) > max_line_bytes and max(map(len, block.split(b"\n"))) > max_line_bytes:
-        return None
     first_space = block.find(b" ", 6)
     second_space = block.find(b" ", first_space + 1)
     if first_space < 0 or second_space < 0 or second_space > block.find(b"\n"):
@@ -349,18 +366,32 @@ def parse_rdata_block(block: bytes, max_line_bytes: int) -> tuple[str, str, list
         instance = _word(block[first_space + 1 : second_space].decode("ascii"), "instance")
     except (UnicodeDecodeError, MalformedCommand):
         return None
-    # Every line starts with the prefix and a well-formed token: the split finds one per line. A
-    # raw newline occurs only where a line ends, so each match is at a line start; fewer matches
-    # than lines means a line of another stream or instance, or a bad token (then None).
+    # Split at every line start with the prefix and a well-formed token. A raw newline occurs
+    # only where a line ends, so each match is at a line start, and a line that does not
+    # match (another stream or instance, another command, a bad token) leaves its newline in
+    # the text between two matches: every line matched if and only if the only newline left
+    # is the block's last (no count of the lines, which is a slower pass than a find).
     parts = _line_token(prefix).split(b"\n" + block)
+    if parts[0]:
+        return None
     tokens = parts[1::2]
-    if parts[0] or len(tokens) != lines:
+    bodies = parts[2::2]
+    # A line is its prefix, a token of at most 18 digits, a space and its body: only if that
+    # bound passes the limit are the lines themselves measured.
+    if (
+        len(block) > max_line_bytes
+        and len(prefix) + 18 + max(map(len, bodies)) > max_line_bytes
+        and max(map(len, block.split(b"\n"))) > max_line_bytes
+    ):
+        return None
+    joined = b",".join(bodies)
+    if joined.find(b"\n") != len(joined) - 1:
         return None
     try:
-        rows = orjson.loads(b"[" + b",".join(parts[2::2]) + b"]")
+        rows = orjson.loads(b"[" + joined + b"]")
     except orjson.JSONDecodeError:
         return None
-    if len(rows) != lines or not all(type(row) is list for row in rows):
+    if len(rows) != len(tokens) or set(map(type, rows)) != {list}:
         return None
     return stream, instance, tokens, rows
 

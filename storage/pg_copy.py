@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import itertools
+import math
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -263,3 +266,174 @@ def lines_need_escapes(text: str, lines: int, columns: int, backslashes: int) ->
         or text.count("\n") != lines - 1
         or text.count("\\") != backslashes
     )
+
+
+# -- a worker's received rows, column by column ----------------------------------------------
+#
+# Not used by the worker: measured alone about 10% faster than the generated per-row loop
+# (storage.pg_worker.rows_copy_text), no cheaper in a worker's catch-up (docs/benchmarks.md,
+# wk2: transposing visits every row once per column, and a backlog's rows are out of the
+# caches by then). Kept with its property tests (byte for byte the per-row text) for a
+# column-shaped input, such as rows parsed column by column from the wire.
+#
+# The per-row formatters above run one generated Python loop iteration per row. A catch-up
+# applies groups of thousands of rows of one stream whose columns are each of one type, so
+# each column is checked and turned into text by a few calls that loop in C (``set(map(type,
+# ...))``, ``min``/``max``, ``map(str, ...)``, one ``join`` and substring tests over the whole
+# column), and the lines are joined from the columns at the end. Anything such a pass cannot
+# take exactly as the per-row path would (a value of another type, a NUL, a non-finite
+# double, an int in a double column) gives None: the caller then takes the per-row path, which
+# makes the same bytes or names the bad row.
+
+_NONE = type(None)
+_not_none = functools.partial(operator.is_not, None)
+_BOOL_TEXT = {True: "t", False: "f", None: NULL_COPY}
+
+
+_NULL_FOR_NONE = {None: NULL_COPY}.get  # (value, value): NULL for None, else the value itself
+
+
+def _types_fit(values: Sequence[Any], nullable: bool, kind: type) -> bool | None:
+    """Whether any value is None if every value is of ``kind`` (or None where ``nullable``); None if not."""
+    types = set(map(type, values))
+    if types == {kind}:
+        return False
+    if nullable and types <= {kind, _NONE}:
+        return True
+    return None
+
+
+def _ints_text(values: Sequence[int]) -> list[str] | None:
+    """Exact ints in 64 bits as text (orjson writes a list of them faster than ``map(str, ...)``)."""
+    try:
+        return orjson.dumps(values).decode()[1:-1].split(",")
+    except TypeError:  # orjson.JSONEncodeError: an int beyond 64 bits
+        return None
+
+
+def _text_column(values: Sequence[Any], nullable: bool) -> Sequence[str] | None:
+    nulls = _types_fit(values, nullable, str)
+    if nulls is None:
+        return None
+    texts: Sequence[str] = list(map(_NULL_FOR_NONE, values, values)) if nulls else values
+    joined = "".join(texts)
+    if "\x00" in joined:
+        return None  # refused by check_row, by name
+    # The text holds one backslash per NULL and no other unless a value needs an escape.
+    if "\t" in joined or "\n" in joined or "\r" in joined or joined.count("\\") != (values.count(None) if nulls else 0):
+        texts = [NULL_COPY if v is None else _copy_text(v) for v in values]
+    return texts
+
+
+def _bigint_column(values: Sequence[Any], nullable: bool) -> Sequence[str] | None:
+    nulls = _types_fit(values, nullable, int)
+    if nulls is None:
+        return None
+    if not nulls:
+        if min(values) < INT64_MIN or max(values) > INT64_MAX:
+            return None
+        return _ints_text(values)
+    numbers = list(filter(_not_none, values))
+    if numbers and (min(numbers) < INT64_MIN or max(numbers) > INT64_MAX):
+        return None
+    return [NULL_COPY if v is None else str(v) for v in values]
+
+
+def _double_column(values: Sequence[Any], nullable: bool) -> Sequence[str] | None:
+    nulls = _types_fit(values, nullable, float)
+    if nulls is None:
+        return None
+    numbers = list(filter(_not_none, values)) if nulls else values
+    if not all(map(math.isfinite, numbers)):
+        return None
+    if nulls:
+        return [NULL_COPY if v is None else repr(v) for v in values]
+    return list(map(repr, values))
+
+
+def _boolean_column(values: Sequence[Any], nullable: bool) -> Sequence[str] | None:
+    if _types_fit(values, nullable, bool) is None:
+        return None
+    return list(map(_BOOL_TEXT.__getitem__, values))
+
+
+def _json_column(values: Sequence[Any], nullable: bool) -> Sequence[str] | None:
+    # orjson escapes every control character inside strings, so its text never holds a raw
+    # \x01 (the separator here), tab, newline or carriage return: only backslashes need one.
+    try:
+        joined = b"\x01".join(map(orjson.dumps, values)).decode()
+    except (TypeError, UnicodeDecodeError):
+        return None
+    if "\\" in joined:
+        if "\\u0000" in joined:
+            return None  # a NUL in a JSON string: refused by check_row, by name, where the per-row path checks
+        joined = joined.replace("\\", "\\\\")
+    texts = joined.split("\x01")
+    if None in values:
+        if not nullable:
+            return None
+        return [NULL_COPY if v is None else t for v, t in zip(values, texts, strict=True)]
+    return texts
+
+
+_COLUMN_TEXT: dict[str, Callable[[Sequence[Any], bool], Sequence[str] | None]] = {
+    "text": _text_column,
+    "bigint": _bigint_column,
+    "double": _double_column,
+    "boolean": _boolean_column,
+    "json": _json_column,
+}
+
+
+def received_columns_text(schema: StreamSchema, received: Sequence[Any]) -> bytes | None:
+    """A worker's ``COPY`` text (lines ``token, instance, *values, ts``) for rows as received, or None.
+
+    ``received``: ``[(token or a list of tokens, instance, [[*values, ts], ...]), ...]`` as
+    :data:`storage.contracts.ReceivedRows`. The text is made column by column (one pass per
+    column with a formatter for its type) and joined row by row at the end; it is byte for
+    byte what the per-row path makes. None for anything these passes do not take: the
+    caller then makes the text row by row (which names a bad row).
+    """
+    tokens: list[str] = []
+    names: list[str] = []
+    rows: list[Any] = []
+    for token, instance, group in received:
+        if type(instance) is not str or type(group) is not list:
+            return None
+        count = len(group)
+        if type(token) is int:
+            tokens += [str(token)] * count
+        elif type(token) is list and len(token) == count and set(map(type, token)) == {int}:
+            text = _ints_text(token)
+            if text is None:
+                return None
+            tokens += text
+        else:
+            return None
+        names += [_copy_text(instance)] * count
+        rows += group
+    if not rows or set(map(type, rows)) != {list}:
+        return None
+    try:
+        columns = list(zip(*rows, strict=True))
+    except ValueError:  # rows of different lengths
+        return None
+    if len(columns) != len(schema.columns) + 1:
+        return None
+    texts: list[Sequence[str]] = [tokens, names]
+    for column, values in zip(schema.columns, columns, strict=False):
+        made = _COLUMN_TEXT[column.type](values, column.nullable)
+        if made is None:
+            return None
+        texts.append(made)
+    stamps = columns[-1]
+    if set(map(type, stamps)) != {int} or min(stamps) < 0 or max(stamps) > INT64_MAX:
+        return None
+    stamp_texts = _ints_text(stamps)
+    if stamp_texts is None:
+        return None
+    texts.append(stamp_texts)
+    try:
+        return ("\n".join(map("\t".join, zip(*texts, strict=True))) + "\n").encode()
+    except UnicodeEncodeError:  # a lone surrogate: refused row by row, by name
+        return None
