@@ -455,10 +455,9 @@ class PgWorkerStore:
         """COPY lines ``token, instance, *values, ts``; None if a row is not ``[*values, ts]`` (the general way).
 
         Row by row (:func:`rows_copy_text`). The same text made column by
-        column (``storage.pg_copy.received_columns_text``) was about 10%
-        faster measured alone but no cheaper in a worker's catch-up (its
-        transposition visits every row once per column, long after the rows
-        were parsed: docs/benchmarks.md, wk2), so it is not used here.
+        column was about 10% faster measured alone but no cheaper in a
+        worker's catch-up (its transposition visits every row once per
+        column, long after the rows were parsed: docs/benchmarks.md, wk2).
         """
         return rows_copy_text(schema, received)
 
