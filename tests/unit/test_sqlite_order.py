@@ -68,6 +68,13 @@ def _last_ts_upto(store: SqliteStreamStore, token: int) -> int | None:
     return int(found[0][0]) if found else None
 
 
+def _delete(store: SqliteStreamStore, token: int) -> None:
+    def run(conn: sqlite3.Connection) -> None:
+        conn.execute("DELETE FROM stream_ev WHERE token = ?", (token,))
+
+    store.database.write(run)
+
+
 def _ts(store: SqliteStreamStore, token: int) -> int:
     return int(store.database.query("SELECT ts FROM stream_ev WHERE token = ? ORDER BY seq LIMIT 1", (token,))[0][0])
 
@@ -286,7 +293,7 @@ def test_binary_search_reads_equal_order_by_reads(tmp_path: Path, ops: list[tupl
                 store.append("ev", _rows(n, count), writer, batch=batch and count > 1)
                 n += count
             elif op[0] == "delete":
-                store.database.write(lambda conn, t=op[1]: conn.execute("DELETE FROM stream_ev WHERE token = ?", (t,)))
+                _delete(store, op[1])
             else:
                 store.allocate_timestamps(op[1])
         assert not _marked(store)
