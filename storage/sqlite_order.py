@@ -58,18 +58,21 @@ def order_triggers_sql(schema: StreamSchema) -> list[str]:
     """The triggers that mark the stream in ``tickline_unordered`` when a row breaks the rowid order.
 
     Insert: a row whose ``seq`` is below the table's last (inserted in the
-    middle), or whose token or timestamp is below the row before it. Rows
-    appended by tickline's writer pass both checks (two rowid lookups per
-    row, in pages the insert has just touched). Update: any change of
-    ``seq``, ``token`` or ``ts``.
+    middle), or whose token or timestamp is below the row before it: one
+    look at the last row other than the new one (a step back from the end
+    of the rowid B-tree, in pages the insert has just touched), which is
+    the row before it unless the new row went in below it. Rows appended by
+    tickline's writer pass (about 0.6 µs per row in a large write, the
+    trigger's own cost included; docs/benchmarks.md, "sqlive4"). Update:
+    any change of ``seq``, ``token`` or ``ts``.
     """
     table = schema.table
     mark = f"INSERT OR IGNORE INTO {UNORDERED_TABLE} (stream) VALUES ('{schema.name}')"
-    previous = f"SELECT token, ts FROM {table} WHERE seq < NEW.seq ORDER BY seq DESC LIMIT 1"
+    last_other = f"SELECT seq, token, ts FROM {table} WHERE seq <> NEW.seq ORDER BY seq DESC LIMIT 1"
     return [
         f"CREATE TRIGGER IF NOT EXISTS {table}_order_insert AFTER INSERT ON {table} "
-        f"WHEN NEW.seq < (SELECT max(seq) FROM {table}) "
-        f"OR EXISTS (SELECT 1 FROM ({previous}) AS p WHERE p.token > NEW.token OR p.ts > NEW.ts) "
+        f"WHEN EXISTS (SELECT 1 FROM ({last_other}) AS p "
+        "WHERE p.seq > NEW.seq OR p.token > NEW.token OR p.ts > NEW.ts) "
         f"BEGIN {mark}; END",
         f"CREATE TRIGGER IF NOT EXISTS {table}_order_update AFTER UPDATE OF seq, token, ts ON {table} "
         "WHEN NEW.seq IS NOT OLD.seq OR NEW.token IS NOT OLD.token OR NEW.ts IS NOT OLD.ts "
