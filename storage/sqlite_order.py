@@ -133,7 +133,6 @@ class OrderedStream:
     def __init__(self, conn: sqlite3.Connection, schema: StreamSchema) -> None:
         self._conn = conn
         table = schema.table
-        self.table = table
         self._after_token = bound_sql(table, "token", ">", ":v")
         self._from_ts = bound_sql(table, "ts", ">=", ":v")
         self._before = before_sql(table)
@@ -198,11 +197,10 @@ class StreamOrder:
         fn: Callable[[sqlite3.Connection, bool], Any],
     ) -> Any:
         """``fn(conn, ordered)`` in one read transaction; a marked stream's indexes are created first if missing."""
-        for _ in range(2):
-            try:
-                return database.read(lambda conn: fn(conn, self.ordered(conn, schema)))
-            except IndexesMissing:
-                database.write(lambda conn: create_indexes(conn, schema))
+        try:
+            return database.read(lambda conn: fn(conn, self.ordered(conn, schema)))
+        except IndexesMissing:
+            database.write(lambda conn: create_indexes(conn, schema))
         return database.read(lambda conn: fn(conn, self.ordered(conn, schema)))
 
 
