@@ -330,6 +330,9 @@ class PgStreamStore:
     def first_token_at(self, stream: str, since_ts: int) -> time_index.TokenAt:
         return time_index.first_token_at(self, stream, since_ts)
 
+    def last_ts_upto(self, stream: str, token: int) -> int | None:
+        return time_index.last_ts_upto(self, stream, token)
+
     def safe_point(self, expire_writers: bool = True, allocate: bool = True) -> tuple[dict[str, int], dict[str, int]]:
         """As :func:`storage.time_index.safe_point`, in two round trips on a wake-up.
 

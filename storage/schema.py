@@ -354,29 +354,31 @@ class StreamSchema:
         """The stream's table and only the indexes reads need.
 
         Rows are read by token range in ``(token, seq)`` order (the fan-out and
-        replays) and looked up by ``ts`` (start at a time). On SQLite ``seq`` is
-        the rowid (free) and ``ts`` has an index of its own. On PostgreSQL the
+        replays) and looked up by ``ts`` (start at a time). On PostgreSQL the
         ``(token, seq)`` index serves every read, the lookup by ``ts``
         included (a binary search over it, ``storage.time_index``, since
-        ``ts`` increases in that order): one index per row written.
+        ``ts`` increases in that order): one index per row written. On SQLite
+        ``seq`` is the rowid and the table has no index at all: tickline
+        appends rows in token and ``ts`` order, so both are binary searches
+        over the rowid (``storage.sqlite_order``, whose triggers the store
+        adds: a row out of that order marks the stream, which is then read
+        through indexes again).
         """
         cols = self._column_ddl(dialect)
         if dialect == "sqlite":
             # row_json, row_line: see the module doc; row_line is NULL only in rows
             # written by a tickline older than the column (read with a fallback).
-            seq, token_index = "seq INTEGER PRIMARY KEY", "(token)"
-            extra = f",\n    {ROW_JSON_COLUMN} BLOB,\n    {ROW_LINE_COLUMN} BLOB"
-        else:
-            seq, token_index, extra = "seq BIGSERIAL", "(token, seq)", ""
-        statements = [
-            f"CREATE TABLE {self.table} (\n    {seq},\n    token BIGINT NOT NULL,\n"
-            f"    instance_name TEXT NOT NULL,\n    ts BIGINT NOT NULL,\n    {cols}{extra}\n)",
-            f"CREATE INDEX {self.table}_token ON {self.table} {token_index}",
+            return [
+                f"CREATE TABLE {self.table} (\n    seq INTEGER PRIMARY KEY,\n    token BIGINT NOT NULL,\n"
+                f"    instance_name TEXT NOT NULL,\n    ts BIGINT NOT NULL,\n    {cols},\n"
+                f"    {ROW_JSON_COLUMN} BLOB,\n    {ROW_LINE_COLUMN} BLOB\n)",
+                self.stale_lines_trigger_sql(),
+            ]
+        return [
+            f"CREATE TABLE {self.table} (\n    seq BIGSERIAL,\n    token BIGINT NOT NULL,\n"
+            f"    instance_name TEXT NOT NULL,\n    ts BIGINT NOT NULL,\n    {cols}\n)",
+            f"CREATE INDEX {self.table}_token ON {self.table} (token, seq)",
         ]
-        if dialect == "sqlite":
-            statements.append(f"CREATE INDEX {self.table}_ts ON {self.table} (ts)")
-            statements.append(self.stale_lines_trigger_sql())
-        return statements
 
     def stale_lines_trigger_sql(self) -> str:
         """SQLite: a row changed by hand (its token, writer or values) loses its stored line and JSON.

@@ -13,11 +13,12 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from storage import time_index, tso
+from storage import sqlite_order, time_index, tso
 from storage.contracts import JsonRow, Row, StoredRow
 from storage.limits import DEFAULT_MAX_LINE_BYTES, check_batch_rows, check_rows
 from storage.schema import ROW_JSON_COLUMN, ROW_LINE_COLUMN, StreamSchema, check_instance_name
 from storage.sqlite_db import WRITER_CHECKPOINT_BYTES, SqliteChangeWatch, SqliteDatabase
+from storage.sqlite_order import UNORDERED_TABLE, OrderedStream, StreamOrder
 from storage.store import StreamCatalog
 
 
@@ -37,6 +38,7 @@ class SqliteStreamStore:
         self.database = SqliteDatabase(path, busy_timeout_ms, WRITER_CHECKPOINT_BYTES)
         self._clock = clock
         self._catalog = StreamCatalog(self.database)
+        self._order = StreamOrder()  # which streams are read by rowid search (storage.sqlite_order)
 
     @property
     def path(self) -> str:
@@ -48,12 +50,57 @@ class SqliteStreamStore:
         Then every stream table created before ``row_line`` existed gets the
         column (and ``row_json``, if it predates that too), filled for its
         rows, and the trigger that drops a stored line when its row is changed
-        by hand (:meth:`add_row_lines`).
+        by hand (:meth:`add_row_lines`); and every stream table gets the
+        order triggers and loses its indexes, or keeps them if its rows are
+        not in rowid order (:meth:`order_tables`).
         """
         applied: list[int] = self.database.migrate()
         if self.database.read(self._tables_to_upgrade):  # a write (the lock) only when needed
             self.database.write(self.add_row_lines)
+        if self.database.read(self._tables_to_order):
+            self.database.write(self.order_tables)
         return applied
+
+    @staticmethod
+    def _tables_to_order(conn: sqlite3.Connection) -> list[tuple[StreamSchema, bool, set[str]]]:
+        """Stream tables not in the shape of ``storage.sqlite_order``: each with its mark and its indexes.
+
+        Missing an order trigger, an unmarked one with an index (created by
+        an earlier tickline), or a marked one without its indexes.
+        """
+        found = []
+        objects = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type IN ('trigger', 'index')")}
+        marked = {row[0] for row in conn.execute(f"SELECT stream FROM {UNORDERED_TABLE}")}
+        for name, columns in conn.execute("SELECT name, columns FROM tickline_streams ORDER BY name").fetchall():
+            schema = StreamSchema.from_columns_json(name, columns)
+            table = schema.table
+            indexes = {f"{table}_token", f"{table}_ts"} & objects
+            triggers = {f"{table}_order_insert", f"{table}_order_update"}
+            is_marked = name in marked
+            if not triggers <= objects or (indexes if not is_marked else len(indexes) < 2):
+                found.append((schema, is_marked, indexes))
+        return found
+
+    def order_tables(self, conn: sqlite3.Connection) -> list[str]:
+        """In a write transaction: each stream table to the shape of ``storage.sqlite_order``; returns the streams changed.
+
+        The order triggers first; then a table with indexes (an earlier
+        tickline's) whose rows are in rowid order (one scan of the table)
+        loses them, and one whose rows are not is marked and keeps them. A
+        marked table gets its indexes. One transaction, under the write
+        lock: no write slips in between the scan and the triggers.
+        """
+        changed = []
+        for schema, marked, indexes in self._tables_to_order(conn):
+            for statement in sqlite_order.order_triggers_sql(schema):
+                conn.execute(statement)
+            if not marked and indexes and conn.execute(sqlite_order.out_of_order_sql(schema)).fetchone():
+                conn.execute(f"INSERT OR IGNORE INTO {UNORDERED_TABLE} (stream) VALUES (?)", (schema.name,))
+                marked = True
+            for statement in sqlite_order.index_sql(schema) if marked else sqlite_order.drop_index_sql(schema):
+                conn.execute(statement)
+            changed.append(schema.name)
+        return changed
 
     @staticmethod
     def _tables_to_upgrade(conn: sqlite3.Connection) -> list[tuple[StreamSchema, set[str]]]:
@@ -108,7 +155,31 @@ class SqliteStreamStore:
     # -- time (storage.time_index) ------------------------------------------------------
 
     def first_token_at(self, stream: str, since_ts: int) -> time_index.TokenAt:
-        return time_index.first_token_at(self, stream, since_ts)
+        """The first token at or after ``since_ts``: a binary search over the rowid (a marked stream: its ``ts`` index)."""
+        schema = self.schema(stream)
+
+        def run(conn: sqlite3.Connection, ordered: bool) -> time_index.TokenAt:
+            if not ordered:
+                return time_index.search_by_ts(conn, schema.table, "sqlite", "?", since_ts)
+            found = OrderedStream(conn, schema).first_from_ts(since_ts)
+            return time_index.TokenAt(None, None, 1) if found is None else time_index.TokenAt(found[1], found[2], 1)
+
+        result: time_index.TokenAt = self._order.read(self.database, schema, run)
+        return result
+
+    def last_ts_upto(self, stream: str, token: int) -> int | None:
+        """The timestamp of the last row with a token at or below ``token`` (None: no such row)."""
+        schema = self.schema(stream)
+
+        def run(conn: sqlite3.Connection, ordered: bool) -> int | None:
+            if not ordered:
+                found = conn.execute(time_index.last_ts_upto_sql(schema.table, "?"), (token,)).fetchone()
+                return None if found is None else int(found[0])
+            last = OrderedStream(conn, schema).last_upto(token)
+            return None if last is None else last[2]
+
+        result: int | None = self._order.read(self.database, schema, run)
+        return result
 
     def safe_point(self, expire_writers: bool = True, allocate: bool = True) -> tuple[dict[str, int], dict[str, int]]:
         """``time_index.safe_point``; an allocation only if the write lock is free now.
@@ -135,7 +206,7 @@ class SqliteStreamStore:
         def run(conn: sqlite3.Connection) -> None:
             if self._catalog.registered_already(conn, schema):
                 return
-            for statement in schema.create_table_sql("sqlite"):
+            for statement in [*schema.create_table_sql("sqlite"), *sqlite_order.order_triggers_sql(schema)]:
                 conn.execute(statement)
             conn.execute(
                 "INSERT INTO tickline_streams (name, columns) VALUES (?, ?)",
@@ -333,7 +404,9 @@ class SqliteStreamStore:
         )
         distinct = f"SELECT count(DISTINCT token) FROM {table} INDEXED BY {table}_token WHERE token > ? AND token <= ?"
 
-        def run(conn: sqlite3.Connection) -> tuple[bytes, int, int] | None:
+        def run(conn: sqlite3.Connection, ordered: bool) -> tuple[bytes, int, int] | None:
+            if ordered:
+                return self._read_ordered_lines(conn, schema, lines, after, upto, limit, prefix)
             found = conn.execute(first_row, (after, upto)).fetchone()
             if found is None:
                 return b"", after, 0
@@ -345,7 +418,56 @@ class SqliteStreamStore:
                 return read
             return self._read_token_range(conn, by_token, distinct, prefix, after, end)
 
-        return self.database.read(run)
+        result: tuple[bytes, int, int] | None = self._order.read(self.database, schema, run)
+        return result
+
+    @staticmethod
+    def _read_ordered_lines(
+        conn: sqlite3.Connection,
+        schema: StreamSchema,
+        lines: str,
+        after: int,
+        upto: int,
+        limit: int,
+        prefix: str,
+    ) -> tuple[bytes, int, int] | None:
+        """:meth:`read_lines_json` for an ordered stream: the tokens' rowid range from two binary searches.
+
+        Tokens never decrease in ``seq`` order (no mark), so the rows from
+        the first with a token above ``after`` to the last with one at or
+        below the end are exactly the range's rows, in token order. Left to
+        tell: whether two of them share a token (a batch: None). ``token -
+        seq`` the same for every row proves one row per token (tickline's
+        writes without batches); else more rows than tokens is a batch, and
+        otherwise (holes from rows deleted by hand) neighbours are compared.
+        """
+        order = OrderedStream(conn, schema)
+        first = order.first_after(after)
+        if first is None or first[1] > upto:
+            return b"", after, 0
+        seq, token, _ = first
+        # From the first row's token (past a gap, if any), about limit tokens.
+        end = min(upto, max(after, token - 1) + max(limit, 1))
+        last = order.last_upto(end)
+        assert last is not None  # the first row's token is at or below end
+        last_seq, last_token = last[0], last[1]
+        table = schema.table
+        params = {"prefix": prefix, "first": seq, "last": last_seq, "offset": token - seq}
+        data, count, off_layout = conn.execute(
+            f"SELECT {lines}, count(*), total(token - seq <> :offset) FROM {table} WHERE seq >= :first AND seq <= :last",
+            params,
+        ).fetchone()
+        if off_layout:
+            if count > last_token - token + 1:
+                return None  # rows sharing a token: batch lines, built by the caller
+            (shared,) = conn.execute(
+                "SELECT count(*) FROM (SELECT token, lag(token) OVER (ORDER BY seq) AS previous "
+                f"FROM {table} WHERE seq >= ? AND seq <= ?) WHERE token = previous",
+                (seq, last_seq),
+            ).fetchone()
+            if shared:
+                return None
+        return data, last_token, count
 
     @staticmethod
     def _read_seq_range(
@@ -410,15 +532,31 @@ class SqliteStreamStore:
     def _read_range(self, schema: StreamSchema, columns: str, after: int, upto: int, limit: int) -> list[Any]:
         first = f"SELECT {columns} FROM {schema.table} WHERE token > ? AND token <= ? ORDER BY token, seq LIMIT ?"
         rest = f"SELECT {columns} FROM {schema.table} WHERE token = ? AND seq > ? ORDER BY seq"
+        # An ordered stream (storage.sqlite_order): the rows are a rowid range.
+        by_seq = f"SELECT {columns} FROM {schema.table} WHERE seq >= ? AND seq <= ? ORDER BY seq LIMIT ?"
+        rest_by_seq = f"SELECT {columns} FROM {schema.table} WHERE seq > ? AND seq <= ? ORDER BY seq"
 
-        def run(conn: sqlite3.Connection) -> list[Any]:
+        def run(conn: sqlite3.Connection, ordered: bool) -> list[Any]:
+            if ordered:
+                order = OrderedStream(conn, schema)
+                start, end = order.first_after(after), order.last_upto(upto)
+                if start is None or end is None or start[0] > end[0]:
+                    return []
+                rows = conn.execute(by_seq, (start[0], end[0], limit)).fetchall()
+                if len(rows) == limit and rows:
+                    seq, token = rows[-1][0], rows[-1][1]
+                    token_end = order.last_upto(token)
+                    assert token_end is not None
+                    rows.extend(conn.execute(rest_by_seq, (seq, token_end[0])).fetchall())
+                return rows
             rows = conn.execute(first, (after, upto, limit)).fetchall()
             if len(rows) == limit and rows:
                 last = rows[-1]
                 rows.extend(conn.execute(rest, (last[1], last[0])).fetchall())
             return rows
 
-        return self.database.read(run)
+        result: list[Any] = self._order.read(self.database, schema, run)
+        return result
 
 
 class SqliteWriteTransaction:

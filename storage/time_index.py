@@ -62,6 +62,8 @@ class TimedStore(Protocol):
 
     def safe_positions(self, expire_writers: bool = True) -> dict[str, int]: ...
 
+    def last_ts_upto(self, stream: str, token: int) -> int | None: ...
+
 
 @attr.s(slots=True, frozen=True, auto_attribs=True)
 class TokenAt:
@@ -135,36 +137,40 @@ def pg_search_sql(table: str) -> str:
 
 
 def first_token_at(store: TimedStore, stream: str, since_ts: int) -> TokenAt:
-    """The first token of ``stream`` whose row has ``ts >= since_ts`` (see the module doc)."""
-    schema = store.schema(stream)
-    p = store.database.placeholder
-    table = schema.table
+    """The first token of ``stream`` whose row has ``ts >= since_ts`` (see the module doc), through its indexes."""
+    table = store.schema(stream).table
+    db = store.database
+    result: TokenAt = db.read(lambda cur: search_by_ts(cur, table, db.dialect, db.placeholder, since_ts))
+    return result
+
+
+def search_by_ts(cur: Any, table: str, dialect: str, p: str, since_ts: int) -> TokenAt:
+    """:func:`first_token_at` in the caller's transaction (``cur``: a cursor or SQLite connection).
+
+    On SQLite for a stream whose rows are marked out of order, read through
+    its ``ts`` and ``token`` indexes (``storage.sqlite_order``).
+    """
     before = f"SELECT token, ts FROM {table} WHERE token < {p} ORDER BY token DESC LIMIT 1"
-    if store.database.dialect == "postgresql":
-        params: Any
+    params: Any
+    if dialect == "postgresql":
         by_ts, params = pg_search_sql(table), {"t": since_ts}
     else:
         by_ts, params = f"SELECT token, ts FROM {table} WHERE ts >= {p} ORDER BY ts LIMIT 1", (since_ts,)
-
-    def run(cur: Any) -> TokenAt:
-        found = cur.execute(by_ts, params).fetchone()
-        if found is None:
-            return TokenAt(None, None, 1)
-        token, ts = int(found[0]), int(found[1])
-        queries = 1
-        # Check the boundary in the token index: the row just before must be
-        # older. If ts were not increasing in token (rows written by hand),
-        # walk back a row at a time, a bounded number of steps.
-        for _ in range(64):
-            previous = cur.execute(before, (token,)).fetchone()
-            queries += 1
-            if previous is None or int(previous[1]) < since_ts:
-                break
-            token, ts = int(previous[0]), int(previous[1])
-        return TokenAt(token, ts, queries)
-
-    result: TokenAt = store.database.read(run)
-    return result
+    found = cur.execute(by_ts, params).fetchone()
+    if found is None:
+        return TokenAt(None, None, 1)
+    token, ts = int(found[0]), int(found[1])
+    queries = 1
+    # Check the boundary in the token index: the row just before must be
+    # older. If ts were not increasing in token (rows written by hand),
+    # walk back a row at a time, a bounded number of steps.
+    for _ in range(64):
+        previous = cur.execute(before, (token,)).fetchone()
+        queries += 1
+        if previous is None or int(previous[1]) < since_ts:
+            break
+        token, ts = int(previous[0]), int(previous[1])
+    return TokenAt(token, ts, queries)
 
 
 def oracle_time(store: TimedStore) -> int:
@@ -214,12 +220,19 @@ def streams_with_live_writers(store: TimedStore) -> set[str] | None:
     return {row[0] for row in rows}
 
 
+def last_ts_upto_sql(table: str, p: str) -> str:
+    """The timestamp of the last row with a token at or below the parameter, through the token index."""
+    return f"SELECT ts FROM {table} WHERE token <= {p} ORDER BY token DESC LIMIT 1"
+
+
 def last_ts_upto(store: TimedStore, stream: str, token: int) -> int | None:
-    """The timestamp of the last row with a token at or below ``token`` (None: no such row)."""
-    p = store.database.placeholder
+    """The timestamp of the last row with a token at or below ``token`` (None: no such row), through the token index.
+
+    SQLite's store has its own (``SqliteStreamStore.last_ts_upto``: a
+    binary search over the rowid); :func:`safe_point` asks the store.
+    """
     table = store.schema(stream).table
-    sql = f"SELECT ts FROM {table} WHERE token <= {p} ORDER BY token DESC LIMIT 1"
-    found = store.database.query(sql, (token,))
+    found = store.database.query(last_ts_upto_sql(table, store.database.placeholder), (token,))
     return int(found[0][0]) if found else None
 
 
@@ -275,7 +288,7 @@ def safe_point(
     heads = allocated_heads(store, sorted(positions))
     times: dict[str, int] = {}
     for stream, position in positions.items():
-        last = last_ts_upto(store, stream, position)
+        last = store.last_ts_upto(stream, position)
         free = heads.get(stream, 0) <= position or (live is not None and stream not in live)
         found = stream_safe_time(t, free, last)
         if found is not None:

@@ -118,7 +118,9 @@ def test_the_watch_checkpoints_through_sqlite_and_the_wal_starts_over(tmp_path: 
     watch = SqliteChangeWatch(path)
     try:
         store.register_stream(EVENTS)
-        rows = [[f"$e{i}", "!room", "m.type", None, None] for i in range(300)]
+        # Enough single-row commits for more than SQLite's 1000 frames (each writes the table's
+        # pages and the heads' and the oracle's; stream tables have no index: storage.sqlite_order).
+        rows = [[f"$e{i}", "!room", "m.type", None, None] for i in range(400)]
         for row in rows:
             store.append("events", [row], "w")
         size = os.path.getsize(path + "-wal")
@@ -128,7 +130,7 @@ def test_the_watch_checkpoints_through_sqlite_and_the_wal_starts_over(tmp_path: 
         for row in rows:
             store.append("events", [row], "w")
         assert os.path.getsize(path + "-wal") == size
-        assert [r[1] for r in store.read_rows("events", 0, 1000, 1000)] == list(range(1, 601))
+        assert [r[1] for r in store.read_rows("events", 0, 1000, 1000)] == list(range(1, 801))
     finally:
         store.close()
         watch.close()

@@ -1,5 +1,6 @@
-"""SQLite's ``read_lines_json`` scans a token range as a rowid (``seq``) range where it can prove it is
-the same rows in the same order, and reads through the token index wherever it cannot."""
+"""SQLite's ``read_lines_json`` scans a token range as a rowid (``seq``) range: for a stream in rowid
+order, found by binary search (``storage.sqlite_order``); for a stream marked out of order, where it can
+prove it is the same rows in the same order, and through the token index wherever it cannot."""
 
 from __future__ import annotations
 
@@ -33,13 +34,22 @@ def _expected(store: SqliteStreamStore, after: int, upto: int, with_ts: bool) ->
     return encode_rows("ev", store.read_rows("ev", after, upto, 10**6), row_encoder(SCHEMA), with_ts)[0]
 
 
+def _marked(store: SqliteStreamStore) -> bool:
+    return bool(store.database.query("SELECT 1 FROM tickline_unordered WHERE stream = 'ev'"))
+
+
 class Paths:
-    """Counts which way ``read_lines_json`` read (seq range, or the token index)."""
+    """Counts which way ``read_lines_json`` read (an ordered stream's rowid range; a marked one's seq range, or its token index)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.seq = self.seq_used = self.token = 0
+        self.seq = self.seq_used = self.token = self.ordered = 0
         seq_range = SqliteStreamStore._read_seq_range
         token_range = SqliteStreamStore._read_token_range
+        ordered_range = SqliteStreamStore._read_ordered_lines
+
+        def ordered(*args, **kwargs):
+            self.ordered += 1
+            return ordered_range(*args, **kwargs)
 
         def by_seq(*args, **kwargs):
             self.seq += 1
@@ -53,6 +63,7 @@ class Paths:
 
         monkeypatch.setattr(SqliteStreamStore, "_read_seq_range", staticmethod(by_seq))
         monkeypatch.setattr(SqliteStreamStore, "_read_token_range", staticmethod(by_token))
+        monkeypatch.setattr(SqliteStreamStore, "_read_ordered_lines", staticmethod(ordered))
 
 
 @pytest.mark.parametrize("with_ts", [False, True])
@@ -73,10 +84,10 @@ def test_rows_written_by_tickline_are_read_as_a_seq_range(tmp_path, monkeypatch,
     ):
         got = store.read_lines_json("ev", after, upto, limit, PREFIX, with_ts)
         assert got == (_expected(store, after, last, with_ts), last, count)
-    assert paths.seq_used == paths.seq == 4 and paths.token == 0
-    # The batch in range: read through the token index, which says so.
+    assert paths.ordered == 4 and paths.seq == paths.token == 0 and not _marked(store)
+    # The batch in range: more rows than tokens, which says so.
     assert store.read_lines_json("ev", 2, 6, 100, PREFIX, with_ts) is None
-    assert paths.seq_used == 4 and paths.token == 1
+    assert paths.ordered == 5 and paths.seq == paths.token == 0
 
 
 def test_rows_deleted_by_hand_are_a_seq_range_with_holes(tmp_path, monkeypatch) -> None:
@@ -86,7 +97,8 @@ def test_rows_deleted_by_hand_are_a_seq_range_with_holes(tmp_path, monkeypatch) 
     paths = Paths(monkeypatch)
     assert store.read_lines_json("ev", 0, 10, 100, PREFIX, False) == (_expected(store, 0, 10, False), 9, 6)
     assert store.read_lines_json("ev", 3, 10, 3, PREFIX, False) == (_expected(store, 3, 8, False), 8, 3)
-    assert paths.seq_used == paths.seq == 2 and paths.token == 0
+    # Deleting keeps the order: still one rowid range, found by binary search.
+    assert paths.ordered == 2 and paths.seq == paths.token == 0 and not _marked(store)
 
 
 def test_a_row_inserted_by_hand_out_of_seq_order_is_read_in_token_order(tmp_path, monkeypatch) -> None:
@@ -96,6 +108,7 @@ def test_a_row_inserted_by_hand_out_of_seq_order_is_read_in_token_order(tmp_path
     store.database.write(lambda conn: conn.execute("DELETE FROM stream_ev WHERE token = 1"))
     # Token 4 moved by hand to seq 1 (before tokens 2 and 3).
     store.database.write(lambda conn: conn.execute("UPDATE stream_ev SET seq = 1 WHERE token = 4"))
+    assert _marked(store)  # read through the indexes, as before storage.sqlite_order
     paths = Paths(monkeypatch)
     for after in (0, 1, 2):
         got = store.read_lines_json("ev", after, 6, 100, PREFIX, False)
@@ -110,6 +123,7 @@ def test_tokens_swapped_by_hand_are_read_in_token_order(tmp_path, monkeypatch) -
     store = _store(tmp_path)
     store.append("ev", _rows(0, 6), "w1")
     store.database.write(lambda conn: conn.execute("UPDATE stream_ev SET token = 7 - token WHERE token IN (3, 4)"))
+    assert _marked(store)  # read through the indexes, as before storage.sqlite_order
     paths = Paths(monkeypatch)
     got = store.read_lines_json("ev", 0, 6, 100, PREFIX, False)
     assert got == (_expected(store, 0, 6, False), 6, 6)
@@ -128,6 +142,7 @@ def test_a_row_outside_the_seq_range_with_a_token_in_range_is_not_lost(tmp_path,
             "SELECT 100, 3, instance_name, ts, name, n, row_json FROM stream_ev WHERE token = 2"
         )
     )
+    assert _marked(store)  # read through the indexes, as before storage.sqlite_order
     paths = Paths(monkeypatch)
     got = store.read_lines_json("ev", 0, 6, 100, PREFIX, False)
     assert got == (_expected(store, 0, 6, False), 6, 6)
@@ -178,5 +193,5 @@ def test_a_gap_beside_a_batch_of_as_many_rows_is_still_a_batch(tmp_path, monkeyp
     store.database.write(lambda conn: conn.execute("DELETE FROM stream_ev WHERE token = 2"))
     paths = Paths(monkeypatch)
     assert store.read_lines_json("ev", 0, 3, 100, PREFIX, False) is None
-    assert paths.seq_used == 0 and paths.token == 1
+    assert paths.ordered == 1 and paths.seq == paths.token == 0 and not _marked(store)
     assert store.read_lines_json("ev", 0, 2, 100, PREFIX, False) == (_expected(store, 0, 1, False), 1, 1)
