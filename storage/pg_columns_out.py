@@ -1,0 +1,182 @@
+"""``RDATA`` lines built in the master from the raw columns PostgreSQL sends by ``COPY``.
+
+``storage.pg_lines`` has the server build every line (JSON escaping,
+``array_to_json``, concatenations): about 2 µs of the backend's CPU per row,
+which bounded the master's reads on PostgreSQL. Here the server sends each
+row's columns as they are stored, in ``COPY``'s text format, from a
+session's temporary function of the same kind (planned once, the same ``batch``
+join, the same plan settings), and the master turns a whole ``COPY`` buffer
+into lines with a few ``bytes.replace`` calls, no Python object per row or
+value.
+
+Each output row is ``<instance> <token or batch>\\x01<TAB><v1><TAB>...<vn>\\n``:
+the head (``\\x01`` ends it, a byte no value may hold in this path), then
+per column the stored text of a text column, or for any other type its JSON
+text (the same SQL as the server-built lines: ``pg_lines.value_json_sql``)
+between two ``\\x02`` bytes, and ``ts`` likewise. In ``COPY``'s text format
+a NULL is ``\\N``, a backslash ``\\\\``, and a tab, newline, carriage return,
+backspace, form feed and vertical tab are written as backslash escapes;
+every other byte is sent as stored. So a buffer whose only backslashes are
+those of ``\\N``, without ``"``, and without control bytes besides the tab
+and newline of the format and the markers (counted: one ``\\x01`` per row,
+two ``\\x02`` per marked value), holds text values whose JSON is the value
+between quotes: ``<TAB>`` becomes ``","``, the head's end `` ["``, a line's
+end ``"]``, a quoted ``\\N`` ``null``, and the quotes around a marked value
+go with its markers. Non-ASCII text is sent as UTF-8 and kept so in JSON by
+both encoders; ``DEL`` (0x7f) is not escaped by either.
+
+A buffer with anything else (a quote, a backslash, a control character in a
+value: rare in practice) is read again by the server-built path
+(``pg_lines.read_lines``), whose bytes these are by construction (the
+property tests compare both on arbitrary rows). A stream with a ``json``
+column (whose text holds quotes) or no columns always takes that path.
+A line longer than ``max_line_bytes`` gives None, as there.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from storage import pg_lines
+from storage.pg_lines import PLAN_SETTINGS, last_token_sql, lines_select_sql, value_json_sql
+from storage.schema import StreamSchema
+
+HEAD_END = b"\x01"
+# Control bytes: a value holding one needs JSON's escape (CSV sends it raw). The newline ends rows.
+_CONTROLS = bytes(range(0, 10)) + bytes(range(11, 32))
+
+# Per connection: (table, with_ts) -> the name of its temporary columns function.
+_FUNCTIONS: weakref.WeakKeyDictionary[Any, dict[tuple[str, bool], str]] = weakref.WeakKeyDictionary()
+
+
+def handles(schema: StreamSchema) -> bool:
+    """Whether this path can build the stream's lines (else ``pg_lines`` builds them in the server)."""
+    return bool(schema.columns) and all(c.type != "json" for c in schema.columns)
+
+
+def _value_sql(column: str, kind: str) -> str:
+    """A non-text value's JSON text, NULL for NULL (``COPY`` writes ``null``)."""
+    if kind == "bigint":
+        return column
+    if kind == "boolean":
+        return f"CASE WHEN {column} THEN 'true' WHEN NOT {column} THEN 'false' END"
+    return f"CASE WHEN {column} IS NOT NULL THEN {value_json_sql(column, kind)} END"
+
+
+def columns_sql(schema: StreamSchema, with_ts: bool) -> dict[str, str]:
+    """Output name -> SQL expression of one row's output columns: the head, then the values."""
+    out = {
+        "o_head": "$4 || t.instance_name || ' ' || CASE WHEN t.seq < b.last_seq THEN 'batch' "
+        "ELSE t.token::text END || E'\\x01'"
+    }
+    for i, c in enumerate(schema.columns, 1):
+        column = f"t.{c.name}"
+        out[f"o_{i}"] = column if c.type == "text" else _value_sql(column, c.type)
+    if with_ts:
+        out["o_ts"] = "t.ts"
+    return out
+
+
+def copy_options(schema: StreamSchema) -> str:
+    """``COPY``'s options: CSV, every text value quoted, ``"`` and ``\\`` escaped by a backslash, NULL as ``null``."""
+    quoted = ", ".join(f"o_{i}" for i, c in enumerate(schema.columns, 1) if c.type == "text")
+    force = f", FORCE_QUOTE ({quoted})" if quoted else ""
+    return f"(FORMAT csv, DELIMITER ',', QUOTE '\"', ESCAPE '\\', NULL 'null'{force})"
+
+
+def columns_function_sql(function: str, schema: StreamSchema, with_ts: bool) -> str:
+    """``CREATE FUNCTION pg_temp.<function>(after, upto, max_rows, prefix) RETURNS TABLE (...)``.
+
+    The rows with ``after < token <= last`` (``last`` as in
+    ``pg_lines.lines_function_sql``) in ``(token, seq)`` order, each as the
+    columns of :func:`columns_sql`.
+    """
+    columns = columns_sql(schema, with_ts)
+    select = lines_select_sql(schema, columns, "$1", "last_token")
+    kinds = {"o_ts": "bigint"} | {f"o_{i}": "bigint" for i, c in enumerate(schema.columns, 1) if c.type == "bigint"}
+    returns = ", ".join(f"{name} {kinds.get(name, 'text')}" for name in columns)
+    listed = ", ".join(f"l.{name}" for name in columns)
+    return (
+        f"CREATE FUNCTION pg_temp.{function}(bigint, bigint, integer, text) RETURNS TABLE ({returns}) "
+        f"LANGUAGE plpgsql STABLE {PLAN_SETTINGS} AS $fn$\n#variable_conflict use_variable\n"
+        "DECLARE\n    last_token bigint;\nBEGIN\n"
+        f"    {last_token_sql(schema.table, '$1', '$2', '$3')} INTO last_token;\n"
+        f"    RETURN QUERY SELECT {listed} FROM ({select}) AS l ORDER BY l.token, l.seq;\n"
+        "END\n$fn$"
+    )
+
+
+def _function(cursor: Any, schema: StreamSchema, with_ts: bool) -> str:
+    """The name of this connection's columns function for the stream and variant, created on first use."""
+    conn = cursor.connection
+    known = _FUNCTIONS.get(conn)
+    if known is None:
+        known = _FUNCTIONS[conn] = {}
+    key = (schema.table, with_ts)
+    name = known.get(key)
+    if name is None:
+        name = f"tickline_columns_{len(known) + 1}"
+        cursor.execute(columns_function_sql(name, schema, with_ts))
+        known[key] = name
+    return name
+
+
+def lines_from_columns(data: bytes, rows: int) -> bytes | None:
+    """The ``RDATA`` lines of ``rows`` ``COPY`` rows of :func:`columns_sql`; None if they need more escaping."""
+    if data.count(b"\n") != rows or len(data) - len(data.translate(None, _CONTROLS)) != rows:
+        return None  # a control byte in a value (CSV sends it raw)
+    lines = data.replace(b"\x01,", b" [")
+    if HEAD_END in lines:
+        return None  # a head CSV quoted (an instance name with a comma or a quote)
+    return lines.replace(b"\n", b"]\n")
+
+
+def longest_within(data: bytes, limit: int) -> bool:
+    """Whether every line of ``data`` (newline-terminated) is at most ``limit`` bytes before its newline.
+
+    Jumps to the last newline within ``limit + 1`` bytes of each line's start: one search per
+    ``limit`` bytes or so, not one per line.
+    """
+    end, start = len(data), 0
+    while end - start > limit + 1:
+        newline = data.rfind(b"\n", start, start + limit + 1)
+        if newline < 0:
+            return False
+        start = newline + 1
+    return True
+
+
+class _Chunks(list[bytes]):
+    """A file for ``copy_expert``: keeps what each call gives (a row) without copying; joined once."""
+
+    write = list.append
+
+
+def read_lines(
+    cursor: Any,
+    schema: StreamSchema,
+    after: int,
+    upto: int,
+    limit: int,
+    prefix: str,
+    with_ts: bool,
+    max_line_bytes: int | None,
+) -> tuple[bytes, int, int] | None:
+    """``pg_lines.read_lines``'s answer, its lines built here from the columns when they allow it."""
+    if not handles(schema):
+        return pg_lines.read_lines(cursor, schema, after, upto, limit, prefix, with_ts, max_line_bytes)
+    function = _function(cursor, schema, with_ts)
+    query = cursor.mogrify(f"SELECT * FROM pg_temp.{function}(%s, %s, %s, %s)", (after, upto, limit, prefix))
+    chunks = _Chunks()
+    cursor.copy_expert(f"COPY ({query.decode()}) TO STDOUT WITH {copy_options(schema)}", chunks)
+    if not chunks:
+        return b"", after, 0
+    rows = len(chunks)
+    lines = lines_from_columns(b"".join(chunks), rows)
+    if lines is None:
+        return pg_lines.read_lines(cursor, schema, after, upto, limit, prefix, with_ts, max_line_bytes)
+    if max_line_bytes is not None and not longest_within(lines, max_line_bytes):
+        return None
+    start = lines.rfind(b"\n", 0, len(lines) - 1) + 1 + len(prefix.encode())
+    return lines, int(lines[start:].split(b" ", 2)[1]), rows
