@@ -40,9 +40,9 @@ import psycopg2.extensions
 from storage import time_index
 from storage.contracts import CommittedRows, JsonRow, Row, StoredRow
 from storage.limits import DEFAULT_MAX_LINE_BYTES, check_batch_rows, check_rows, max_row_json_bytes
+from storage.pg_columns_out import read_lines
 from storage.pg_copy import _COPY_FORMATS, NULL_COPY, _copy_text, chunk_formatter, formatter, lines_need_escapes
 from storage.pg_db import Cursor, PgDatabase, execute_literals, prepared, rollback_explicit
-from storage.pg_columns_out import read_lines
 from storage.pg_lines import value_json_sql
 from storage.schema import COLUMN_TYPES, INT64_MAX, RowError, StreamSchema, check_instance_name
 from storage.store import FIRST_VALUE, DatabaseUnavailable, StreamCatalog
