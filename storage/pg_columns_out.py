@@ -153,6 +153,34 @@ class _Chunks(list[bytes]):
     write = list.append
 
 
+def read_columns(
+    cursor: Any,
+    schema: StreamSchema,
+    after: int,
+    upto: int,
+    limit: int,
+    prefix: str,
+    with_ts: bool,
+) -> tuple[bytes, int, int] | None:
+    """``(lines, last token, rows)`` built here from the columns, or None if they need the server's escaping.
+
+    No check of ``max_line_bytes``: :func:`read_lines` makes it.
+    """
+    function = _function(cursor, schema, with_ts)
+    query = cursor.mogrify(f"SELECT * FROM pg_temp.{function}(%s, %s, %s, %s)", (after, upto, limit, prefix))
+    chunks = _Chunks()
+    cursor.copy_expert(f"COPY ({query.decode()}) TO STDOUT WITH {copy_options(schema)}", chunks)
+    if not chunks:
+        return b"", after, 0
+    rows = len(chunks)
+    lines = lines_from_columns(b"".join(chunks), rows)
+    if lines is None:
+        return None
+    # The last row is its token's last: its line names the token.
+    start = lines.rfind(b"\n", 0, len(lines) - 1) + 1 + len(prefix.encode())
+    return lines, int(lines[start:].split(b" ", 2)[1]), rows
+
+
 def read_lines(
     cursor: Any,
     schema: StreamSchema,
@@ -163,20 +191,13 @@ def read_lines(
     with_ts: bool,
     max_line_bytes: int | None,
 ) -> tuple[bytes, int, int] | None:
-    """``pg_lines.read_lines``'s answer, its lines built here from the columns when they allow it."""
-    if not handles(schema):
+    """``pg_lines.read_lines``'s answer, byte for byte: built here from the columns when they allow it.
+
+    Otherwise (see the module doc) the server builds them (``pg_lines``).
+    """
+    got = read_columns(cursor, schema, after, upto, limit, prefix, with_ts) if handles(schema) else None
+    if got is None:
         return pg_lines.read_lines(cursor, schema, after, upto, limit, prefix, with_ts, max_line_bytes)
-    function = _function(cursor, schema, with_ts)
-    query = cursor.mogrify(f"SELECT * FROM pg_temp.{function}(%s, %s, %s, %s)", (after, upto, limit, prefix))
-    chunks = _Chunks()
-    cursor.copy_expert(f"COPY ({query.decode()}) TO STDOUT WITH {copy_options(schema)}", chunks)
-    if not chunks:
-        return b"", after, 0
-    rows = len(chunks)
-    lines = lines_from_columns(b"".join(chunks), rows)
-    if lines is None:
-        return pg_lines.read_lines(cursor, schema, after, upto, limit, prefix, with_ts, max_line_bytes)
-    if max_line_bytes is not None and not longest_within(lines, max_line_bytes):
+    if max_line_bytes is not None and not longest_within(got[0], max_line_bytes):
         return None
-    start = lines.rfind(b"\n", 0, len(lines) - 1) + 1 + len(prefix.encode())
-    return lines, int(lines[start:].split(b" ", 2)[1]), rows
+    return got
