@@ -28,8 +28,8 @@ MIXED = (
 LAST_INT = (Column("t", "text", True), Column("n", "bigint", True))
 
 # Text without NUL or lone surrogates (refused by the writer), weighted towards what CSV and JSON escape.
-AWKWARD = st.sampled_from(list('"\\,\n\r\t\x01\x0b\x1f\x7f []null') + ["é", "☃", "🎉", "\u2028", "\\N", "\\v"])
-TEXT = st.lists(st.one_of(AWKWARD, st.characters(exclude_categories=("Cs",), exclude_characters="\x00")), max_size=12)
+AWKWARD = st.sampled_from([*list('"\\,\n\r\t\x01\x0b\x1f\x7f []null'), "é", "☃", "🎉", "\u2028", "\\N", "\\v"])
+TEXT = st.lists(st.one_of(AWKWARD, st.characters(exclude_categories=["Cs"], exclude_characters="\x00")), max_size=12)
 TEXT_VALUE = st.one_of(st.none(), TEXT.map("".join))
 # Printable ASCII, one word: with the CSV delimiter, quote and escape.
 INSTANCE = st.text(st.sampled_from([*'w1,"\\x[]', "a"]), min_size=1, max_size=5)
@@ -102,7 +102,7 @@ def test_values_that_json_escapes_as_csv_does_take_the_fast_path(store: PgStream
     """Quotes, backslashes, commas, unicode, empty strings, NULLs and every type but json: no fallback."""
     schema = StreamSchema("fast", (*MIXED, Column("u", "text", True)))
     store.register_stream(schema)
-    rows = [
+    rows: list[list[Any]] = [
         [1, 'q " b \\ / , ]', True, 0.5, "é ☃ 🎉 \u2028 \x7f"],
         [None, None, None, None, None],
         [-(2**63), "", False, -0.0, "null"],
@@ -140,6 +140,6 @@ def test_longest_within_finds_a_long_line_anywhere() -> None:
     lines = [b"x" * n + b"\n" for n in (3, 10, 0, 7, 10)]
     assert longest_within(b"".join(lines), 10)
     for i in range(len(lines)):
-        longer = lines[:i] + [b"y" * 11 + b"\n"] + lines[i:]
+        longer = [*lines[:i], b"y" * 11 + b"\n", *lines[i:]]
         assert not longest_within(b"".join(longer), 10)
     assert longest_within(b"", 0) and not longest_within(b"a\n", 0)
