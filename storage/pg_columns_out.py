@@ -1,36 +1,35 @@
-"""``RDATA`` lines built in the master from the raw columns PostgreSQL sends by ``COPY``.
+"""``RDATA`` lines built in the master from the columns PostgreSQL sends by ``COPY``.
 
-``storage.pg_lines`` has the server build every line (JSON escaping,
-``array_to_json``, concatenations): about 2 µs of the backend's CPU per row,
+``storage.pg_lines`` has the server build every line (JSON escaping by
+``array_to_json``, concatenations): 1.5-1.8 µs of the backend's CPU per row,
 which bounded the master's reads on PostgreSQL. Here the server sends each
-row's columns as they are stored, in ``COPY``'s text format, from a
-session's temporary function of the same kind (planned once, the same ``batch``
-join, the same plan settings), and the master turns a whole ``COPY`` buffer
-into lines with a few ``bytes.replace`` calls, no Python object per row or
-value.
+row's columns, from a session's temporary function of the same kind (planned
+once, the same ``batch`` join and plan settings), and the master turns a whole
+``COPY`` buffer into lines with a handful of bytes operations, no Python
+object per row or value.
 
-Each output row is ``<instance> <token or batch>\\x01<TAB><v1><TAB>...<vn>\\n``:
-the head (``\\x01`` ends it, a byte no value may hold in this path), then
-per column the stored text of a text column, or for any other type its JSON
-text (the same SQL as the server-built lines: ``pg_lines.value_json_sql``)
-between two ``\\x02`` bytes, and ``ts`` likewise. In ``COPY``'s text format
-a NULL is ``\\N``, a backslash ``\\\\``, and a tab, newline, carriage return,
-backspace, form feed and vertical tab are written as backslash escapes;
-every other byte is sent as stored. So a buffer whose only backslashes are
-those of ``\\N``, without ``"``, and without control bytes besides the tab
-and newline of the format and the markers (counted: one ``\\x01`` per row,
-two ``\\x02`` per marked value), holds text values whose JSON is the value
-between quotes: ``<TAB>`` becomes ``","``, the head's end `` ["``, a line's
-end ``"]``, a quoted ``\\N`` ``null``, and the quotes around a marked value
-go with its markers. Non-ASCII text is sent as UTF-8 and kept so in JSON by
-both encoders; ``DEL`` (0x7f) is not escaped by either.
+**The format does the JSON.** ``COPY ... (FORMAT csv, DELIMITER ',', QUOTE
+'"', ESCAPE '\\', NULL 'null', FORCE_QUOTE (<text columns>))`` writes a
+text value as ``"..."`` with ``"`` and ``\\`` escaped by a backslash (JSON's
+escapes for them), a NULL as ``null`` unquoted, and an unquoted column (a
+bigint, ``ts``, a boolean or double given as its JSON text by SQL, NULL for
+NULL) as its text, unless it holds the delimiter, the quote or a line break.
+Only control characters differ: CSV sends them raw, JSON escapes them. So
+each output row is ``<prefix><instance> <token or batch>\x01,<v1>,...,<vn>\n``
+with the values already JSON, and the lines are that with ``\x01,`` made
+`` [`` and each newline ``]\n``, when the buffer holds no control byte but
+one ``\x01`` per row and one newline per row (``copy_expert`` gives one
+call per row: the count). Non-ASCII text is UTF-8 in both; ``DEL`` is not
+escaped by either. A head that CSV quoted (an instance name with a comma or
+a quote) leaves its ``\x01`` in place, which one byte search finds.
 
-A buffer with anything else (a quote, a backslash, a control character in a
-value: rare in practice) is read again by the server-built path
-(``pg_lines.read_lines``), whose bytes these are by construction (the
-property tests compare both on arbitrary rows). A stream with a ``json``
-column (whose text holds quotes) or no columns always takes that path.
-A line longer than ``max_line_bytes`` gives None, as there.
+A buffer with a control character in a value, or a quoted head (rare), is
+read again by the server-built path (``pg_lines.read_lines``), whose bytes
+these are (tests/unit/test_pg_columns_out.py compares both on arbitrary
+rows). A stream with a ``json`` column (its text holds quotes, which
+``pg_lines`` takes as they are) always takes that path. A line longer than
+``max_line_bytes`` gives None, as there (found without a look at each line:
+:func:`longest_within`).
 """
 
 from __future__ import annotations
