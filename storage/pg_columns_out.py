@@ -42,8 +42,9 @@ from storage.pg_lines import PLAN_SETTINGS, last_token_sql, lines_select_sql, va
 from storage.schema import StreamSchema
 
 HEAD_END = b"\x01"
-# Control bytes: a value holding one needs JSON's escape (CSV sends it raw). The newline ends rows.
-_CONTROLS = bytes(range(0, 10)) + bytes(range(11, 32))
+# Control bytes: a value holding one needs JSON's escape (CSV sends it raw). Each row has two: the
+# head's end and the newline that ends the row.
+_CONTROLS = bytes(range(32))
 
 # Per connection: (table, with_ts) -> the name of its temporary columns function.
 _FUNCTIONS: weakref.WeakKeyDictionary[Any, dict[tuple[str, bool], str]] = weakref.WeakKeyDictionary()
@@ -123,7 +124,7 @@ def _function(cursor: Any, schema: StreamSchema, with_ts: bool) -> str:
 
 def lines_from_columns(data: bytes, rows: int) -> bytes | None:
     """The ``RDATA`` lines of ``rows`` ``COPY`` rows of :func:`columns_sql`; None if they need more escaping."""
-    if data.count(b"\n") != rows or len(data) - len(data.translate(None, _CONTROLS)) != rows:
+    if len(data) - len(data.translate(None, _CONTROLS)) != 2 * rows:
         return None  # a control byte in a value (CSV sends it raw)
     lines = data.replace(b"\x01,", b" [")
     if HEAD_END in lines:
