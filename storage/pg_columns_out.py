@@ -82,7 +82,8 @@ def copy_options(schema: StreamSchema) -> str:
     """``COPY``'s options: CSV, every text value quoted, ``"`` and ``\\`` escaped by a backslash, NULL as ``null``."""
     quoted = ", ".join(f"o_{i}" for i, c in enumerate(schema.columns, 1) if c.type == "text")
     force = f", FORCE_QUOTE ({quoted})" if quoted else ""
-    return f"(FORMAT csv, DELIMITER ',', QUOTE '\"', ESCAPE '\\', NULL 'null'{force})"
+    # E'\\' is one backslash whatever the session's standard_conforming_strings.
+    return f"(FORMAT csv, DELIMITER ',', QUOTE '\"', ESCAPE E'\\\\', NULL 'null'{force})"
 
 
 def columns_function_sql(function: str, schema: StreamSchema, with_ts: bool) -> str:

@@ -116,6 +116,19 @@ def test_values_that_json_escapes_as_csv_does_take_the_fast_path(store: PgStream
         assert fast[0].count(b" batch ") == 1 and fast[1:] == (5, 6)
 
 
+def test_a_session_without_standard_conforming_strings_reads_the_same(store: PgStreamStore) -> None:
+    schema = StreamSchema("nonstd", TEXTS)
+    store.register_stream(schema)
+    store.append("nonstd", [['a \\ "b"', None, "c"]], "w")
+    with store._side_cursor() as cur:
+        cur.execute("SET standard_conforming_strings = off")
+        try:
+            fast = pg_columns_out.read_columns(cur, schema, 0, 1, 10, "RDATA nonstd ", False)
+        finally:
+            cur.execute("SET standard_conforming_strings = on")
+    assert fast == (b'RDATA nonstd w 1 ["a \\\\ \\"b\\"",null,"c"]\n', 1, 1)
+
+
 def test_control_characters_and_quoted_heads_fall_back_to_the_server(store: PgStreamStore) -> None:
     schema = StreamSchema("slow", TEXTS)
     store.register_stream(schema)
