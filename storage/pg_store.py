@@ -285,7 +285,7 @@ class PgStreamStore:
     """Implements :class:`storage.contracts.StreamStore`; holds its :class:`PgDatabase`."""
 
     max_line_bytes: int | None = DEFAULT_MAX_LINE_BYTES  # refuse rows whose RDATA line could be longer
-    # The server builds the lines (storage.pg_lines): two backends build two chunks at once.
+    # Two backends read two chunks at once (their columns, or lines the server builds: storage.pg_columns_out).
     parallel_reads = 2
 
     def __init__(
