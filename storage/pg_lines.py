@@ -1,5 +1,11 @@
 """Whole ``RDATA`` lines built by PostgreSQL: the master's storage read on PostgreSQL.
 
+Since the thirteenth session the master reads the columns instead and
+builds the lines itself (``storage.pg_columns_out``, cheaper in all); it
+comes here for chunks whose values need escapes that path does not make and
+for streams with a ``json`` column. The wake-up (``storage.pg_wake``) uses
+this module's SQL.
+
 ``PgStreamStore.read_lines_json`` asks the server for the lines of about
 ``limit`` rows after a token, never part of a token. Measured on a 200,000-row
 stream (5,000-row reads, docs/benchmarks.md), the server's time per row was

@@ -40,9 +40,10 @@ import psycopg2.extensions
 from storage import time_index
 from storage.contracts import CommittedRows, JsonRow, Row, StoredRow
 from storage.limits import DEFAULT_MAX_LINE_BYTES, check_batch_rows, check_rows, max_row_json_bytes
+from storage.pg_columns_out import read_lines
 from storage.pg_copy import _COPY_FORMATS, NULL_COPY, _copy_text, chunk_formatter, formatter, lines_need_escapes
 from storage.pg_db import Cursor, PgDatabase, execute_literals, prepared, rollback_explicit
-from storage.pg_lines import read_lines, value_json_sql
+from storage.pg_lines import value_json_sql
 from storage.schema import COLUMN_TYPES, INT64_MAX, RowError, StreamSchema, check_instance_name
 from storage.store import FIRST_VALUE, DatabaseUnavailable, StreamCatalog
 from storage.urls import redact_url
@@ -284,7 +285,7 @@ class PgStreamStore:
     """Implements :class:`storage.contracts.StreamStore`; holds its :class:`PgDatabase`."""
 
     max_line_bytes: int | None = DEFAULT_MAX_LINE_BYTES  # refuse rows whose RDATA line could be longer
-    # The server builds the lines (storage.pg_lines): two backends build two chunks at once.
+    # Two backends read two chunks at once (their columns, or lines the server builds: storage.pg_columns_out).
     parallel_reads = 2
 
     def __init__(
@@ -721,8 +722,9 @@ class PgStreamStore:
         line (JSON columns as stored, integral doubles with ``.0`` as the
         Python encoder writes them; other doubles may print their exponent
         differently, ``1e+300``, and read the same) and sends them by ``COPY``
-        (``storage.pg_lines``). None (the caller builds the lines) if a line
-        came out over ``max_line_bytes``.
+        (``storage.pg_lines``), or sends the columns and the lines are built
+        here from whole ``COPY`` buffers (``storage.pg_columns_out``). None
+        (the caller builds the lines) if a line came out over ``max_line_bytes``.
         """
         schema = self.schema(stream)
         with self._side_cursor() as cur:

@@ -1,0 +1,224 @@
+"""``RDATA`` lines built in the master from the columns PostgreSQL sends by ``COPY``.
+
+``storage.pg_lines`` has the server build every line (JSON escaping by
+``array_to_json``, concatenations): 1.5-1.8 µs of the backend's CPU per row,
+which bounded the master's reads on PostgreSQL. Here the server sends each
+row's columns, from a session's temporary function of the same kind (planned
+once, the same plan settings), and the master turns a whole ``COPY`` buffer
+into lines with a handful of bytes operations, no Python object per row or
+value. The function joins the rows to the range's multi-row tokens (the
+``batch`` marks, as ``pg_lines``) only when its first statement, which finds
+the range's last token, saw a token repeat or the last token has more than
+one row: usually none does, and the join (its ``GROUP BY``) cost about a
+quarter of the backend's time per row.
+
+**The format does the JSON.** ``COPY ... (FORMAT csv, DELIMITER ',', QUOTE
+'"', ESCAPE '\\', NULL 'null', FORCE_QUOTE (<text columns>))`` writes a
+text value as ``"..."`` with ``"`` and ``\\`` escaped by a backslash (JSON's
+escapes for them), a NULL as ``null`` unquoted, and an unquoted column (a
+bigint, ``ts``, a boolean or double given as its JSON text by SQL, NULL for
+NULL) as its text, unless it holds the delimiter, the quote or a line break.
+Only control characters differ: CSV sends them raw, JSON escapes them. So
+each output row is ``<prefix><instance> <token or batch>\x01,<v1>,...,<vn>\n``
+with the values already JSON, and the lines are that with ``\x01,`` made
+`` [`` and each newline ``]\n``, when the buffer holds no control byte but
+one ``\x01`` per row and one newline per row (``copy_expert`` gives one
+call per row: the count). Non-ASCII text is UTF-8 in both; ``DEL`` is not
+escaped by either. A head that CSV quoted (an instance name with a comma or
+a quote) leaves its ``\x01`` in place, which one byte search finds.
+
+A buffer with a control character in a value, or a quoted head (rare), is
+read again by the server-built path (``pg_lines.read_lines``), whose bytes
+these are (tests/unit/test_pg_columns_out.py compares both on arbitrary
+rows). A stream with a ``json`` column (its text holds quotes, which
+``pg_lines`` takes as they are) always takes that path. A line longer than
+``max_line_bytes`` gives None, as there (found without a look at each line:
+:func:`longest_within`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from storage import pg_lines
+from storage.pg_lines import PLAN_SETTINGS, lines_select_sql, value_json_sql
+from storage.schema import StreamSchema
+
+HEAD_END = b"\x01"
+# Control bytes: a value holding one needs JSON's escape (CSV sends it raw). Each row has two: the
+# head's end and the newline that ends the row.
+_CONTROLS = bytes(range(32))
+
+# Per connection: (table, with_ts) -> the name of its temporary columns function.
+_FUNCTIONS: weakref.WeakKeyDictionary[Any, dict[tuple[str, bool], str]] = weakref.WeakKeyDictionary()
+
+
+def handles(schema: StreamSchema) -> bool:
+    """Whether this path can build the stream's lines (else ``pg_lines`` builds them in the server)."""
+    return bool(schema.columns) and all(c.type != "json" for c in schema.columns)
+
+
+def _value_sql(column: str, kind: str) -> str:
+    """A non-text value's JSON text, NULL for NULL (``COPY`` writes ``null``)."""
+    if kind == "bigint":
+        return column
+    if kind == "boolean":
+        return f"CASE WHEN {column} THEN 'true' WHEN NOT {column} THEN 'false' END"
+    return f"CASE WHEN {column} IS NOT NULL THEN {value_json_sql(column, kind)} END"
+
+
+def columns_sql(schema: StreamSchema, with_ts: bool, batched: bool = True) -> dict[str, str]:
+    """Output name -> SQL expression of one row's output columns: the head, then the values.
+
+    ``batched``: the rows are joined to their multi-row tokens (``b``), whose rows below the last say ``batch``.
+    """
+    mark = "CASE WHEN t.seq < b.last_seq THEN 'batch' ELSE t.token::text END" if batched else "t.token::text"
+    out = {"o_head": f"$4 || t.instance_name || ' ' || {mark} || E'\\x01'"}
+    for i, c in enumerate(schema.columns, 1):
+        column = f"t.{c.name}"
+        out[f"o_{i}"] = column if c.type == "text" else _value_sql(column, c.type)
+    if with_ts:
+        out["o_ts"] = "t.ts"
+    return out
+
+
+def copy_options(schema: StreamSchema) -> str:
+    """``COPY``'s options: CSV, every text value quoted, ``"`` and ``\\`` escaped by a backslash, NULL as ``null``."""
+    quoted = ", ".join(f"o_{i}" for i, c in enumerate(schema.columns, 1) if c.type == "text")
+    force = f", FORCE_QUOTE ({quoted})" if quoted else ""
+    # E'\\' is one backslash whatever the session's standard_conforming_strings.
+    return f"(FORMAT csv, DELIMITER ',', QUOTE '\"', ESCAPE E'\\\\', NULL 'null'{force})"
+
+
+def columns_function_sql(function: str, schema: StreamSchema, with_ts: bool) -> str:
+    """``CREATE FUNCTION pg_temp.<function>(after, upto, max_rows, prefix) RETURNS TABLE (...)``.
+
+    The rows with ``after < token <= last`` (``last`` as in
+    ``pg_lines.lines_function_sql``) in ``(token, seq)`` order, each as the
+    columns of :func:`columns_sql`.
+    """
+    columns = columns_sql(schema, with_ts)
+    select = lines_select_sql(schema, columns, "$1", "last_token")
+    table = schema.table
+    single = ", ".join(f"{expression} AS {name}" for name, expression in columns_sql(schema, with_ts, False).items())
+    kinds = {"o_ts": "bigint"} | {f"o_{i}": "bigint" for i, c in enumerate(schema.columns, 1) if c.type == "bigint"}
+    returns = ", ".join(f"{name} {kinds.get(name, 'text')}" for name in columns)
+    listed = ", ".join(f"l.{name}" for name in columns)
+    return (
+        f"CREATE FUNCTION pg_temp.{function}(bigint, bigint, integer, text) RETURNS TABLE ({returns}) "
+        f"LANGUAGE plpgsql STABLE {PLAN_SETTINGS} AS $fn$\n#variable_conflict use_variable\n"
+        "DECLARE\n    last_token bigint;\n    batched boolean;\nBEGIN\n"
+        # The last token, and whether a token repeats among the first rows (the rows past the limit
+        # have tokens >= the last; the last's own rows are counted next): the join that marks a
+        # batch's rows costs about 0.25 us per row (its GROUP BY), counting distinct sorted tokens 0.1.
+        "    SELECT max(x.token), count(*) > count(DISTINCT x.token) INTO last_token, batched FROM ("
+        f"SELECT r.token FROM {table} r WHERE r.token > $1 AND r.token <= $2 ORDER BY r.token LIMIT $3) AS x;\n"
+        "    IF NOT batched THEN\n"
+        f"        SELECT count(*) > 1 INTO batched FROM (SELECT 1 FROM {table} r WHERE r.token = last_token LIMIT 2) AS x;\n"
+        "    END IF;\n"
+        "    IF batched THEN\n"
+        f"        RETURN QUERY SELECT {listed} FROM ({select}) AS l ORDER BY l.token, l.seq;\n"
+        "    ELSE\n"
+        f"        RETURN QUERY SELECT {listed} FROM (SELECT t.token, t.seq, {single} FROM {table} t "
+        "WHERE t.token > $1 AND t.token <= last_token ORDER BY t.token, t.seq OFFSET 0) AS l "
+        "ORDER BY l.token, l.seq;\n"
+        "    END IF;\n"
+        "END\n$fn$"
+    )
+
+
+def _function(cursor: Any, schema: StreamSchema, with_ts: bool) -> str:
+    """The name of this connection's columns function for the stream and variant, created on first use."""
+    conn = cursor.connection
+    known = _FUNCTIONS.get(conn)
+    if known is None:
+        known = _FUNCTIONS[conn] = {}
+    key = (schema.table, with_ts)
+    name = known.get(key)
+    if name is None:
+        name = f"tickline_columns_{len(known) + 1}"
+        cursor.execute(columns_function_sql(name, schema, with_ts))
+        known[key] = name
+    return name
+
+
+def lines_from_columns(data: bytes, rows: int) -> bytes | None:
+    """The ``RDATA`` lines of ``rows`` ``COPY`` rows of :func:`columns_sql`; None if they need more escaping."""
+    if len(data) - len(data.translate(None, _CONTROLS)) != 2 * rows:
+        return None  # a control byte in a value (CSV sends it raw)
+    lines = data.replace(b"\x01,", b" [")
+    if HEAD_END in lines:
+        return None  # a head CSV quoted (an instance name with a comma or a quote)
+    return lines.replace(b"\n", b"]\n")
+
+
+def longest_within(data: bytes, limit: int) -> bool:
+    """Whether every line of ``data`` (newline-terminated) is at most ``limit`` bytes before its newline.
+
+    Jumps to the last newline within ``limit + 1`` bytes of each line's start: one search per
+    ``limit`` bytes or so, not one per line.
+    """
+    end, start = len(data), 0
+    while end - start > limit + 1:
+        newline = data.rfind(b"\n", start, start + limit + 1)
+        if newline < 0:
+            return False
+        start = newline + 1
+    return True
+
+
+class _Chunks(list[bytes]):
+    """A file for ``copy_expert``: keeps what each call gives (a row) without copying; joined once."""
+
+    write = list.append
+
+
+def read_columns(
+    cursor: Any,
+    schema: StreamSchema,
+    after: int,
+    upto: int,
+    limit: int,
+    prefix: str,
+    with_ts: bool,
+) -> tuple[bytes, int, int] | None:
+    """``(lines, last token, rows)`` built here from the columns, or None if they need the server's escaping.
+
+    No check of ``max_line_bytes``: :func:`read_lines` makes it.
+    """
+    function = _function(cursor, schema, with_ts)
+    query = cursor.mogrify(f"SELECT * FROM pg_temp.{function}(%s, %s, %s, %s)", (after, upto, limit, prefix))
+    chunks = _Chunks()
+    cursor.copy_expert(f"COPY ({query.decode()}) TO STDOUT WITH {copy_options(schema)}", chunks)
+    if not chunks:
+        return b"", after, 0
+    rows = len(chunks)
+    lines = lines_from_columns(b"".join(chunks), rows)
+    if lines is None:
+        return None
+    # The last row is its token's last: its line names the token.
+    start = lines.rfind(b"\n", 0, len(lines) - 1) + 1 + len(prefix.encode())
+    return lines, int(lines[start:].split(b" ", 2)[1]), rows
+
+
+def read_lines(
+    cursor: Any,
+    schema: StreamSchema,
+    after: int,
+    upto: int,
+    limit: int,
+    prefix: str,
+    with_ts: bool,
+    max_line_bytes: int | None,
+) -> tuple[bytes, int, int] | None:
+    """``pg_lines.read_lines``'s answer, byte for byte: built here from the columns when they allow it.
+
+    Otherwise (see the module doc) the server builds them (``pg_lines``).
+    """
+    got = read_columns(cursor, schema, after, upto, limit, prefix, with_ts) if handles(schema) else None
+    if got is None:
+        return pg_lines.read_lines(cursor, schema, after, upto, limit, prefix, with_ts, max_line_bytes)
+    if max_line_bytes is not None and not longest_within(got[0], max_line_bytes):
+        return None
+    return got
