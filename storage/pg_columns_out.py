@@ -38,20 +38,16 @@ rows). A stream with a ``json`` column (its text holds quotes, which
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 from storage import pg_lines
-from storage.pg_lines import PLAN_SETTINGS, lines_select_sql, value_json_sql
+from storage.pg_lines import PLAN_SETTINGS, CopyChunks, SessionFunctions, lines_select_sql, value_json_sql
 from storage.schema import StreamSchema
 
 HEAD_END = b"\x01"
 # Control bytes: a value holding one needs JSON's escape (CSV sends it raw). Each row has two: the
 # head's end and the newline that ends the row.
 _CONTROLS = bytes(range(32))
-
-# Per connection: (table, with_ts) -> the name of its temporary columns function.
-_FUNCTIONS: weakref.WeakKeyDictionary[Any, dict[tuple[str, bool], str]] = weakref.WeakKeyDictionary()
 
 
 def handles(schema: StreamSchema) -> bool:
@@ -128,19 +124,7 @@ def columns_function_sql(function: str, schema: StreamSchema, with_ts: bool) -> 
     )
 
 
-def _function(cursor: Any, schema: StreamSchema, with_ts: bool) -> str:
-    """The name of this connection's columns function for the stream and variant, created on first use."""
-    conn = cursor.connection
-    known = _FUNCTIONS.get(conn)
-    if known is None:
-        known = _FUNCTIONS[conn] = {}
-    key = (schema.table, with_ts)
-    name = known.get(key)
-    if name is None:
-        name = f"tickline_columns_{len(known) + 1}"
-        cursor.execute(columns_function_sql(name, schema, with_ts))
-        known[key] = name
-    return name
+_COLUMNS_FUNCTIONS = SessionFunctions("tickline_columns", columns_function_sql)
 
 
 def lines_from_columns(data: bytes, rows: int) -> bytes | None:
@@ -168,12 +152,6 @@ def longest_within(data: bytes, limit: int) -> bool:
     return True
 
 
-class _Chunks(list[bytes]):
-    """A file for ``copy_expert``: keeps what each call gives (a row) without copying; joined once."""
-
-    write = list.append
-
-
 def read_columns(
     cursor: Any,
     schema: StreamSchema,
@@ -187,9 +165,9 @@ def read_columns(
 
     No check of ``max_line_bytes``: :func:`read_lines` makes it.
     """
-    function = _function(cursor, schema, with_ts)
+    function = _COLUMNS_FUNCTIONS.name(cursor, schema, with_ts)
     query = cursor.mogrify(f"SELECT * FROM pg_temp.{function}(%s, %s, %s, %s)", (after, upto, limit, prefix))
-    chunks = _Chunks()
+    chunks = CopyChunks()
     cursor.copy_expert(f"COPY ({query.decode()}) TO STDOUT WITH {copy_options(schema)}", chunks)
     if not chunks:
         return b"", after, 0

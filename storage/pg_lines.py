@@ -61,6 +61,7 @@ line (it is always the last row of its token, so it names the token).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from storage.schema import StreamSchema
@@ -75,9 +76,6 @@ _COPY_OPTIONS = "(FORMAT csv, DELIMITER E'\\x01', QUOTE E'\\x02')"
 # scan by bitmap, hash and sort (about 1.4x the time); these settings hold only while the
 # function runs (a function's SET clause), and only steer: a plan they rule out stays possible.
 PLAN_SETTINGS = "SET enable_sort = off SET enable_hashjoin = off SET enable_hashagg = off SET enable_bitmapscan = off"
-
-# Per connection: (table, with_ts) -> the name of its temporary lines function.
-_FUNCTIONS: weakref.WeakKeyDictionary[Any, dict[tuple[str, bool], str]] = weakref.WeakKeyDictionary()
 
 
 def value_json_sql(column: str, kind: str) -> str:
@@ -185,25 +183,42 @@ def lines_function_sql(function: str, schema: StreamSchema, with_ts: bool) -> st
     )
 
 
-def _function(cursor: Any, schema: StreamSchema, with_ts: bool) -> str:
-    """The name of this connection's lines function for the stream and variant, created on first use."""
-    conn = cursor.connection
-    known = _FUNCTIONS.get(conn)
-    if known is None:
-        known = _FUNCTIONS[conn] = {}
-    key = (schema.table, with_ts)
-    name = known.get(key)
-    if name is None:
-        name = f"tickline_lines_{len(known) + 1}"
-        cursor.execute(lines_function_sql(name, schema, with_ts))
-        known[key] = name
-    return name
+class SessionFunctions:
+    """Temporary functions of each connection's session, one per stream table and variant, made on first use.
+
+    ``build(name, schema, with_ts)`` gives the ``CREATE FUNCTION``; names are
+    ``<stem>_<n>``, so two sets with different stems never collide on one
+    connection. Forgotten with the connection (a new session has none).
+    """
+
+    def __init__(self, stem: str, build: Callable[[str, StreamSchema, bool], str]) -> None:
+        self._stem = stem
+        self._build = build
+        # Per connection: (table, with_ts) -> the name of its function.
+        self._known: weakref.WeakKeyDictionary[Any, dict[tuple[str, bool], str]] = weakref.WeakKeyDictionary()
+
+    def name(self, cursor: Any, schema: StreamSchema, with_ts: bool) -> str:
+        """The function's name on ``cursor``'s connection, created there first if it is new."""
+        conn = cursor.connection
+        known = self._known.get(conn)
+        if known is None:
+            known = self._known[conn] = {}
+        key = (schema.table, with_ts)
+        name = known.get(key)
+        if name is None:
+            name = f"{self._stem}_{len(known) + 1}"
+            cursor.execute(self._build(name, schema, with_ts))
+            known[key] = name
+        return name
 
 
-class _Chunks(list[bytes]):
+class CopyChunks(list[bytes]):
     """A file for ``copy_expert``: keeps what each call gives (a row) without copying; joined once."""
 
     write = list.append
+
+
+_LINES_FUNCTIONS = SessionFunctions("tickline_lines", lines_function_sql)
 
 
 def read_lines(
@@ -221,11 +236,11 @@ def read_lines(
     None if a line came out over ``max_line_bytes`` (the caller builds them).
     ``cursor``: on an autocommit connection (the function is created on it once).
     """
-    function = _function(cursor, schema, with_ts)
+    function = _LINES_FUNCTIONS.name(cursor, schema, with_ts)
     query = cursor.mogrify(
         f"SELECT * FROM pg_temp.{function}(%s, %s, %s, %s, %s)", (after, upto, limit, prefix, max_line_bytes)
     )
-    chunks = _Chunks()
+    chunks = CopyChunks()
     cursor.copy_expert(f"COPY ({query.decode()}) TO STDOUT WITH {_COPY_OPTIONS}", chunks)
     if not chunks:
         return b"", after, 0
