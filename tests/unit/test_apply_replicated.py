@@ -168,7 +168,7 @@ def test_a_run_of_single_row_tokens_applies_as_its_tokens(db_url, schema, count)
 
 def test_a_stale_copy_apply_leaves_the_connection_ready_for_the_next(db_url) -> None:
     """The COPY apply sends BEGIN, the move and the COPY as one request: a stale token stops it before the COPY."""
-    store = open_worker_store(db_url)
+    store = backend_worker_store(open_worker_store(db_url))
     store.create_replicated_table(PLAIN)
     rows = [[f"row {i}", i, True, 1000 + i] for i in range(120)]  # a COPY-sized apply
     store.apply_replicated("plain", 200, PLAIN, [(200, "w", rows)], _effects(PLAIN, [(200, "w", rows)]))
