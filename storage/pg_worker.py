@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import orjson
 import psycopg2
+import psycopg2.errors
 import psycopg2.extensions
 
 from storage.contracts import Effects, ReceivedRows, ReplicatedValues, SnapshotView
@@ -427,22 +428,29 @@ class PgWorkerStore:
             raise StaleApply(f"stream {stream!r}: token {token} is not above the applied token")
 
     def _copy_apply(self, stream: str, token: int, schema: StreamSchema, text: bytes) -> None:
-        """The applied token and the rows by ``COPY`` in one transaction, in three round trips.
+        """The applied token and the rows by ``COPY`` in one transaction, in two round trips.
 
-        On this thread's autocommit connection: ``BEGIN`` goes with the
-        token's move (prepared), then the ``COPY``, then ``COMMIT`` (not four:
-        ``BEGIN``, move, ``COPY``, ``COMMIT`` each alone). Exactly once as
-        before: the token commits with the rows or neither does.
+        On this thread's autocommit connection: ``BEGIN``, the token's move
+        (prepared) and ``COPY ... FROM STDIN`` as one request, then ``COMMIT``
+        (it was three: ``BEGIN`` with the move, the ``COPY``, ``COMMIT``). A move
+        that does not move (a stale token) fails by a division by zero, which
+        stops the request before the ``COPY``: nothing is written and
+        :class:`StaleApply` is raised. Exactly once as before: the token
+        commits with the rows or neither does.
         """
         conn = self.database.autocommit_connection()
         names = ", ".join(("token", "instance_name", *schema.column_names, "ts"))
         try:
             with conn.cursor() as cur:
-                cur.execute(BEGIN + prepared(cur, _MOVE_SQL), (stream, token))
-                if cur.rowcount != 1:
-                    cur.execute("ROLLBACK")
-                    raise StaleApply(f"stream {stream!r}: token {token} is not above the applied token")
-                cur.copy_expert(f"COPY {schema.replicated_table} ({names}) FROM STDIN", io.BytesIO(text), size=1 << 20)
+                # BEGIN, the move and the COPY in one request: the move is not awaited on its own
+                # (a stale token fails it with a division by zero, so nothing of the COPY runs).
+                move = cur.mogrify(prepared(cur, _MOVE_CHECKED_SQL), (stream, token)).decode()
+                copy = f"COPY {schema.replicated_table} ({names}) FROM STDIN"
+                try:
+                    cur.copy_expert(f"{BEGIN}{move}; {copy}", io.BytesIO(text), size=1 << 20)
+                except psycopg2.errors.DivisionByZero:
+                    rollback_explicit(conn)
+                    raise StaleApply(f"stream {stream!r}: token {token} is not above the applied token") from None
                 cur.execute("COMMIT")
         except psycopg2.OperationalError as e:
             raise self.database.lost_autocommit(conn, e) from None
@@ -500,6 +508,8 @@ def rows_copy_text(schema: StreamSchema, received: Sequence[ReceivedRows]) -> by
 
 BEGIN = "BEGIN ISOLATION LEVEL READ COMMITTED; "
 _MOVE_SQL = move_applied_token_sql("%s")  # prepared: its parameters typed by the insert's columns
+# The same move failing when it does not move (1 / 0): sent with the COPY, its answer not awaited alone.
+_MOVE_CHECKED_SQL = f"WITH moved AS ({_MOVE_SQL} RETURNING 1) SELECT 1 / count(*) FROM moved"
 
 
 _RECEIVED_CHUNKS: dict[StreamSchema, Callable[..., tuple[list[str] | None, int]] | None] = {}

@@ -166,6 +166,23 @@ def test_a_run_of_single_row_tokens_applies_as_its_tokens(db_url, schema, count)
     store.close()
 
 
+def test_a_stale_copy_apply_leaves_the_connection_ready_for_the_next(db_url) -> None:
+    """The COPY apply sends BEGIN, the move and the COPY as one request: a stale token stops it before the COPY."""
+    store = backend_worker_store(open_worker_store(db_url))
+    store.create_replicated_table(PLAIN)
+    rows = [[f"row {i}", i, True, 1000 + i] for i in range(120)]  # a COPY-sized apply
+    store.apply_replicated("plain", 200, PLAIN, [(200, "w", rows)], _effects(PLAIN, [(200, "w", rows)]))
+    stale = [(150, "w", rows)]
+    with pytest.raises(StaleApply):
+        store.apply_replicated("plain", 150, PLAIN, stale, _effects(PLAIN, stale))
+    after = [(201, "w", rows[:60])]
+    store.apply_replicated("plain", 201, PLAIN, after, _effects(PLAIN, after))
+    assert store.applied_tokens() == {"plain": 201}
+    tokens = store.database.read(lambda c: c.execute("SELECT token FROM replicated_plain").fetchall())
+    assert sorted(t for (t,) in tokens) == [200] * 120 + [201] * 60
+    store.close()
+
+
 def test_expand_received_splits_runs_into_their_tokens() -> None:
     assert expand_received([([3, 4], "w", [["a"], ["b"]]), (5, "v", [["c"], ["d"]])]) == [
         (3, "w", [["a"]]),
