@@ -25,11 +25,21 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from storage.schema import StreamSchema
 
 UNORDERED_TABLE = "tickline_unordered"
+
+T = TypeVar("T")
+
+
+class Transactions(Protocol):
+    """What :class:`StreamOrder` needs of a SQLite database: a read and a write transaction on a database thread."""
+
+    def read(self, fn: Callable[[sqlite3.Connection], Any]) -> Any: ...
+
+    def write(self, fn: Callable[[sqlite3.Connection], Any]) -> Any: ...
 
 
 class IndexesMissing(Exception):
@@ -192,10 +202,10 @@ class StreamOrder:
 
     def read(
         self,
-        database: Any,
+        database: Transactions,
         schema: StreamSchema,
-        fn: Callable[[sqlite3.Connection, bool], Any],
-    ) -> Any:
+        fn: Callable[[sqlite3.Connection, bool], T],
+    ) -> T:
         """``fn(conn, ordered)`` in one read transaction; a marked stream's indexes are created first if missing."""
         try:
             return database.read(lambda conn: fn(conn, self.ordered(conn, schema)))
