@@ -462,48 +462,37 @@ class PgWorkerStore:
     def _copy_text(schema: StreamSchema, received: Sequence[ReceivedRows]) -> bytes | None:
         """COPY lines ``token, instance, *values, ts``; None if a row is not ``[*values, ts]`` (the general way).
 
-        Row by row (:func:`rows_copy_text`). The same text made column by
-        column was about 10% faster measured alone but no cheaper in a
-        worker's catch-up (its transposition visits every row once per
-        column, long after the rows were parsed: docs/benchmarks.md, wk2).
+        Rows of exactly typed values whose text needs no escape (checked once
+        over the whole text) are made by one generated loop
+        (``storage.pg_copy.received_chunk_formatter``); otherwise row by row.
+        The same text made column by column was about 10% faster measured
+        alone but no cheaper in a worker's catch-up (docs/benchmarks.md, wk2).
         """
-        return rows_copy_text(schema, received)
-
-
-def rows_copy_text(schema: StreamSchema, received: Sequence[ReceivedRows]) -> bytes | None:
-    """The per-row path of :meth:`PgWorkerStore._copy_text`, the bytes the column-by-column one must make.
-
-    Rows of exactly typed values whose text needs no escape (checked once
-    over the whole text) are made by one generated loop
-    (``storage.pg_copy.received_chunk_formatter``); otherwise row by row,
-    a row that is not exactly typed checked by ``check_row`` (RowError
-    names it).
-    """
-    chunk = _received_chunk(schema)
-    if chunk is not None:
-        quick, nulls = chunk(received)
-        if quick:
-            joined = "\n".join(quick)
-            if not lines_need_escapes(joined, len(quick), len(schema.columns) + 3, nulls):
-                try:
-                    return (joined + "\n").encode()
-                except UnicodeEncodeError:  # a lone surrogate: refused row by row
-                    pass
-    fmt = formatter(schema, with_ts=True)
-    width = len(schema.columns)
-    lines = []
-    for token, instance, rows in expand_received(received):
-        prefix = f"{token}\t{_copy_text(instance)}\t"
-        for row in rows:
-            text = fmt(row)
-            if text is None:
-                ts = row[-1] if type(row) is list and len(row) == width + 1 else None
-                if type(ts) is not int or not 0 <= ts <= INT64_MAX:
-                    return None
-                text = _checked_copy_text(schema, row[:-1]) + f"\t{ts}"
-            lines.append(prefix + text)
-    lines.append("")
-    return "\n".join(lines).encode()
+        chunk = _received_chunk(schema)
+        if chunk is not None:
+            quick, nulls = chunk(received)
+            if quick:
+                joined = "\n".join(quick)
+                if not lines_need_escapes(joined, len(quick), len(schema.columns) + 3, nulls):
+                    try:
+                        return (joined + "\n").encode()
+                    except UnicodeEncodeError:  # a lone surrogate: refused row by row
+                        pass
+        fmt = formatter(schema, with_ts=True)
+        width = len(schema.columns)
+        lines = []
+        for token, instance, rows in expand_received(received):
+            prefix = f"{token}\t{_copy_text(instance)}\t"
+            for row in rows:
+                text = fmt(row)
+                if text is None:
+                    ts = row[-1] if type(row) is list and len(row) == width + 1 else None
+                    if type(ts) is not int or not 0 <= ts <= INT64_MAX:
+                        return None
+                    text = _checked_copy_text(schema, row[:-1]) + f"\t{ts}"
+                lines.append(prefix + text)
+        lines.append("")
+        return "\n".join(lines).encode()
 
 
 BEGIN = "BEGIN ISOLATION LEVEL READ COMMITTED; "
