@@ -57,7 +57,7 @@ NOW_MS = "(extract(epoch from clock_timestamp()) * 1000)::bigint"
 COPY_ROWS = 100  # appends of at least this many rows go by COPY
 MAX_TOKEN = INT64_MAX
 ORACLE_SEQUENCE = "tickline_tso_seq"
-ORACLE_FUNCTION = "tickline_allocate_v5"
+ORACLE_FUNCTION = "tickline_allocate_v6"
 ORACLE_LOCK = 0x74736F  # "tso": held by the allocation function for microseconds, never across a commit
 
 # The timestamp oracle and token allocation on PostgreSQL, in one function
@@ -65,7 +65,11 @@ ORACLE_LOCK = 0x74736F  # "tso": held by the allocation function for microsecond
 #
 # * ``tickline_tso.last_ts`` stays a floor (the oracle hands out only above
 #   it): ``allocate_timestamps`` records its high-water mark there with a
-#   durable commit, and an operator (or a bulk load) can move it up.
+#   durable commit, and an operator (or a bulk load) can move it up. The
+#   function does not read it (v5 did, a query per call): a trigger on
+#   ``tickline_tso`` (``FLOOR_TRIGGER``) lifts the sequence to every new
+#   floor before that floor commits, so the sequence is always at or above
+#   it (see ``_FLOOR_SQL``).
 # * The oracle's state is a sequence: ``setval`` and ``nextval`` are atomic
 #   and immediately visible to every session, are never rolled back and need
 #   no commit. PostgreSQL persists a sequence by logging it ahead of the
@@ -87,21 +91,15 @@ ORACLE_LOCK = 0x74736F  # "tso": held by the allocation function for microsecond
 #   per call.
 # * Every step is an assignment or a condition PL/pgSQL evaluates as a simple expression
 #   (no executor of its own: no PERFORM, and the sequence's last value by
-#   pg_sequence_last_value rather than a query); only the floor is a query. v4 ran five
-#   queries per call (PERFORMs included): v5 takes 23-34 us less backend CPU per
-#   single-row append (5-8%; two interleaved runs, backend schedstat).
+#   pg_sequence_last_value rather than a query). v4 ran five queries per call (PERFORMs
+#   included): v5 took 23-34 us less backend CPU per single-row append (5-8%; two
+#   interleaved runs, backend schedstat); v6 drops v5's last query, the floor's.
 # * Tokens first, then timestamps: a reader of the oracle's mark without the
 #   lock (``time_index.oracle_last``) that sees the new timestamps also finds
 #   the new tokens allocated (the safe-time proof in docs/time.md needs it).
 # * ``n_tokens`` consecutive tokens of the stream's sequence (``setval`` moves
 #   it once for the whole range); 0 takes timestamps only.
-_ORACLE_SQL = f"""
-CREATE FUNCTION {ORACLE_FUNCTION}(seq regclass, n_ts integer, n_tokens integer, now_ms bigint,
-    OUT first_token bigint, OUT first_ts bigint) LANGUAGE plpgsql AS $fn$
-DECLARE
-    last bigint;
-    called boolean;
-BEGIN
+_ALLOCATION_BODY = f"""
     IF pg_advisory_lock({ORACLE_LOCK}) IS NULL THEN
         RETURN;
     END IF;
@@ -116,17 +114,61 @@ BEGIN
     IF NOT called THEN
         SELECT last_value - 1 INTO last FROM {ORACLE_SEQUENCE};
     END IF;
-    first_ts := GREATEST(last + 1, now_ms << 18, (SELECT last_ts + 1 FROM tickline_tso WHERE id = 1));
+    first_ts := GREATEST(last + 1, now_ms << 18);
     IF n_ts = 1 AND first_ts = last + 1 AND called THEN
         first_ts := nextval('{ORACLE_SEQUENCE}'::regclass);
     ELSE
         last := setval('{ORACLE_SEQUENCE}'::regclass, first_ts + n_ts - 1, true);
     END IF;
-    IF pg_advisory_unlock({ORACLE_LOCK}) THEN
-        RETURN;
-    END IF;
+    called := pg_advisory_unlock({ORACLE_LOCK});
+"""
+_ORACLE_SQL = f"""
+CREATE FUNCTION {ORACLE_FUNCTION}(seq regclass, n_ts integer, n_tokens integer, now_ms bigint,
+    OUT first_token bigint, OUT first_ts bigint) LANGUAGE plpgsql AS $fn$
+DECLARE
+    last bigint;
+    called boolean;
+BEGIN
+{_ALLOCATION_BODY}
 END
 $fn$
+"""
+
+# The floor (``tickline_tso.last_ts``) kept at or below the oracle's sequence, so the
+# allocation need not read it: whatever raises the floor (``allocate_timestamps``, an
+# operator's or a bulk load's UPDATE) lifts the sequence in the same transaction, before
+# it commits, under the oracle's lock (an allocation's ``setval`` in between would
+# otherwise put the sequence back below the new floor). The check before the lock needs
+# none: the sequence only ever moves up (every ``setval`` of the oracle is above its last
+# value), so once at or above the new floor it stays there; ``allocate_timestamps``
+# writes a floor the sequence has reached already and never takes the lock here.
+# ``setval`` is not transactional: if the floor's transaction rolls back, the sequence
+# stays lifted, which only skips timestamps. Its WAL record comes before the floor's
+# commit record, so the commit's flush makes it durable with the floor. The lock is a
+# session lock, released on the way out even on an error (an exception block: this
+# runs only when the floor moves above the sequence, not per append).
+FLOOR_FUNCTION = "tickline_tso_floor_v1"
+FLOOR_TRIGGER = "tickline_tso_floor"
+_FLOOR_SQL = f"""
+CREATE FUNCTION {FLOOR_FUNCTION}() RETURNS trigger LANGUAGE plpgsql AS $fn$
+BEGIN
+    IF NEW.last_ts > COALESCE(pg_sequence_last_value('{ORACLE_SEQUENCE}'::regclass), -1) THEN
+        PERFORM pg_advisory_lock({ORACLE_LOCK});
+        BEGIN
+            PERFORM setval('{ORACLE_SEQUENCE}'::regclass, GREATEST(NEW.last_ts,
+                COALESCE(pg_sequence_last_value('{ORACLE_SEQUENCE}'::regclass), 0)), true);
+        EXCEPTION WHEN OTHERS THEN
+            PERFORM pg_advisory_unlock({ORACLE_LOCK});
+            RAISE;
+        END;
+        PERFORM pg_advisory_unlock({ORACLE_LOCK});
+    END IF;
+    RETURN NULL;
+END
+$fn$;
+CREATE TRIGGER {FLOOR_TRIGGER} AFTER INSERT OR UPDATE OF last_ts ON tickline_tso
+    FOR EACH ROW EXECUTE FUNCTION {FLOOR_FUNCTION}();
+ALTER TABLE tickline_tso ENABLE ALWAYS TRIGGER {FLOOR_TRIGGER}
 """
 
 
@@ -207,6 +249,39 @@ BEGIN
 END
 $fn$
 """
+# A single-row (or small, not batch) append's allocation, position and claim in one call
+# (``_Statements._build_small``): the allocation as ``ORACLE_FUNCTION``'s, then, the
+# oracle's lock released, the writer's position (the fenced error, TK001, if this epoch is
+# no longer live: the statement fails and nothing commits; the row lock it takes orders the
+# append against a concurrent fencing, as the statement's own UPDATE did) and the claim
+# (``CLAIM_FUNCTION``'s query: a statement of this VOLATILE function in READ COMMITTED takes
+# its own snapshot, after the allocation; NULL in another isolation level). One PL/pgSQL
+# call instead of the allocation's call, an UPDATE, the claim's call and the fenced check
+# as parts of the statement (fewer plan nodes to start per append).
+APPEND_FUNCTION = "tickline_append_v1"
+_APPEND_SQL = f"""
+CREATE FUNCTION {APPEND_FUNCTION}(seq regclass, n_ts integer, n_tokens integer, now_ms bigint,
+    s text, writer text, ep bigint, cap bigint,
+    OUT first_token bigint, OUT first_ts bigint, OUT claim bigint) LANGUAGE plpgsql VOLATILE AS $fn$
+DECLARE
+    last bigint;
+    called boolean;
+    own bigint;
+BEGIN
+{_ALLOCATION_BODY}
+    UPDATE tickline_writers SET position = GREATEST(position, LEAST(first_token + n_tokens - 1, cap)),
+        heartbeat_ms = {NOW_MS} WHERE stream = s AND instance_name = writer AND epoch = ep AND alive
+        RETURNING position INTO own;
+    IF own IS NULL THEN
+        RAISE EXCEPTION 'this writer was declared dead (fenced off)' USING ERRCODE = '{FENCED_CODE}';
+    END IF;
+    IF current_setting('transaction_isolation') = 'read committed' THEN
+        claim := LEAST(own, (SELECT MIN(w.position) FROM tickline_writers w
+            WHERE w.alive AND w.stream = s AND w.instance_name <> writer));
+    END IF;
+END
+$fn$
+"""
 # A notification that carries its rows: this first word, then tab-separated stream,
 # claim (-1: none) and instance; then one line per row: token, ts, JSON array.
 ROWS_PAYLOAD = "tickline-rows/1"
@@ -232,12 +307,27 @@ def _release_oracle_lock(conn: Any) -> None:
 
 
 def _create_oracle(cur: Cursor) -> None:
-    """Create the oracle's sequence (from ``tickline_tso``'s mark) and function, once."""
+    """Create the oracle's sequence (from ``tickline_tso``'s mark), its floor's trigger and functions, once."""
+    floor_missing = cur.execute("SELECT 1 FROM pg_trigger WHERE tgname = %s", (FLOOR_TRIGGER,)).fetchone() is None
+    if floor_missing:
+        # Before the oracle's lock, as every writer of tickline_tso takes them (allocate_timestamps
+        # holds the table, then its call takes the lock): no deadlock. Held to the commit, it keeps
+        # every floor's UPDATE out until the trigger is there.
+        cur.execute("LOCK TABLE tickline_tso IN SHARE ROW EXCLUSIVE MODE")
     cur.execute("SELECT pg_advisory_xact_lock(%s)", (ORACLE_LOCK,))
     if cur.execute("SELECT to_regclass(%s)", (ORACLE_SEQUENCE,)).fetchone()[0] is None:
         (mark,) = cur.execute("SELECT last_ts FROM tickline_tso WHERE id = 1").fetchone()
         cur.execute(f"CREATE SEQUENCE {ORACLE_SEQUENCE} MINVALUE 0 START 0")
         cur.execute("SELECT setval(%s, %s, true)", (ORACLE_SEQUENCE, int(mark)))
+    if floor_missing and cur.execute("SELECT 1 FROM pg_trigger WHERE tgname = %s", (FLOOR_TRIGGER,)).fetchone() is None:
+        cur.execute(_FLOOR_SQL)
+        # The floor as it stands (committed before the table's lock): the sequence at or above it
+        # from now on (an earlier version's allocations read the floor themselves).
+        cur.execute(
+            f"SELECT setval(%s, GREATEST(t.last_ts, s.last_value), true) FROM tickline_tso t, {ORACLE_SEQUENCE} s "
+            "WHERE t.id = 1",
+            (ORACLE_SEQUENCE,),
+        )
     if cur.execute("SELECT 1 FROM pg_proc WHERE proname = %s", (ORACLE_FUNCTION,)).fetchone() is None:
         cur.execute(_ORACLE_SQL)
     if cur.execute("SELECT 1 FROM pg_proc WHERE proname = %s", (PROPOSAL_FUNCTION,)).fetchone() is None:
@@ -246,6 +336,8 @@ def _create_oracle(cur: Cursor) -> None:
         cur.execute(_FENCED_SQL)
     if cur.execute("SELECT 1 FROM pg_proc WHERE proname = %s", (CLAIM_FUNCTION,)).fetchone() is None:
         cur.execute(_CLAIM_SQL)
+    if cur.execute("SELECT 1 FROM pg_proc WHERE proname = %s", (APPEND_FUNCTION,)).fetchone() is None:
+        cur.execute(_APPEND_SQL)
 
 
 def _upgrade_stream_tables(cur: Cursor) -> None:
@@ -864,7 +956,10 @@ class WriteTransaction:
         count = len(values)
         token_count = self._token_count(count, batch)
         sql = self._statements.small(count, batch, token_count == 0, self._cur.cursor)
+        claims = not (batch or token_count == 0)  # the statement of APPEND_FUNCTION (_Statements._build_small)
         params: list[Any] = [_seq(schema), count, token_count, store._now_ms()]
+        if claims:
+            params += [schema.name, state.writer_id, state.epoch, MAX_TOKEN]  # the cap is set under the lock
         if token_count == 0:
             params.append(self._batch_token)
         params.append(self._instance)
@@ -881,13 +976,13 @@ class WriteTransaction:
         # a concurrent report never claims a token still in flight.
         with store._lock:
             cap = self._cap()
-            if token_count == 0:
-                params.append(self._batch_token)
-            params += [cap, schema.name, state.writer_id, state.epoch]
-            if batch or token_count == 0:
-                params += [CHANNEL, schema.name]
-            else:  # the claim's and the payload's (_Statements._build_small)
-                params += [schema.name, state.writer_id, CHANNEL, schema.name, self._instance, schema.name]
+            if claims:
+                params[7] = cap
+                params += [CHANNEL, schema.name, self._instance, schema.name]  # the payload's
+            else:
+                if token_count == 0:
+                    params.append(self._batch_token)
+                params += [cap, schema.name, state.writer_id, state.epoch, CHANNEL, schema.name]
             # A prepared statement's parameters as literals where they can be (execute_literals):
             # the same text psycopg2 would send, for a third of its CPU.
             text = execute_literals(self._cur.cursor, sql, params) if count <= PREPARED_ROWS else None
@@ -1108,31 +1203,37 @@ class _Statements:
             else ("a.first_token" if batch else f"a.first_token + {count - 1}")
         )
         names = ", ".join(("seq", "token", "instance_name", "ts", *schema.column_names))
-        if batch or shared:
-            # A batch's rows share a token: its notification names the stream only.
-            returning, claim, payload = "", "", "%s"
-        else:
-            # The notification carries the rows and the writer's claim (CLAIM_FUNCTION), so the
-            # master can send them without reading them back (CommittedRows); the stream's name
-            # alone when that would not fit in a NOTIFY.
+        if not (batch or shared):
+            # The allocation, the writer's position and its claim in one call (APPEND_FUNCTION).
+            # The notification carries the rows and the claim, so the master can send them
+            # without reading them back (CommittedRows); the stream's name alone when that
+            # would not fit in a NOTIFY.
             row_json = " || ',' || ".join(value_json_sql(c.name, c.type) for c in schema.columns)
-            returning = f" RETURNING token, ts, '[' || {row_json} || ']' AS j"
-            claim = f", c AS (SELECT {CLAIM_FUNCTION}(%s, %s, (SELECT position FROM u)) AS claim)"
             payload = (
                 f"COALESCE((SELECT CASE WHEN octet_length(p) <= {MAX_PAYLOAD_BYTES} THEN p END FROM "
-                f"(SELECT '{ROWS_PAYLOAD}' || E'\\t' || %s || E'\\t' || COALESCE(c.claim, -1)::text "
+                f"(SELECT '{ROWS_PAYLOAD}' || E'\\t' || %s || E'\\t' || COALESCE(a.claim, -1)::text "
                 "|| E'\\t' || %s || string_agg(E'\\n' || ins.token::text || E'\\t' || ins.ts::text "
-                "|| E'\\t' || ins.j, '' ORDER BY ins.token) AS p FROM ins, c GROUP BY c.claim) AS pl), %s)"
+                "|| E'\\t' || ins.j, '' ORDER BY ins.token) AS p FROM ins, a GROUP BY a.claim) AS pl), %s)"
             )
+            return (
+                f"WITH a AS (SELECT first_token, first_ts, claim FROM {APPEND_FUNCTION}(%s::regclass, %s, %s, %s, "
+                "%s, %s, %s, %s)), "
+                f"ins AS (INSERT INTO {schema.table} ({names}) "
+                f"SELECT a.first_ts + v._i - 1, {token}, %s, a.first_ts + v._i - 1, {aliases} "
+                f"FROM a, (VALUES {rows}) AS v(_i, {', '.join(schema.column_names)}) "
+                f"RETURNING token, ts, '[' || {row_json} || ']' AS j) "
+                f"SELECT a.first_token, a.first_ts, pg_notify(%s, {payload}) FROM a"
+            )
+        # A batch's rows share a token: its notification names the stream only.
         return (
             f"WITH a AS (SELECT first_token, first_ts FROM {ORACLE_FUNCTION}(%s::regclass, %s, %s, %s)), "
             f"ins AS (INSERT INTO {schema.table} ({names}) "
             f"SELECT a.first_ts + v._i - 1, {token}, %s, a.first_ts + v._i - 1, {aliases} "
-            f"FROM a, (VALUES {rows}) AS v(_i, {', '.join(schema.column_names)}){returning}), "
+            f"FROM a, (VALUES {rows}) AS v(_i, {', '.join(schema.column_names)})), "
             f"u AS (UPDATE tickline_writers SET position = GREATEST(position, LEAST({last}, %s)), "
             f"heartbeat_ms = {NOW_MS} FROM a "
-            f"WHERE stream = %s AND instance_name = %s AND epoch = %s AND alive RETURNING position){claim} "
-            f"SELECT a.first_token, a.first_ts, pg_notify(%s, {payload}) FROM a "
+            f"WHERE stream = %s AND instance_name = %s AND epoch = %s AND alive RETURNING position) "
+            f"SELECT a.first_token, a.first_ts, pg_notify(%s, %s) FROM a "
             f"WHERE (SELECT count(*) FROM u) = 1 OR {FENCED_FUNCTION}()"
         )
 
