@@ -150,7 +150,7 @@ $fn$
 FLOOR_FUNCTION = "tickline_tso_floor_v1"
 FLOOR_TRIGGER = "tickline_tso_floor"
 _FLOOR_SQL = f"""
-CREATE FUNCTION {FLOOR_FUNCTION}() RETURNS trigger LANGUAGE plpgsql AS $fn$
+CREATE OR REPLACE FUNCTION {FLOOR_FUNCTION}() RETURNS trigger LANGUAGE plpgsql AS $fn$
 BEGIN
     IF NEW.last_ts > COALESCE(pg_sequence_last_value('{ORACLE_SEQUENCE}'::regclass), -1) THEN
         PERFORM pg_advisory_lock({ORACLE_LOCK});
