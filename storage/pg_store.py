@@ -955,17 +955,24 @@ class WriteTransaction:
         store, state, schema = self._store, self._state, self._schema
         count = len(values)
         token_count = self._token_count(count, batch)
-        sql = self._statements.small(count, batch, token_count == 0, self._cur.cursor)
-        claims = not (batch or token_count == 0)  # the statement of APPEND_FUNCTION (_Statements._build_small)
-        params: list[Any] = [_seq(schema), count, token_count, store._now_ms()]
+        # Not a batch: the statement of APPEND_FUNCTION, with what stays the same for the writer
+        # (its names, the stream, the row count) written into it (_Statements._build_claiming).
+        claims = not (batch or token_count == 0)
+        now_ms = store._now_ms()
+        params: list[Any]
         if claims:
-            params += [schema.name, state.writer_id, state.epoch, MAX_TOKEN]  # the cap is set under the lock
-        if token_count == 0:
-            params.append(self._batch_token)
-        params.append(self._instance)
+            sql = self._statements.claiming(count, state.writer_id, self._instance, self._cur.cursor)
+            params = [now_ms, state.epoch, MAX_TOKEN]  # the cap is set under the lock
+        else:
+            sql = self._statements.small(count, batch, token_count == 0, self._cur.cursor)
+            params = [_seq(schema), count, token_count, now_ms]
+            if token_count == 0:
+                params.append(self._batch_token)
+            params.append(self._instance)
         doubles = self._statements.doubles
         for i, row in enumerate(values, 1):
-            params.append(i)
+            if not claims:
+                params.append(i)
             if doubles:
                 # A double as its shortest exact text, which the server reads with float8's input:
                 # as a number psycopg2 writes -0.0, which an EXECUTE argument reads as a numeric
@@ -977,8 +984,7 @@ class WriteTransaction:
         with store._lock:
             cap = self._cap()
             if claims:
-                params[7] = cap
-                params += [CHANNEL, schema.name, self._instance, schema.name]  # the payload's
+                params[2] = cap
             else:
                 if token_count == 0:
                     params.append(self._batch_token)
@@ -996,7 +1002,7 @@ class WriteTransaction:
                     raise Fenced(self._instance) from None
                 raise
             first = self._allocated(first_token, batch)
-            self._remember(first_token, token_count, first_ts, count, params[3])
+            self._remember(first_token, token_count, first_ts, count, now_ms)
         self._position_sent = first if batch else first + count - 1
         self.position_written = min(self._position_sent, cap)
         return first, first_ts
@@ -1161,6 +1167,7 @@ class _Statements:
         names = ", ".join(("seq", "token", "instance_name", "ts", *schema.column_names))
         self.copy = f"COPY {schema.table} ({names}) FROM STDIN"
         self._small: dict[tuple[int, bool, bool], str] = {}
+        self._claiming: dict[tuple[int, str, str], str] = {}
         self._formats = [_COPY_FORMATS[c.type] for c in schema.columns]
         self.doubles = frozenset(schema.double_columns)
         self._chunk = chunk_formatter(schema)
@@ -1180,55 +1187,75 @@ class _Statements:
             return sql
         return prepared(cursor, sql)
 
-    def _build_small(self, count: int, batch: bool, shared: bool) -> str:
+    def claiming(self, count: int, writer_id: str, instance: str, cursor: Any) -> str:
+        """A writer's statement for ``count`` rows not in a batch (see :meth:`_build_claiming`)."""
+        key = (count, writer_id, instance)
+        sql = self._claiming.get(key)
+        if sql is None:
+            if len(self._claiming) >= 256:  # bounded: writers of a long-lived process come and go
+                self._claiming.clear()
+            sql = self._claiming[key] = self._build_claiming(count, writer_id, instance)
+        if count > PREPARED_ROWS:
+            return sql
+        return prepared(cursor, sql)
+
+    def _build_claiming(self, count: int, writer_id: str, instance: str) -> str:
+        """One statement: allocation, position and claim (APPEND_FUNCTION), the rows' INSERT, the NOTIFY.
+
+        What is the same on every call of a writer (the stream's sequence, names and
+        channel, the writer's names, the row count, each row's index) is written in as
+        literals: its parameters are the clock, the epoch, the cap and the values (fewer
+        for the server to read and coerce per append; the sequence's name is resolved
+        when the statement is planned, not per call).
+        """
         schema = self.schema
+        casts = self._casts()
+        rows = ", ".join(f"({i}, {casts})" for i in range(1, count + 1))
+        aliases = ", ".join(f"v.{name}" for name in schema.column_names)
+        names = ", ".join(("seq", "token", "instance_name", "ts", *schema.column_names))
+        stream, name = _literal(schema.name), _literal(instance)
+        # The notification carries the rows and the claim, so the master can send them without
+        # reading them back (CommittedRows); the stream's name alone when that would not fit in
+        # a NOTIFY. One row needs no aggregate (and no sort): the same text, one plan node fewer.
+        row_json = " || ',' || ".join(value_json_sql(c.name, c.type) for c in schema.columns)
+        line = "E'\\n' || ins.token::text || E'\\t' || ins.ts::text || E'\\t' || ins.j"
+        lines, group = (line, "") if count == 1 else (f"string_agg({line}, '' ORDER BY ins.token)", " GROUP BY a.claim")
+        payload = (
+            f"COALESCE((SELECT CASE WHEN octet_length(p) <= {MAX_PAYLOAD_BYTES} THEN p END FROM "
+            f"(SELECT '{ROWS_PAYLOAD}' || E'\\t' || {stream} || E'\\t' || COALESCE(a.claim, -1)::text "
+            f"|| E'\\t' || {name} || {lines} AS p FROM ins, a{group}) AS pl), {stream})"
+        )
+        return (
+            f"WITH a AS (SELECT first_token, first_ts, claim FROM {APPEND_FUNCTION}({_literal(_seq(schema))}::regclass, "
+            f"{count}, {count}, %s::bigint, {stream}, {_literal(writer_id)}, %s::bigint, %s::bigint)), "
+            f"ins AS (INSERT INTO {schema.table} ({names}) "
+            f"SELECT a.first_ts + v._i - 1, a.first_token + v._i - 1, {name}, a.first_ts + v._i - 1, {aliases} "
+            f"FROM a, (VALUES {rows}) AS v(_i, {', '.join(schema.column_names)}) "
+            f"RETURNING token, ts, '[' || {row_json} || ']' AS j) "
+            f"SELECT a.first_token, a.first_ts, pg_notify({_literal(CHANNEL)}, {payload}) FROM a"
+        )
+
+    def _casts(self) -> str:
         # (%s)::type: the value as a literal in parentheses, so that -9223372036854775808 is one
         # bigint, not the negation of one too large. A double without them: psycopg2 writes -0.0,
         # which in parentheses is the numeric 0 (no sign); -0.0::float8 negates the double 0.0.
-        casts = ", ".join(
+        return ", ".join(
             f"%s::{COLUMN_TYPES[c.type][1]}" if c.type == "double" else f"(%s)::{COLUMN_TYPES[c.type][1]}"
-            for c in schema.columns
+            for c in self.schema.columns
         )
-        rows = ", ".join([f"(%s::int, {casts})"] * count)
+
+    def _build_small(self, count: int, batch: bool, shared: bool) -> str:
+        """A batch's statement (its rows share a token; its notification names the stream only)."""
+        schema = self.schema
+        rows = ", ".join([f"(%s::int, {self._casts()})"] * count)
         aliases = ", ".join(f"v.{name}" for name in schema.column_names)
         if shared:
-            token = "%s::bigint"
+            token, last = "%s::bigint", "COALESCE(%s::bigint, a.first_token)"
         elif batch:
-            token = "a.first_token"
-        else:
-            token = "a.first_token + v._i - 1"
-        last = (
-            "COALESCE(%s::bigint, a.first_token)"
-            if shared
-            else ("a.first_token" if batch else f"a.first_token + {count - 1}")
-        )
+            token, last = "a.first_token", "a.first_token"
+        else:  # not built: appends not in a batch take _build_claiming's statement
+            token, last = "a.first_token + v._i - 1", f"a.first_token + {count - 1}"
         names = ", ".join(("seq", "token", "instance_name", "ts", *schema.column_names))
-        if not (batch or shared):
-            # The allocation, the writer's position and its claim in one call (APPEND_FUNCTION).
-            # The notification carries the rows and the claim, so the master can send them
-            # without reading them back (CommittedRows); the stream's name alone when that
-            # would not fit in a NOTIFY.
-            row_json = " || ',' || ".join(value_json_sql(c.name, c.type) for c in schema.columns)
-            # One row needs no aggregate (and no sort): the same text, one plan node fewer to start.
-            line = "E'\\n' || ins.token::text || E'\\t' || ins.ts::text || E'\\t' || ins.j"
-            lines, group = (
-                (line, "") if count == 1 else (f"string_agg({line}, '' ORDER BY ins.token)", " GROUP BY a.claim")
-            )
-            payload = (
-                f"COALESCE((SELECT CASE WHEN octet_length(p) <= {MAX_PAYLOAD_BYTES} THEN p END FROM "
-                f"(SELECT '{ROWS_PAYLOAD}' || E'\\t' || %s || E'\\t' || COALESCE(a.claim, -1)::text "
-                f"|| E'\\t' || %s || {lines} AS p FROM ins, a{group}) AS pl), %s)"
-            )
-            return (
-                f"WITH a AS (SELECT first_token, first_ts, claim FROM {APPEND_FUNCTION}(%s::regclass, %s, %s, %s, "
-                "%s, %s, %s, %s)), "
-                f"ins AS (INSERT INTO {schema.table} ({names}) "
-                f"SELECT a.first_ts + v._i - 1, {token}, %s, a.first_ts + v._i - 1, {aliases} "
-                f"FROM a, (VALUES {rows}) AS v(_i, {', '.join(schema.column_names)}) "
-                f"RETURNING token, ts, '[' || {row_json} || ']' AS j) "
-                f"SELECT a.first_token, a.first_ts, pg_notify(%s, {payload}) FROM a"
-            )
-        # A batch's rows share a token: its notification names the stream only.
         return (
             f"WITH a AS (SELECT first_token, first_ts FROM {ORACLE_FUNCTION}(%s::regclass, %s, %s, %s)), "
             f"ins AS (INSERT INTO {schema.table} ({names}) "
@@ -1358,6 +1385,18 @@ class _CopySource:
         except Exception as e:
             self.error = e
             raise
+
+
+def _literal(text: str) -> str:
+    """A string constant read the same whatever ``standard_conforming_strings`` is (``E'...'``).
+
+    A ``%`` (an instance name may hold one) is written as ``chr(37)``: the statement's text
+    goes through psycopg2's and :func:`storage.pg_db.prepared`'s ``%s`` placeholders.
+    """
+    if "\x00" in text:
+        raise ValueError("a string literal cannot hold NUL")
+    parts = ["E'" + part.replace("\\", "\\\\").replace("'", "''") + "'" for part in text.split("%")]
+    return parts[0] if len(parts) == 1 else "(" + " || chr(37) || ".join(parts) + ")"
 
 
 def _statements(schema: StreamSchema) -> _Statements:

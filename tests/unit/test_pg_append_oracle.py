@@ -198,3 +198,30 @@ def test_an_append_racing_the_fencing_waits_for_it_and_commits_nothing(store, pg
     assert [r[1] for r in store.read_rows("events", 0, 10**9, 10)] == first
     again = store.append("events", [ROW], "w")
     assert [r[1] for r in store.read_rows("events", 0, 10**9, 10)] == first + again
+
+
+@pytest.mark.parametrize("count", [1, 3, 20])
+def test_an_instance_name_with_quotes_backslashes_and_percent_signs(store, count) -> None:
+    """The writer's names are written into its statement as literals (prepared up to 8 rows, then not)."""
+    instance = "w%s'x\\y%"
+    notifier = store.notifier()
+    try:
+        tokens = store.append("events", [ROW] * count, instance)
+        again = store.append("events", [ROW] * count, instance)
+        stored = store.read_rows("events", 0, 10**9, 100)
+        assert [r[1] for r in stored] == tokens + again == list(range(1, 2 * count + 1))
+        assert {r[2] for r in stored} == {instance}
+        committed: list = []
+
+        def both() -> bool:
+            committed.extend(notifier.drain_committed()[1])
+            return len(committed) == 2
+
+        wait_for(both, 10, "both notifications")
+        assert [(c.stream, c.instance, c.safe) for c in committed] == [
+            ("events", instance, count),
+            ("events", instance, 2 * count),
+        ]
+        assert [token for c in committed for token, _, _ in c.rows] == tokens + again
+    finally:
+        notifier.close()
