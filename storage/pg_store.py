@@ -230,35 +230,20 @@ END
 $fn$
 """
 
-# The safe position a single-statement append can claim in its NOTIFY (docs/time.md,
-# "the commit's own claim"): its writer's new position, or less where another live
-# writer of the stream has committed less. VOLATILE PL/pgSQL in READ COMMITTED: its
-# query takes a snapshot of its own when it runs, after the append's allocation (its
-# argument comes from the allocation), so every writer that allocated a lower token
-# had registered (committed) before that snapshot. In another isolation level the
-# snapshot would be the transaction's: no claim (NULL).
-CLAIM_FUNCTION = "tickline_claim_v1"
-_CLAIM_SQL = f"""
-CREATE FUNCTION {CLAIM_FUNCTION}(s text, writer text, own bigint) RETURNS bigint LANGUAGE plpgsql VOLATILE AS $fn$
-BEGIN
-    IF own IS NULL OR current_setting('transaction_isolation') <> 'read committed' THEN
-        RETURN NULL;
-    END IF;
-    RETURN LEAST(own, (SELECT MIN(w.position) FROM tickline_writers w
-        WHERE w.alive AND w.stream = s AND w.instance_name <> writer));
-END
-$fn$
-"""
 # A single-row (or small, not batch) append's allocation, position and claim in one call
-# (``_Statements._build_small``): the allocation as ``ORACLE_FUNCTION``'s, then, the
+# (``_Statements._build_claiming``): the allocation as ``ORACLE_FUNCTION``'s, then, the
 # oracle's lock released, the writer's position (the fenced error, TK001, if this epoch is
 # no longer live: the statement fails and nothing commits; the row lock it takes orders the
-# append against a concurrent fencing, as the statement's own UPDATE did) and the claim
-# (``CLAIM_FUNCTION``'s query: a statement of this VOLATILE function in READ COMMITTED takes
-# its own snapshot, after the allocation: the claim's query is part of the UPDATE's RETURNING,
-# one statement started after the allocation; NULL in another isolation level). One PL/pgSQL
-# call instead of the allocation's call, an UPDATE, the claim's call and the fenced check
-# as parts of the statement (fewer plan nodes to start per append).
+# append against a concurrent fencing, as the statement's own UPDATE did) and the claim: the
+# safe position the append's NOTIFY carries (docs/time.md, "the commit's own claim"), its
+# writer's new position, or less where another live writer of the stream has committed less.
+# The claim's query is a subquery of the UPDATE's RETURNING: a statement of this VOLATILE
+# function in READ COMMITTED takes a snapshot of its own when it starts, after the
+# allocation's steps, so every writer that allocated a lower token had registered
+# (committed) before that snapshot. In another isolation level the snapshot would be the
+# transaction's: no claim (NULL). One PL/pgSQL call instead of the allocation's call, an
+# UPDATE, the claim's call (``tickline_claim_v1``, which earlier versions still create and
+# use) and the fenced check as parts of the statement (fewer plan nodes to start per append).
 APPEND_FUNCTION = "tickline_append_v1"
 _APPEND_SQL = f"""
 CREATE FUNCTION {APPEND_FUNCTION}(seq regclass, n_ts integer, n_tokens integer, now_ms bigint,
@@ -334,8 +319,6 @@ def _create_oracle(cur: Cursor) -> None:
         cur.execute(_PROPOSAL_SQL)
     if cur.execute("SELECT 1 FROM pg_proc WHERE proname = %s", (FENCED_FUNCTION,)).fetchone() is None:
         cur.execute(_FENCED_SQL)
-    if cur.execute("SELECT 1 FROM pg_proc WHERE proname = %s", (CLAIM_FUNCTION,)).fetchone() is None:
-        cur.execute(_CLAIM_SQL)
     if cur.execute("SELECT 1 FROM pg_proc WHERE proname = %s", (APPEND_FUNCTION,)).fetchone() is None:
         cur.execute(_APPEND_SQL)
 
@@ -1469,7 +1452,7 @@ class PgNotifier:
 
 
 def _committed_rows(payload: str) -> CommittedRows | None:
-    """A rows notification (``_Statements._build_small``) parsed; None if it is not one."""
+    """A rows notification (``_Statements._build_claiming``) parsed; None if it is not one."""
     head, *lines = payload.split("\n")
     parts = head.split("\t")
     if len(parts) != 4 or not lines:
