@@ -57,7 +57,7 @@ NOW_MS = "(extract(epoch from clock_timestamp()) * 1000)::bigint"
 COPY_ROWS = 100  # appends of at least this many rows go by COPY
 MAX_TOKEN = INT64_MAX
 ORACLE_SEQUENCE = "tickline_tso_seq"
-ORACLE_FUNCTION = "tickline_allocate_v5"
+ORACLE_FUNCTION = "tickline_allocate_v6"
 ORACLE_LOCK = 0x74736F  # "tso": held by the allocation function for microseconds, never across a commit
 
 # The timestamp oracle and token allocation on PostgreSQL, in one function
@@ -65,7 +65,11 @@ ORACLE_LOCK = 0x74736F  # "tso": held by the allocation function for microsecond
 #
 # * ``tickline_tso.last_ts`` stays a floor (the oracle hands out only above
 #   it): ``allocate_timestamps`` records its high-water mark there with a
-#   durable commit, and an operator (or a bulk load) can move it up.
+#   durable commit, and an operator (or a bulk load) can move it up. The
+#   function does not read it (v5 did, a query per call): a trigger on
+#   ``tickline_tso`` (``FLOOR_TRIGGER``) lifts the sequence to every new
+#   floor before that floor commits, so the sequence is always at or above
+#   it (see ``_FLOOR_SQL``).
 # * The oracle's state is a sequence: ``setval`` and ``nextval`` are atomic
 #   and immediately visible to every session, are never rolled back and need
 #   no commit. PostgreSQL persists a sequence by logging it ahead of the
@@ -87,21 +91,15 @@ ORACLE_LOCK = 0x74736F  # "tso": held by the allocation function for microsecond
 #   per call.
 # * Every step is an assignment or a condition PL/pgSQL evaluates as a simple expression
 #   (no executor of its own: no PERFORM, and the sequence's last value by
-#   pg_sequence_last_value rather than a query); only the floor is a query. v4 ran five
-#   queries per call (PERFORMs included): v5 takes 23-34 us less backend CPU per
-#   single-row append (5-8%; two interleaved runs, backend schedstat).
+#   pg_sequence_last_value rather than a query). v4 ran five queries per call (PERFORMs
+#   included): v5 took 23-34 us less backend CPU per single-row append (5-8%; two
+#   interleaved runs, backend schedstat); v6 drops v5's last query, the floor's.
 # * Tokens first, then timestamps: a reader of the oracle's mark without the
 #   lock (``time_index.oracle_last``) that sees the new timestamps also finds
 #   the new tokens allocated (the safe-time proof in docs/time.md needs it).
 # * ``n_tokens`` consecutive tokens of the stream's sequence (``setval`` moves
 #   it once for the whole range); 0 takes timestamps only.
-_ORACLE_SQL = f"""
-CREATE FUNCTION {ORACLE_FUNCTION}(seq regclass, n_ts integer, n_tokens integer, now_ms bigint,
-    OUT first_token bigint, OUT first_ts bigint) LANGUAGE plpgsql AS $fn$
-DECLARE
-    last bigint;
-    called boolean;
-BEGIN
+_ALLOCATION_BODY = f"""
     IF pg_advisory_lock({ORACLE_LOCK}) IS NULL THEN
         RETURN;
     END IF;
@@ -116,17 +114,61 @@ BEGIN
     IF NOT called THEN
         SELECT last_value - 1 INTO last FROM {ORACLE_SEQUENCE};
     END IF;
-    first_ts := GREATEST(last + 1, now_ms << 18, (SELECT last_ts + 1 FROM tickline_tso WHERE id = 1));
+    first_ts := GREATEST(last + 1, now_ms << 18);
     IF n_ts = 1 AND first_ts = last + 1 AND called THEN
         first_ts := nextval('{ORACLE_SEQUENCE}'::regclass);
     ELSE
         last := setval('{ORACLE_SEQUENCE}'::regclass, first_ts + n_ts - 1, true);
     END IF;
-    IF pg_advisory_unlock({ORACLE_LOCK}) THEN
-        RETURN;
-    END IF;
+    called := pg_advisory_unlock({ORACLE_LOCK});
+"""
+_ORACLE_SQL = f"""
+CREATE FUNCTION {ORACLE_FUNCTION}(seq regclass, n_ts integer, n_tokens integer, now_ms bigint,
+    OUT first_token bigint, OUT first_ts bigint) LANGUAGE plpgsql AS $fn$
+DECLARE
+    last bigint;
+    called boolean;
+BEGIN
+{_ALLOCATION_BODY}
 END
 $fn$
+"""
+
+# The floor (``tickline_tso.last_ts``) kept at or below the oracle's sequence, so the
+# allocation need not read it: whatever raises the floor (``allocate_timestamps``, an
+# operator's or a bulk load's UPDATE) lifts the sequence in the same transaction, before
+# it commits, under the oracle's lock (an allocation's ``setval`` in between would
+# otherwise put the sequence back below the new floor). The check before the lock needs
+# none: the sequence only ever moves up (every ``setval`` of the oracle is above its last
+# value), so once at or above the new floor it stays there; ``allocate_timestamps``
+# writes a floor the sequence has reached already and never takes the lock here.
+# ``setval`` is not transactional: if the floor's transaction rolls back, the sequence
+# stays lifted, which only skips timestamps. Its WAL record comes before the floor's
+# commit record, so the commit's flush makes it durable with the floor. The lock is a
+# session lock, released on the way out even on an error (an exception block: this
+# runs only when the floor moves above the sequence, not per append).
+FLOOR_FUNCTION = "tickline_tso_floor_v1"
+FLOOR_TRIGGER = "tickline_tso_floor"
+_FLOOR_SQL = f"""
+CREATE OR REPLACE FUNCTION {FLOOR_FUNCTION}() RETURNS trigger LANGUAGE plpgsql AS $fn$
+BEGIN
+    IF NEW.last_ts > COALESCE(pg_sequence_last_value('{ORACLE_SEQUENCE}'::regclass), -1) THEN
+        PERFORM pg_advisory_lock({ORACLE_LOCK});
+        BEGIN
+            PERFORM setval('{ORACLE_SEQUENCE}'::regclass, GREATEST(NEW.last_ts,
+                COALESCE(pg_sequence_last_value('{ORACLE_SEQUENCE}'::regclass), 0)), true);
+        EXCEPTION WHEN OTHERS THEN
+            PERFORM pg_advisory_unlock({ORACLE_LOCK});
+            RAISE;
+        END;
+        PERFORM pg_advisory_unlock({ORACLE_LOCK});
+    END IF;
+    RETURN NULL;
+END
+$fn$;
+CREATE TRIGGER {FLOOR_TRIGGER} AFTER INSERT OR UPDATE OF last_ts ON tickline_tso
+    FOR EACH ROW EXECUTE FUNCTION {FLOOR_FUNCTION}();
+ALTER TABLE tickline_tso ENABLE ALWAYS TRIGGER {FLOOR_TRIGGER}
 """
 
 
@@ -188,22 +230,40 @@ END
 $fn$
 """
 
-# The safe position a single-statement append can claim in its NOTIFY (docs/time.md,
-# "the commit's own claim"): its writer's new position, or less where another live
-# writer of the stream has committed less. VOLATILE PL/pgSQL in READ COMMITTED: its
-# query takes a snapshot of its own when it runs, after the append's allocation (its
-# argument comes from the allocation), so every writer that allocated a lower token
-# had registered (committed) before that snapshot. In another isolation level the
-# snapshot would be the transaction's: no claim (NULL).
-CLAIM_FUNCTION = "tickline_claim_v1"
-_CLAIM_SQL = f"""
-CREATE FUNCTION {CLAIM_FUNCTION}(s text, writer text, own bigint) RETURNS bigint LANGUAGE plpgsql VOLATILE AS $fn$
+# A single-row (or small, not batch) append's allocation, position and claim in one call
+# (``_Statements._build_claiming``): the allocation as ``ORACLE_FUNCTION``'s, then, the
+# oracle's lock released, the writer's position (the fenced error, TK001, if this epoch is
+# no longer live: the statement fails and nothing commits; the row lock it takes orders the
+# append against a concurrent fencing, as the statement's own UPDATE did) and the claim: the
+# safe position the append's NOTIFY carries (docs/time.md, "the commit's own claim"), its
+# writer's new position, or less where another live writer of the stream has committed less.
+# The claim's query is a subquery of the UPDATE's RETURNING: a statement of this VOLATILE
+# function in READ COMMITTED takes a snapshot of its own when it starts, after the
+# allocation's steps, so every writer that allocated a lower token had registered
+# (committed) before that snapshot. In another isolation level the snapshot would be the
+# transaction's: no claim (NULL). One PL/pgSQL call instead of the allocation's call, an
+# UPDATE, the claim's call (``tickline_claim_v1``, which earlier versions still create and
+# use) and the fenced check as parts of the statement (fewer plan nodes to start per append).
+APPEND_FUNCTION = "tickline_append_v1"
+_APPEND_SQL = f"""
+CREATE FUNCTION {APPEND_FUNCTION}(seq regclass, n_ts integer, n_tokens integer, now_ms bigint,
+    s text, writer text, ep bigint, cap bigint,
+    OUT first_token bigint, OUT first_ts bigint, OUT claim bigint) LANGUAGE plpgsql VOLATILE AS $fn$
+DECLARE
+    last bigint;
+    called boolean;
+    own bigint;
 BEGIN
-    IF own IS NULL OR current_setting('transaction_isolation') <> 'read committed' THEN
-        RETURN NULL;
+{_ALLOCATION_BODY}
+    UPDATE tickline_writers SET position = GREATEST(position, LEAST(first_token + n_tokens - 1, cap)),
+        heartbeat_ms = {NOW_MS} WHERE stream = s AND instance_name = writer AND epoch = ep AND alive
+        RETURNING position, CASE WHEN current_setting('transaction_isolation') = 'read committed' THEN
+            LEAST(position, (SELECT MIN(w.position) FROM tickline_writers w
+                WHERE w.alive AND w.stream = s AND w.instance_name <> writer)) END
+        INTO own, claim;
+    IF own IS NULL THEN
+        RAISE EXCEPTION 'this writer was declared dead (fenced off)' USING ERRCODE = '{FENCED_CODE}';
     END IF;
-    RETURN LEAST(own, (SELECT MIN(w.position) FROM tickline_writers w
-        WHERE w.alive AND w.stream = s AND w.instance_name <> writer));
 END
 $fn$
 """
@@ -232,20 +292,35 @@ def _release_oracle_lock(conn: Any) -> None:
 
 
 def _create_oracle(cur: Cursor) -> None:
-    """Create the oracle's sequence (from ``tickline_tso``'s mark) and function, once."""
+    """Create the oracle's sequence (from ``tickline_tso``'s mark), its floor's trigger and functions, once."""
+    floor_missing = cur.execute("SELECT 1 FROM pg_trigger WHERE tgname = %s", (FLOOR_TRIGGER,)).fetchone() is None
+    if floor_missing:
+        # Before the oracle's lock, as every writer of tickline_tso takes them (allocate_timestamps
+        # holds the table, then its call takes the lock): no deadlock. Held to the commit, it keeps
+        # every floor's UPDATE out until the trigger is there.
+        cur.execute("LOCK TABLE tickline_tso IN SHARE ROW EXCLUSIVE MODE")
     cur.execute("SELECT pg_advisory_xact_lock(%s)", (ORACLE_LOCK,))
     if cur.execute("SELECT to_regclass(%s)", (ORACLE_SEQUENCE,)).fetchone()[0] is None:
         (mark,) = cur.execute("SELECT last_ts FROM tickline_tso WHERE id = 1").fetchone()
         cur.execute(f"CREATE SEQUENCE {ORACLE_SEQUENCE} MINVALUE 0 START 0")
         cur.execute("SELECT setval(%s, %s, true)", (ORACLE_SEQUENCE, int(mark)))
+    if floor_missing and cur.execute("SELECT 1 FROM pg_trigger WHERE tgname = %s", (FLOOR_TRIGGER,)).fetchone() is None:
+        cur.execute(_FLOOR_SQL)
+        # The floor as it stands (committed before the table's lock): the sequence at or above it
+        # from now on (an earlier version's allocations read the floor themselves).
+        cur.execute(
+            f"SELECT setval(%s, GREATEST(t.last_ts, s.last_value), true) FROM tickline_tso t, {ORACLE_SEQUENCE} s "
+            "WHERE t.id = 1",
+            (ORACLE_SEQUENCE,),
+        )
     if cur.execute("SELECT 1 FROM pg_proc WHERE proname = %s", (ORACLE_FUNCTION,)).fetchone() is None:
         cur.execute(_ORACLE_SQL)
     if cur.execute("SELECT 1 FROM pg_proc WHERE proname = %s", (PROPOSAL_FUNCTION,)).fetchone() is None:
         cur.execute(_PROPOSAL_SQL)
     if cur.execute("SELECT 1 FROM pg_proc WHERE proname = %s", (FENCED_FUNCTION,)).fetchone() is None:
         cur.execute(_FENCED_SQL)
-    if cur.execute("SELECT 1 FROM pg_proc WHERE proname = %s", (CLAIM_FUNCTION,)).fetchone() is None:
-        cur.execute(_CLAIM_SQL)
+    if cur.execute("SELECT 1 FROM pg_proc WHERE proname = %s", (APPEND_FUNCTION,)).fetchone() is None:
+        cur.execute(_APPEND_SQL)
 
 
 def _upgrade_stream_tables(cur: Cursor) -> None:
@@ -471,6 +546,14 @@ class PgStreamStore:
                     (schema.name, writer_id),
                 )
                 (epoch,) = cur.fetchone()
+                # A database that autovacuum has not analyzed yet (a new one: about its first
+                # minute) has no size for tickline_writers, and the planner assumes ten pages:
+                # the claim's query (APPEND_FUNCTION) became a bitmap scan, about 8 us more per
+                # append than on a table it knows is one page. Done once, here, where the
+                # writer's row is in. (Skipped with a warning where the user does not own it.)
+                cur.execute("SELECT reltuples < 0 FROM pg_class WHERE oid = 'tickline_writers'::regclass")
+                if cur.fetchone()[0]:
+                    cur.execute("ANALYZE tickline_writers")
             state = self._writers[key] = _WriterState(writer_id, epoch)
         self._ensure_reporter()
         return state
@@ -863,14 +946,24 @@ class WriteTransaction:
         store, state, schema = self._store, self._state, self._schema
         count = len(values)
         token_count = self._token_count(count, batch)
-        sql = self._statements.small(count, batch, token_count == 0, self._cur.cursor)
-        params: list[Any] = [_seq(schema), count, token_count, store._now_ms()]
-        if token_count == 0:
-            params.append(self._batch_token)
-        params.append(self._instance)
+        # Not a batch: the statement of APPEND_FUNCTION, with what stays the same for the writer
+        # (its names, the stream, the row count) written into it (_Statements._build_claiming).
+        claims = not (batch or token_count == 0)
+        now_ms = store._now_ms()
+        params: list[Any]
+        if claims:
+            sql = self._statements.claiming(count, state.writer_id, self._instance, self._cur.cursor)
+            params = [now_ms, state.epoch, MAX_TOKEN]  # the cap is set under the lock
+        else:
+            sql = self._statements.small(count, batch, token_count == 0, self._cur.cursor)
+            params = [_seq(schema), count, token_count, now_ms]
+            if token_count == 0:
+                params.append(self._batch_token)
+            params.append(self._instance)
         doubles = self._statements.doubles
         for i, row in enumerate(values, 1):
-            params.append(i)
+            if not claims:
+                params.append(i)
             if doubles:
                 # A double as its shortest exact text, which the server reads with float8's input:
                 # as a number psycopg2 writes -0.0, which an EXECUTE argument reads as a numeric
@@ -881,13 +974,12 @@ class WriteTransaction:
         # a concurrent report never claims a token still in flight.
         with store._lock:
             cap = self._cap()
-            if token_count == 0:
-                params.append(self._batch_token)
-            params += [cap, schema.name, state.writer_id, state.epoch]
-            if batch or token_count == 0:
-                params += [CHANNEL, schema.name]
-            else:  # the claim's and the payload's (_Statements._build_small)
-                params += [schema.name, state.writer_id, CHANNEL, schema.name, self._instance, schema.name]
+            if claims:
+                params[2] = cap
+            else:
+                if token_count == 0:
+                    params.append(self._batch_token)
+                params += [cap, schema.name, state.writer_id, state.epoch, CHANNEL, schema.name]
             # A prepared statement's parameters as literals where they can be (execute_literals):
             # the same text psycopg2 would send, for a third of its CPU.
             text = execute_literals(self._cur.cursor, sql, params) if count <= PREPARED_ROWS else None
@@ -901,7 +993,7 @@ class WriteTransaction:
                     raise Fenced(self._instance) from None
                 raise
             first = self._allocated(first_token, batch)
-            self._remember(first_token, token_count, first_ts, count, params[3])
+            self._remember(first_token, token_count, first_ts, count, now_ms)
         self._position_sent = first if batch else first + count - 1
         self.position_written = min(self._position_sent, cap)
         return first, first_ts
@@ -1066,6 +1158,7 @@ class _Statements:
         names = ", ".join(("seq", "token", "instance_name", "ts", *schema.column_names))
         self.copy = f"COPY {schema.table} ({names}) FROM STDIN"
         self._small: dict[tuple[int, bool, bool], str] = {}
+        self._claiming: dict[tuple[int, str, str], str] = {}
         self._formats = [_COPY_FORMATS[c.type] for c in schema.columns]
         self.doubles = frozenset(schema.double_columns)
         self._chunk = chunk_formatter(schema)
@@ -1085,54 +1178,84 @@ class _Statements:
             return sql
         return prepared(cursor, sql)
 
-    def _build_small(self, count: int, batch: bool, shared: bool) -> str:
+    def claiming(self, count: int, writer_id: str, instance: str, cursor: Any) -> str:
+        """A writer's statement for ``count`` rows not in a batch (see :meth:`_build_claiming`)."""
+        key = (count, writer_id, instance)
+        sql = self._claiming.get(key)
+        if sql is None:
+            if len(self._claiming) >= 256:  # bounded: writers of a long-lived process come and go
+                self._claiming.clear()
+            sql = self._claiming[key] = self._build_claiming(count, writer_id, instance)
+        if count > PREPARED_ROWS:
+            return sql
+        return prepared(cursor, sql)
+
+    def _build_claiming(self, count: int, writer_id: str, instance: str) -> str:
+        """One statement: allocation, position and claim (APPEND_FUNCTION), the rows' INSERT, the NOTIFY.
+
+        What is the same on every call of a writer (the stream's sequence, names and
+        channel, the writer's names, the row count, each row's index) is written in as
+        literals: its parameters are the clock, the epoch, the cap and the values (fewer
+        for the server to read and coerce per append; the sequence's name is resolved
+        when the statement is planned, not per call).
+        """
         schema = self.schema
+        casts = self._casts()
+        rows = ", ".join(f"({i}, {casts})" for i in range(1, count + 1))
+        aliases = ", ".join(f"v.{name}" for name in schema.column_names)
+        names = ", ".join(("seq", "token", "instance_name", "ts", *schema.column_names))
+        stream, name = _literal(schema.name), _literal(instance)
+        # The notification carries the rows and the claim, so the master can send them without
+        # reading them back (CommittedRows); the stream's name alone when that would not fit in
+        # a NOTIFY. One row needs no aggregate (and no sort): the same text, one plan node fewer.
+        row_json = " || ',' || ".join(value_json_sql(c.name, c.type) for c in schema.columns)
+        line = "E'\\n' || ins.token::text || E'\\t' || ins.ts::text || E'\\t' || ins.j"
+        lines, group = (line, "") if count == 1 else (f"string_agg({line}, '' ORDER BY ins.token)", " GROUP BY a.claim")
+        payload = (
+            f"COALESCE((SELECT CASE WHEN octet_length(p) <= {MAX_PAYLOAD_BYTES} THEN p END FROM "
+            f"(SELECT '{ROWS_PAYLOAD}' || E'\\t' || {stream} || E'\\t' || COALESCE(a.claim, -1)::text "
+            f"|| E'\\t' || {name} || {lines} AS p FROM ins, a{group}) AS pl), {stream})"
+        )
+        return (
+            f"WITH a AS (SELECT first_token, first_ts, claim FROM {APPEND_FUNCTION}({_literal(_seq(schema))}::regclass, "
+            f"{count}, {count}, %s::bigint, {stream}, {_literal(writer_id)}, %s::bigint, %s::bigint)), "
+            f"ins AS (INSERT INTO {schema.table} ({names}) "
+            f"SELECT a.first_ts + v._i - 1, a.first_token + v._i - 1, {name}, a.first_ts + v._i - 1, {aliases} "
+            f"FROM a, (VALUES {rows}) AS v(_i, {', '.join(schema.column_names)}) "
+            f"RETURNING token, ts, '[' || {row_json} || ']' AS j) "
+            f"SELECT a.first_token, a.first_ts, pg_notify({_literal(CHANNEL)}, {payload}) FROM a"
+        )
+
+    def _casts(self) -> str:
         # (%s)::type: the value as a literal in parentheses, so that -9223372036854775808 is one
         # bigint, not the negation of one too large. A double without them: psycopg2 writes -0.0,
         # which in parentheses is the numeric 0 (no sign); -0.0::float8 negates the double 0.0.
-        casts = ", ".join(
+        return ", ".join(
             f"%s::{COLUMN_TYPES[c.type][1]}" if c.type == "double" else f"(%s)::{COLUMN_TYPES[c.type][1]}"
-            for c in schema.columns
+            for c in self.schema.columns
         )
-        rows = ", ".join([f"(%s::int, {casts})"] * count)
+
+    def _build_small(self, count: int, batch: bool, shared: bool) -> str:
+        """A batch's statement (its rows share a token; its notification names the stream only)."""
+        schema = self.schema
+        rows = ", ".join([f"(%s::int, {self._casts()})"] * count)
         aliases = ", ".join(f"v.{name}" for name in schema.column_names)
         if shared:
-            token = "%s::bigint"
+            token, last = "%s::bigint", "COALESCE(%s::bigint, a.first_token)"
         elif batch:
-            token = "a.first_token"
-        else:
-            token = "a.first_token + v._i - 1"
-        last = (
-            "COALESCE(%s::bigint, a.first_token)"
-            if shared
-            else ("a.first_token" if batch else f"a.first_token + {count - 1}")
-        )
+            token, last = "a.first_token", "a.first_token"
+        else:  # not built: appends not in a batch take _build_claiming's statement
+            token, last = "a.first_token + v._i - 1", f"a.first_token + {count - 1}"
         names = ", ".join(("seq", "token", "instance_name", "ts", *schema.column_names))
-        if batch or shared:
-            # A batch's rows share a token: its notification names the stream only.
-            returning, claim, payload = "", "", "%s"
-        else:
-            # The notification carries the rows and the writer's claim (CLAIM_FUNCTION), so the
-            # master can send them without reading them back (CommittedRows); the stream's name
-            # alone when that would not fit in a NOTIFY.
-            row_json = " || ',' || ".join(value_json_sql(c.name, c.type) for c in schema.columns)
-            returning = f" RETURNING token, ts, '[' || {row_json} || ']' AS j"
-            claim = f", c AS (SELECT {CLAIM_FUNCTION}(%s, %s, (SELECT position FROM u)) AS claim)"
-            payload = (
-                f"COALESCE((SELECT CASE WHEN octet_length(p) <= {MAX_PAYLOAD_BYTES} THEN p END FROM "
-                f"(SELECT '{ROWS_PAYLOAD}' || E'\\t' || %s || E'\\t' || COALESCE(c.claim, -1)::text "
-                "|| E'\\t' || %s || string_agg(E'\\n' || ins.token::text || E'\\t' || ins.ts::text "
-                "|| E'\\t' || ins.j, '' ORDER BY ins.token) AS p FROM ins, c GROUP BY c.claim) AS pl), %s)"
-            )
         return (
             f"WITH a AS (SELECT first_token, first_ts FROM {ORACLE_FUNCTION}(%s::regclass, %s, %s, %s)), "
             f"ins AS (INSERT INTO {schema.table} ({names}) "
             f"SELECT a.first_ts + v._i - 1, {token}, %s, a.first_ts + v._i - 1, {aliases} "
-            f"FROM a, (VALUES {rows}) AS v(_i, {', '.join(schema.column_names)}){returning}), "
+            f"FROM a, (VALUES {rows}) AS v(_i, {', '.join(schema.column_names)})), "
             f"u AS (UPDATE tickline_writers SET position = GREATEST(position, LEAST({last}, %s)), "
             f"heartbeat_ms = {NOW_MS} FROM a "
-            f"WHERE stream = %s AND instance_name = %s AND epoch = %s AND alive RETURNING position){claim} "
-            f"SELECT a.first_token, a.first_ts, pg_notify(%s, {payload}) FROM a "
+            f"WHERE stream = %s AND instance_name = %s AND epoch = %s AND alive RETURNING position) "
+            f"SELECT a.first_token, a.first_ts, pg_notify(%s, %s) FROM a "
             f"WHERE (SELECT count(*) FROM u) = 1 OR {FENCED_FUNCTION}()"
         )
 
@@ -1255,6 +1378,18 @@ class _CopySource:
             raise
 
 
+def _literal(text: str) -> str:
+    """A string constant read the same whatever ``standard_conforming_strings`` is (``E'...'``).
+
+    A ``%`` (an instance name may hold one) is written as ``chr(37)``: the statement's text
+    goes through psycopg2's and :func:`storage.pg_db.prepared`'s ``%s`` placeholders.
+    """
+    if "\x00" in text:
+        raise ValueError("a string literal cannot hold NUL")
+    parts = ["E'" + part.replace("\\", "\\\\").replace("'", "''") + "'" for part in text.split("%")]
+    return parts[0] if len(parts) == 1 else "(" + " || chr(37) || ".join(parts) + ")"
+
+
 def _statements(schema: StreamSchema) -> _Statements:
     found = _STATEMENTS.get(schema)
     if found is None:
@@ -1317,7 +1452,7 @@ class PgNotifier:
 
 
 def _committed_rows(payload: str) -> CommittedRows | None:
-    """A rows notification (``_Statements._build_small``) parsed; None if it is not one."""
+    """A rows notification (``_Statements._build_claiming``) parsed; None if it is not one."""
     head, *lines = payload.split("\n")
     parts = head.split("\t")
     if len(parts) != 4 or not lines:

@@ -1,0 +1,227 @@
+"""PostgreSQL: the single-row append's one call (allocation, position, claim) and the oracle's floor.
+
+The allocation no longer reads ``tickline_tso.last_ts`` (the floor): a trigger
+lifts the oracle's sequence to every new floor before it commits. A writer
+declared dead cannot commit an append afterwards: the call's position update
+finds no live row of its epoch, or waits for the fencing's commit and then
+finds none (docs/time.md).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import psycopg2
+import pytest
+
+from replication.streams import EVENTS
+from scripts.pg_local import PostgresServer
+from storage import tso
+from storage.pg_store import FLOOR_TRIGGER, ORACLE_SEQUENCE, Fenced, PgStreamStore
+from storage.store import open_store
+from tests.integration.procs import wait_for
+from tests.stores import pg_store
+
+ROW = ["$a", "!r", "m.room.message", None, None]
+
+
+@pytest.fixture
+def store(pg_url):
+    s = pg_store(open_store(pg_url, report_interval=3600.0))
+    s.register_stream(EVENTS)
+    yield s
+    s.close()
+
+
+def _admin(url: str):
+    conn = psycopg2.connect(url)
+    conn.autocommit = True
+    return conn
+
+
+def _query(url: str, sql: str, params=()) -> list[tuple]:
+    conn = _admin(url)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(sql, params)
+            return cur.fetchall() if cur.description else []
+    finally:
+        conn.close()
+
+
+def _far_floor() -> int:
+    """A floor an hour ahead of the clock: only the floor can put the oracle there."""
+    return tso.compose(int(time.time() * 1000) + 3_600_000, 12)
+
+
+def _stored_ts(store: PgStreamStore) -> list[int]:
+    return [row[3] for row in store.read_rows("events", 0, 10**9, 10**6)]
+
+
+def test_the_floor_moved_by_an_operator_is_respected_by_the_next_append(store, pg_url) -> None:
+    store.append("events", [ROW], "w")
+    floor = _far_floor()
+    _query(pg_url, "UPDATE tickline_tso SET last_ts = %s WHERE id = 1", (floor,))
+    store.append("events", [ROW], "w")  # one statement (the append function)
+    store.append("events", [ROW] * 3, "w", batch=True)  # one statement (the allocation function)
+    store.append("events", [ROW] * 150, "w")  # COPY
+    stamps = _stored_ts(store)
+    assert stamps[0] < floor < stamps[1]
+    assert stamps == sorted(stamps) and len(set(stamps)) == len(stamps)
+    assert store.allocate_timestamps(1)[0] > stamps[-1]
+
+
+def test_a_floor_rolled_back_still_leaves_the_oracle_above_what_it_handed_out(store, pg_url) -> None:
+    """setval is not transactional: the sequence stays lifted (timestamps skipped, never repeated)."""
+    before = store.allocate_timestamps(1)[0]
+    floor = _far_floor()
+    conn = psycopg2.connect(pg_url)
+    with conn.cursor() as cur:
+        cur.execute("UPDATE tickline_tso SET last_ts = %s WHERE id = 1", (floor,))
+    conn.rollback()
+    conn.close()
+    assert _query(pg_url, "SELECT last_ts FROM tickline_tso")[0][0] < floor
+    store.append("events", [ROW], "w")
+    (ts,) = _stored_ts(store)
+    assert ts > floor > before
+
+
+def test_the_master_s_own_floor_does_not_take_the_oracle_s_lock(store, pg_url) -> None:
+    """allocate_timestamps writes a floor the sequence has reached: the trigger's check is enough."""
+    holder = _admin(pg_url)
+    try:
+        with holder.cursor() as cur:
+            # Holding the oracle's lock blocks every allocation, so block only the trigger's path:
+            # a floor below the sequence must not wait for the lock.
+            cur.execute("SELECT last_value FROM " + ORACLE_SEQUENCE)
+            (last,) = cur.fetchone()
+            cur.execute("SELECT pg_advisory_lock(%s)", (0x74736F,))
+            other = _admin(pg_url)
+            with other.cursor() as cur2:
+                cur2.execute("SET statement_timeout = 5000")
+                cur2.execute("UPDATE tickline_tso SET last_ts = %s WHERE id = 1", (last,))  # returns at once
+            other.close()
+            cur.execute("SELECT pg_advisory_unlock(%s)", (0x74736F,))
+    finally:
+        holder.close()
+
+
+def test_an_older_database_gets_the_floor_trigger_and_its_floor_on_migrate(pg_url) -> None:
+    """A database made before the trigger: migrate creates it and lifts the sequence to the floor."""
+    store = pg_store(open_store(pg_url, report_interval=3600.0))
+    store.register_stream(EVENTS)
+    store.close()
+    _query(pg_url, f"DROP TRIGGER {FLOOR_TRIGGER} ON tickline_tso")
+    floor = _far_floor()
+    _query(pg_url, "UPDATE tickline_tso SET last_ts = %s WHERE id = 1", (floor,))  # no trigger: the sequence stays
+    assert _query(pg_url, f"SELECT last_value FROM {ORACLE_SEQUENCE}")[0][0] < floor
+    again = pg_store(open_store(pg_url, report_interval=3600.0))  # migrates
+    try:
+        assert _query(pg_url, "SELECT count(*) FROM pg_trigger WHERE tgname = %s", (FLOOR_TRIGGER,)) == [(1,)]
+        again.append("events", [ROW], "w")
+        (ts,) = _stored_ts(again)
+        assert ts > floor
+    finally:
+        again.close()
+
+
+def test_a_raised_floor_survives_a_server_crash() -> None:
+    """The trigger's setval is flushed by the floor's commit: after an immediate stop the oracle is above it."""
+    server = PostgresServer()
+    server.start()
+    try:
+        url = server.new_database()
+        _query(url, f"ALTER DATABASE {url.rsplit('/', 1)[1]} SET synchronous_commit = on")
+        store = pg_store(open_store(url, report_interval=3600.0))
+        store.register_stream(EVENTS)
+        store.append("events", [ROW], "w")
+        store.database.close()
+        floor = _far_floor()
+        _query(url, "UPDATE tickline_tso SET last_ts = %s WHERE id = 1", (floor,))
+        server._run(server._pg_ctl(), "-D", str(server.datadir / "data"), "-m", "immediate", "stop")
+        server._launch()
+        again = pg_store(open_store(url, report_interval=3600.0))
+        again.append("events", [ROW], "w")
+        assert _stored_ts(again)[-1] > floor
+        again.close()
+    finally:
+        server.stop()
+
+
+def test_a_fenced_writer_s_single_row_append_fails_and_writes_nothing(store, pg_url) -> None:
+    first = store.append("events", [ROW], "w")
+    state = store._writers[("events", "w")]
+    _query(pg_url, "UPDATE tickline_writers SET heartbeat_ms = 0")
+    other = open_store(pg_url)
+    try:
+        other.safe_positions(expire_writers=True)  # the master's sweep: this writer is dead
+    finally:
+        other.close()
+    with pytest.raises(Fenced):
+        store._append_one_statement("events", [ROW], "w", False)  # the one statement, no retry
+    assert store.read_rows("events", 0, 10**9, 10) == store.read_rows("events", 0, first[0], 10)
+    assert ("events", "w") not in store._writers  # registers again on its next write
+    again = store.append("events", [ROW], "w")  # new epoch, new tokens
+    assert again[0] > first[0] + 1  # the fenced attempt's token is skipped
+    assert [r[1] for r in store.read_rows("events", 0, 10**9, 10)] == first + again
+    assert store._writers[("events", "w")].epoch == state.epoch + 2  # declared dead, then registered
+
+
+def test_an_append_racing_the_fencing_waits_for_it_and_commits_nothing(store, pg_url) -> None:
+    """The fencing holds the writer's row; the append's position update waits, then finds it dead."""
+    first = store.append("events", [ROW], "w")
+    fencer = psycopg2.connect(pg_url)
+    try:
+        with fencer.cursor() as cur:
+            cur.execute("UPDATE tickline_writers SET alive = FALSE, epoch = epoch + 1 WHERE stream = 'events'")
+        outcome: list[object] = []
+
+        def append() -> None:
+            try:
+                outcome.append(store._append_one_statement("events", [ROW], "w", False))
+            except Exception as e:  # the outcome is checked below
+                outcome.append(e)
+
+        thread = threading.Thread(target=append)
+        thread.start()
+        wait_for(
+            lambda: _query(pg_url, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'")[0][0] == 1,
+            10,
+            "the append to wait for the writer's row",
+        )
+        fencer.commit()
+        thread.join(10)
+        assert len(outcome) == 1 and isinstance(outcome[0], Fenced)
+    finally:
+        fencer.close()
+    assert [r[1] for r in store.read_rows("events", 0, 10**9, 10)] == first
+    again = store.append("events", [ROW], "w")
+    assert [r[1] for r in store.read_rows("events", 0, 10**9, 10)] == first + again
+
+
+@pytest.mark.parametrize("count", [1, 3, 20])
+def test_an_instance_name_with_quotes_backslashes_and_percent_signs(store, count) -> None:
+    """The writer's names are written into its statement as literals (prepared up to 8 rows, then not)."""
+    instance = "w%s'x\\y%"
+    notifier = store.notifier()
+    try:
+        tokens = store.append("events", [ROW] * count, instance)
+        again = store.append("events", [ROW] * count, instance)
+        stored = store.read_rows("events", 0, 10**9, 100)
+        assert [r[1] for r in stored] == tokens + again == list(range(1, 2 * count + 1))
+        assert {r[2] for r in stored} == {instance}
+        committed: list = []
+
+        def both() -> bool:
+            committed.extend(notifier.drain_committed()[1])
+            return len(committed) == 2
+
+        wait_for(both, 10, "both notifications")
+        assert [(c.stream, c.instance, c.safe) for c in committed] == [
+            ("events", instance, count),
+            ("events", instance, 2 * count),
+        ]
+        assert [token for c in committed for token, _, _ in c.rows] == tokens + again
+    finally:
+        notifier.close()
