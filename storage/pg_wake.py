@@ -49,7 +49,7 @@ import psycopg2.extensions
 
 from storage.contracts import WakeReads, WakeResult
 from storage.pg_db import session_settings
-from storage.pg_lines import PLAN_SETTINGS, last_token_sql, line_sql, lines_select_sql
+from storage.pg_lines import PLAN_SETTINGS, line_sql, lines_select_sql
 from storage.pg_store import _ORACLE_LAST_SQL, PgStreamStore, _seq
 from storage.schema import StreamSchema
 from storage.store import DatabaseUnavailable
@@ -66,11 +66,14 @@ def _literal(text: str) -> str:
 def _lines_cte(index: int, schema: StreamSchema, variants: tuple[bool, ...]) -> str:
     """The lines of stream ``index`` (1-based in the arrays) up to its position, in each variant asked.
 
-    Two CTEs: ``u<index>``, the token of the ``max_rows``-th row, and
-    ``l<index>``, the lines of each variant gathered in order, the last
-    token, the count and the longest line. The lines are built by
-    ``storage.pg_lines`` (the same SQL as the master's reads), each variant
-    a column of the same rows.
+    Two CTEs: ``u<index>``, the last token and the count of the first
+    ``max_rows + 1`` rows after ``afters[index]``, and ``l<index>``, the
+    lines of each variant gathered in order, the last token, the count, the
+    longest line and that first count. Only a range of at most ``max_rows``
+    rows is read (the lines of a larger one are left to the master's reads,
+    cheaper per row: see the module doc), whole: every row up to the
+    position. The lines are built by ``storage.pg_lines`` (the same SQL as
+    the master's reads of a ``json`` stream), each variant a column of the same rows.
     """
     after = f"afters[{index}]"
     position = f"(SELECT pos.position FROM pos WHERE pos.name = {_literal(schema.name)})"
@@ -79,7 +82,7 @@ def _lines_cte(index: int, schema: StreamSchema, variants: tuple[bool, ...]) -> 
         schema,
         {f"line_{int(v)}": line_sql(schema, v, prefix) for v in variants},
         after,
-        f"(SELECT u{index}.upper_token FROM u{index})",
+        f"(SELECT CASE WHEN u{index}.found <= max_rows THEN u{index}.upper_token END FROM u{index})",
     )
 
     def gathered(variant: bool) -> str:
@@ -89,10 +92,11 @@ def _lines_cte(index: int, schema: StreamSchema, variants: tuple[bool, ...]) -> 
 
     # The longest line: the variant with ts where it is asked (the longer one).
     return (
-        f"u{index} AS ({last_token_sql(schema.table, after, position, 'max_rows')}), "
+        f"u{index} AS (SELECT max(x.token) AS upper_token, count(*) AS found FROM (SELECT r.token FROM {schema.table} r "
+        f"WHERE r.token > {after} AND r.token <= {position} ORDER BY r.token LIMIT max_rows + 1) AS x), "
         f"l{index} AS (SELECT {gathered(False)} AS lines, {gathered(True)} AS lines_ts, "
         f"max(x.token) AS last, count(*) AS cnt, COALESCE(max(octet_length(x.line_{int(max(variants))})), 0)::integer "
-        f"AS longest FROM ({select}) AS x)"
+        f"AS longest, (SELECT u{index}.found FROM u{index}) AS found FROM ({select}) AS x)"
     )
 
 
@@ -122,8 +126,9 @@ def wake_function_sql(function: str, schemas: list[StreamSchema], reads: list[tu
         ctes.append(_lines_cte(index, schema, variants))
         selects.append(
             f"SELECT {_literal(schema.name)}::text, NULL::bigint, NULL::bigint, NULL::boolean, NULL::bigint, "
-            f"NULL::bigint, l{index}.lines, l{index}.lines_ts, l{index}.last, l{index}.cnt, l{index}.longest "
-            f"FROM l{index} WHERE l{index}.cnt > 0"
+            f"NULL::bigint, l{index}.lines, l{index}.lines_ts, l{index}.last, "
+            f"CASE WHEN l{index}.found > max_rows THEN -1 ELSE l{index}.cnt END, l{index}.longest "
+            f"FROM l{index} WHERE l{index}.cnt > 0 OR l{index}.found > max_rows"
         )
     query = "WITH " + ", ".join(ctes) + " " + " UNION ALL ".join(selects)
     return (
@@ -206,7 +211,7 @@ class PgWake:
         positions: dict[str, int] = {}
         first: dict[str, tuple[int, tuple[dict[bool, bytes], int, int]]] = {}
         limit = self._store.max_line_bytes
-        too_long: set[str] = set()
+        unread: set[str] = set()
         for name, position, head, live, last_ts, mark, lines, lines_ts, last, count, longest in rows:
             if count is None:
                 positions[name] = int(position)
@@ -218,8 +223,8 @@ class PgWake:
                 if found is not None:
                     times[name] = found
                 continue
-            if limit is not None and longest > limit:
-                too_long.add(name)  # the caller builds these lines itself
+            if count < 0 or (limit is not None and longest > limit):
+                unread.add(name)  # more rows than the limit, or a line too long: the master reads them
                 continue
             encoded = {}
             if lines is not None:
@@ -229,7 +234,7 @@ class PgWake:
             first[name] = (reads[name][0], (encoded, int(last), int(count)))
         # Streams read whose range held no row (tokens rolled back): the master moves them on.
         for name, (after, variants) in reads.items():
-            if name not in first and name not in too_long and positions.get(name, after) > after:
+            if name not in first and name not in unread and positions.get(name, after) > after:
                 first[name] = (after, ({v: b"" for v in variants}, after, 0))
         return (times if read_mark else None), positions, first
 

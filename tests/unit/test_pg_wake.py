@@ -81,17 +81,22 @@ def test_same_answer_as_the_threaded_statements(stores) -> None:
     assert times is None and positions == got[1] and first == got[2]
 
 
-def test_a_limit_never_cuts_a_token(stores) -> None:
+def test_a_range_over_the_limit_is_left_to_the_master(stores) -> None:
+    """The wake-up reads a range's lines only when it holds at most ``limit`` rows, and then all of them."""
     writer, _reader, wake = stores
     writer.append("events", [["$a", "!r", "t", None, None]], "w")
     writer.append("events", [[f"$b{i}", "!r", "t", None, None] for i in range(3)], "w", batch=True)
     writer.append("events", [["$c", "!r", "t", None, None]], "w")
-    wake.start(True, {"events": (0, (False,))}, 2)
-    _times, positions, first = drive(wake)
-    assert positions["events"] == 3
-    encoded, last, count = first["events"][1]
-    assert (last, count) == (2, 4)  # the limit fell inside token 2: all of its rows come
-    assert encoded[False].count(b"\n") == 4
+    for limit in (1, 2, 4):
+        wake.start(True, {"events": (0, (False,))}, limit)
+        _times, positions, first = drive(wake)
+        assert positions["events"] == 3 and "events" not in first  # five rows: the master reads them
+    wake.start(True, {"events": (0, (False,))}, 5)
+    encoded, last, count = drive(wake)[2]["events"][1]
+    assert (last, count) == (3, 5)  # every row up to the position, the batch whole
+    assert encoded[False].count(b"\n") == 5 and encoded[False].count(b" batch ") == 2
+    wake.start(True, {"events": (1, (False,))}, 4)
+    assert drive(wake)[2]["events"][1][1:] == (3, 4)
 
 
 def test_a_range_without_rows_moves_on(stores) -> None:
