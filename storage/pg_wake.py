@@ -83,16 +83,20 @@ def _lines_cte(index: int, schema: StreamSchema, variants: tuple[bool, ...]) -> 
         {f"line_{int(v)}": line_sql(schema, v, prefix) for v in variants},
         after,
         f"(SELECT CASE WHEN u{index}.found <= max_rows THEN u{index}.upper_token END FROM u{index})",
+        f"(SELECT u{index}.repeats FROM u{index})",
     )
 
     def gathered(variant: bool) -> str:
         if variant not in variants:
             return "NULL::text"
-        return f"string_agg(x.line_{int(variant)}, E'\\n' ORDER BY x.token, x.seq) || E'\\n'"
+        # In the subquery's order, which it keeps (OFFSET 0) and the aggregate takes as it comes: an
+        # ORDER BY here would sort the lines again (PostgreSQL 15 sorts an ordered aggregate's input).
+        return f"string_agg(x.line_{int(variant)}, E'\\n') || E'\\n'"
 
     # The longest line: the variant with ts where it is asked (the longer one).
     return (
-        f"u{index} AS (SELECT max(x.token) AS upper_token, count(*) AS found FROM (SELECT r.token FROM {schema.table} r "
+        f"u{index} AS (SELECT max(x.token) AS upper_token, count(*) AS found, "
+        f"count(*) > count(DISTINCT x.token) AS repeats FROM (SELECT r.token FROM {schema.table} r "
         f"WHERE r.token > {after} AND r.token <= {position} ORDER BY r.token LIMIT max_rows + 1) AS x), "
         f"l{index} AS (SELECT {gathered(False)} AS lines, {gathered(True)} AS lines_ts, "
         f"max(x.token) AS last, count(*) AS cnt, COALESCE(max(octet_length(x.line_{int(max(variants))})), 0)::integer "
