@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import itertools
 import select
 
 import psycopg2
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from replication.streams import CACHES, EVENTS
+from storage import pg_lines
 from storage.pg_lines import line_sql
 from storage.pg_store import PgStreamStore
 from storage.pg_wake import PgWake, wake_function_sql
 from storage.schema import Column, StreamSchema
 from storage.store import DatabaseUnavailable, open_store
 from tests.stores import pg_store
+from tests.unit.test_pg_columns_out import APPENDS
 
 NUMBERS = StreamSchema("numbers", (Column("x", "double", nullable=True), Column("flag", "boolean")))
 
@@ -176,3 +181,42 @@ def test_the_wake_ups_lines_are_the_python_encoders_bytes(stores) -> None:
     schemas = reader._catalog.known()
     sql = wake_function_sql("f", schemas, [(schemas.index(TEXTS) + 1, (False, True))])
     assert line_sql(TEXTS, True, "'RDATA texts '") in sql and "lead(" not in sql
+
+
+_wake_names = (f"wakeprop{i}" for i in itertools.count())
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    appends=APPENDS,
+    variants=st.sampled_from([(False,), (True,), (False, True)]),
+    limit=st.integers(1, 8),
+)
+def test_the_wake_ups_lines_are_the_server_built_lines(stores, appends, variants, limit) -> None:
+    """Arbitrary rows (unicode, quotes, control characters, NULLs, every type but json, batches,
+    instance names with commas and quotes): the wake-up's lines are ``storage.pg_lines``' bytes for
+    every start, and it reads them exactly when the range up to the position holds at most ``limit`` rows."""
+    writer, reader, wake = stores
+    columns, writes = appends
+    schema = StreamSchema(next(_wake_names), columns)
+    writer.register_stream(schema)
+    last = 0
+    for rows, instance, batch in writes:
+        last = max(writer.append(schema.name, rows, instance, batch=batch))
+    reader.catalog()
+    prefix = f"RDATA {schema.name} "
+    for after in range(last):
+        wake.start(True, {schema.name: (after, variants)}, limit)
+        _times, positions, first = drive(wake)
+        position = positions[schema.name]
+        with reader._side_cursor() as cur:
+            built = {v: pg_lines.read_lines(cur, schema, after, position, 10**6, prefix, v, None) for v in variants}
+        count = next(iter(built.values()))[2]
+        if count > limit:
+            assert schema.name not in first  # the master reads them
+            continue
+        if position <= after:
+            assert schema.name not in first
+            continue
+        expected = {v: got[0] for v, got in built.items()}
+        assert first[schema.name] == (after, (expected, after if count == 0 else built[variants[0]][1], count))
