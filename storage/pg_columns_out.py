@@ -3,14 +3,22 @@
 ``storage.pg_lines`` has the server build every line (JSON escaping by
 ``array_to_json``, concatenations): 1.5-1.8 µs of the backend's CPU per row,
 which bounded the master's reads on PostgreSQL. Here the server sends each
-row's columns, from a session's temporary function of the same kind (planned
-once, the same plan settings), and the master turns a whole ``COPY`` buffer
-into lines with a handful of bytes operations, no Python object per row or
-value. The function joins the rows to the range's multi-row tokens (the
-``batch`` marks, as ``pg_lines``) only when its first statement, which finds
-the range's last token, saw a token repeat or the last token has more than
-one row: usually none does, and the join (its ``GROUP BY``) cost about a
-quarter of the backend's time per row.
+row's columns and the master turns a whole ``COPY`` buffer into lines with a
+handful of bytes operations, no Python object per row or value.
+
+**The read** (:func:`read_columns`), in one transaction on the thread's
+connection: a prepared statement (:func:`range_statement_sql`) finds the
+range's last token and whether a token of several rows may be in it
+(usually none is); then a plain ``COPY (SELECT ... ORDER BY token, seq)``
+of the range with its bounds as literals (:func:`range_copy_sql`), whose
+plan the transaction's ``SET LOCAL``\ s steer to the ``(token, seq)`` index
+(``pg_lines.PLAN_SETTINGS``: left alone, the planner sorts a bitmap scan's
+rows). No function: ``RETURN QUERY`` puts every row in a tuple store first.
+Measured (docs/benchmarks.md, pgread3): about 0.8-0.9 µs of the backend per
+row against 1.0-1.1 by the function that did both steps. A range that may
+hold a batch is read by a session function
+(:func:`columns_function_sql`) that joins its rows to the range's
+multi-row tokens (the ``batch`` marks, as ``pg_lines``).
 
 **The format does the JSON.** ``COPY ... (FORMAT csv, DELIMITER ',', QUOTE
 '"', ESCAPE '\\', NULL 'null', FORCE_QUOTE (<text columns>))`` writes a
@@ -38,6 +46,7 @@ rows). A stream with a ``json`` column (its text holds quotes, which
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import psycopg2
@@ -107,6 +116,7 @@ def range_statement_sql(name: str, schema: StreamSchema, _with_ts: bool) -> str:
     )
 
 
+@functools.lru_cache(maxsize=256)
 def range_copy_sql(schema: StreamSchema, with_ts: bool) -> str:
     """The ``COPY`` of the rows ``%(after)s < token <= %(last)s`` of a range without batches, for ``mogrify``.
 
