@@ -11,7 +11,7 @@ connection: a prepared statement (:func:`range_statement_sql`) finds the
 range's last token and whether a token of several rows may be in it
 (usually none is); then a plain ``COPY (SELECT ... ORDER BY token, seq)``
 of the range with its bounds as literals (:func:`range_copy_sql`), whose
-plan the transaction's ``SET LOCAL``\ s steer to the ``(token, seq)`` index
+plan the transaction's ``SET LOCAL`` statements steer to the ``(token, seq)`` index
 (``pg_lines.PLAN_SETTINGS``: left alone, the planner sorts a bitmap scan's
 rows). No function: ``RETURN QUERY`` puts every row in a tuple store first.
 Measured (docs/benchmarks.md, pgread3): about 0.8-0.9 µs of the backend per
