@@ -91,11 +91,6 @@ from storage.timeline_contract import TimelineStore
 logger = logging.getLogger(__name__)
 # Commits with their rows held while a pass runs (Master.notified); beyond, a pass reads them.
 MAX_HELD_COMMITS = 256
-# The wake-up (PostgreSQL) reads the lines of a stream's new rows itself only when they are at
-# most this many (and fanout_rows): one round trip for a commit of up to a few thousand rows,
-# lines built by the server and gathered into one value (no Python per row); a larger range
-# is read by the database threads, two reads at once (replication.read_ahead).
-WAKE_LINES_ROWS = 2000
 
 
 def _live_variants(subs: dict[FanOutTarget, Subscription]) -> tuple[bool, ...]:
@@ -655,7 +650,7 @@ class Master:
             return None
         query = self._wake_call
         assert query is not None
-        d = wake.run(lambda: query.start(take_time == "read", reads, min(WAKE_LINES_ROWS, self.config.fanout_rows)))
+        d = wake.run(lambda: query.start(take_time == "read", reads, self.config.fanout_rows))
         if d is None:
             return None
         try:
