@@ -17,7 +17,7 @@ if the bound cuts it, it ends before its range).
 The first ranges of a pass span a quarter of that: the fan-out waits for the
 first read, which on PostgreSQL takes about 1 µs of the server's time per row
 (docs/benchmarks.md, pgread3: the first row of a 200,000-row commit came
-after 25-30 ms with full ranges, 8-10 ms with these).
+after 25-31 ms with full ranges, 8-12 ms with these).
 
 A read is used only by the chunk that starts where it starts (and in the
 same variants): :meth:`ReadAhead.take`. A read that ended before its range
