@@ -765,6 +765,7 @@ class Master:
                 continue
             # The next chunks are read while this one is fanned out (replication.read_ahead).
             ahead = ReadAhead(self._read_chunk, stream, self.config.fanout_rows, self.store.parallel_reads)
+            empty_range = False
             try:
                 while self._live[stream] < head:
                     subs = self._live_subs[stream]
@@ -774,20 +775,29 @@ class Master:
                     variants = self._variants(stream, subs)
                     after = self._live[stream]
                     pre = first.pop(stream, None)
-                    read = None if pre is not None and pre[0] == after else ahead.take(after, variants)
                     end = head  # the read covers (after, end]
                     if pre is not None and pre[0] == after:
                         encoded, last_token, count = pre[1]
-                    elif read is not None:
-                        end = read[0]
-                        encoded, last_token, count = await read[1]
-                    else:
+                    elif empty_range:
+                        # A range read ahead held no row: this read finds where its rows end.
+                        empty_range = False
                         encoded, last_token, count = await self._read_chunk(
                             stream, after, head, self.config.fanout_rows, variants
                         )
+                    else:
+                        read = ahead.take(after, variants)
+                        if read is None:
+                            # The pass's first read: with depth > 1 the next ones start with it,
+                            # not once it is in.
+                            ahead.fill(after, head, variants)
+                            read = ahead.take(after, variants)
+                            assert read is not None
+                        end = read[0]
+                        encoded, last_token, count = await read[1]
                     if count == 0:
                         if end < head:
                             ahead.drop()  # a range read ahead without rows: read on from here
+                            empty_range = True
                             continue
                         self._timetick(stream, head)
                         break

@@ -14,6 +14,11 @@ span]``, ``span`` the tokens the last chunk held per ``fanout_rows`` rows
 a bound of ``2 * fanout_rows`` rows (a read never returns part of a token;
 if the bound cuts it, it ends before its range).
 
+The first ranges of a pass span a quarter of that: the fan-out waits for the
+first read, which on PostgreSQL takes about 1 µs of the server's time per row
+(docs/benchmarks.md, pgread3: the first row of a 200,000-row commit came
+after 25-31 ms with full ranges, 8-12 ms with these).
+
 A read is used only by the chunk that starts where it starts (and in the
 same variants): :meth:`ReadAhead.take`. A read that ended before its range
 (burnt tokens at its end, more rows than the bound) leaves the next reads
@@ -33,6 +38,9 @@ from twisted.internet import defer
 
 logger = logging.getLogger(__name__)
 
+# A pass's first ranges span fanout_rows / FIRST_SPAN_DIVISOR tokens (see ReadAhead.__init__).
+FIRST_SPAN_DIVISOR = 4
+
 Encoded = tuple[dict[bool, bytes], int, int]
 # (stream, after, upto, limit, variants) -> the chunk, read on a database thread.
 ReadChunk = Callable[[str, int, int, int, tuple[bool, ...]], "defer.Deferred[Encoded]"]
@@ -46,7 +54,9 @@ class ReadAhead:
         self._stream = stream
         self._rows = rows
         self._depth = max(depth, 1)
-        self._span = rows
+        # The first ranges are short: the fan-out starts once the first read is in, and the
+        # ranges after it take the span the chunks show (chunk_read).
+        self._span = max(1, rows // FIRST_SPAN_DIVISOR)
         # (start, end of the range asked, variants, the read)
         self._reads: deque[tuple[int, int, tuple[bool, ...], defer.Deferred[Encoded]]] = deque()
 

@@ -3,14 +3,22 @@
 ``storage.pg_lines`` has the server build every line (JSON escaping by
 ``array_to_json``, concatenations): 1.5-1.8 µs of the backend's CPU per row,
 which bounded the master's reads on PostgreSQL. Here the server sends each
-row's columns, from a session's temporary function of the same kind (planned
-once, the same plan settings), and the master turns a whole ``COPY`` buffer
-into lines with a handful of bytes operations, no Python object per row or
-value. The function joins the rows to the range's multi-row tokens (the
-``batch`` marks, as ``pg_lines``) only when its first statement, which finds
-the range's last token, saw a token repeat or the last token has more than
-one row: usually none does, and the join (its ``GROUP BY``) cost about a
-quarter of the backend's time per row.
+row's columns and the master turns a whole ``COPY`` buffer into lines with a
+handful of bytes operations, no Python object per row or value.
+
+**The read** (:func:`read_columns`), in one transaction on the thread's
+connection: a prepared statement (:func:`range_statement_sql`) finds the
+range's last token and whether a token of several rows may be in it
+(usually none is); then a plain ``COPY (SELECT ... ORDER BY token, seq)``
+of the range with its bounds as literals (:func:`range_copy_sql`), whose
+plan the transaction's ``SET LOCAL`` statements steer to the ``(token, seq)`` index
+(``pg_lines.PLAN_SETTINGS``: left alone, the planner sorts a bitmap scan's
+rows). No function: ``RETURN QUERY`` puts every row in a tuple store first.
+Measured (docs/benchmarks.md, pgread3): about 0.8-0.9 µs of the backend per
+row against 1.0-1.1 by the function that did both steps. A range that may
+hold a batch is read by a session function
+(:func:`columns_function_sql`) that joins its rows to the range's
+multi-row tokens (the ``batch`` marks, as ``pg_lines``).
 
 **The format does the JSON.** ``COPY ... (FORMAT csv, DELIMITER ',', QUOTE
 '"', ESCAPE '\\', NULL 'null', FORCE_QUOTE (<text columns>))`` writes a
@@ -38,7 +46,10 @@ rows). A stream with a ``json`` column (its text holds quotes, which
 
 from __future__ import annotations
 
+import functools
 from typing import Any
+
+import psycopg2
 
 from storage import pg_lines
 from storage.pg_lines import PLAN_SETTINGS, CopyChunks, SessionFunctions, lines_select_sql, value_json_sql
@@ -87,44 +98,81 @@ def copy_options(schema: StreamSchema) -> str:
     return f"(FORMAT csv, DELIMITER ',', QUOTE '\"', ESCAPE E'\\\\', NULL 'null'{force})"
 
 
-def columns_function_sql(function: str, schema: StreamSchema, with_ts: bool) -> str:
-    """``CREATE FUNCTION pg_temp.<function>(after, upto, max_rows, prefix) RETURNS TABLE (...)``.
+def range_statement_sql(name: str, schema: StreamSchema, _with_ts: bool) -> str:
+    """``PREPARE <name>(after, upto, max_rows)``: the range's last token, and whether a batch may be in it.
 
-    The rows with ``after < token <= last`` (``last`` as in
-    ``pg_lines.lines_function_sql``) in ``(token, seq)`` order, each as the
-    columns of :func:`columns_sql`.
+    ``last`` as in ``pg_lines.lines_function_sql`` (the token of the
+    ``max_rows``-th row after ``after``, at most ``upto``; NULL if none);
+    ``batched`` if a token repeats among those rows (they come sorted, so the
+    distinct count is cheap) or the last token has more than one row (its
+    rows may go past the limit). One statement, planned once per connection.
+    """
+    table = schema.table
+    return (
+        f"PREPARE {name}(bigint, bigint, integer) AS SELECT x.last, x.repeats OR ("
+        f"SELECT count(*) > 1 FROM (SELECT 1 FROM {table} r WHERE r.token = x.last LIMIT 2) AS y) FROM ("
+        "SELECT max(z.token) AS last, count(*) > count(DISTINCT z.token) AS repeats FROM ("
+        f"SELECT r.token FROM {table} r WHERE r.token > $1 AND r.token <= $2 ORDER BY r.token LIMIT $3) AS z) AS x"
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def range_copy_sql(schema: StreamSchema, with_ts: bool) -> str:
+    """The ``COPY`` of the rows ``%(after)s < token <= %(last)s`` of a range without batches, for ``mogrify``.
+
+    A plain query, not a function: ``RETURN QUERY`` puts every row in a
+    tuple store first (about 0.15 us per row of the backend's 1.0). Planned
+    on each call, with the range as literals (a few tens of microseconds per
+    read); its ``ORDER BY`` is the index's, whatever plan the planner picks.
+    """
+    columns = columns_sql(schema, with_ts, batched=False)
+    columns["o_head"] = columns["o_head"].replace("$4", "%(prefix)s")
+    listed = ", ".join(f"{expression} AS {name}" for name, expression in columns.items())
+    return (
+        f"COPY (SELECT {listed} FROM {schema.table} t WHERE t.token > %(after)s AND t.token <= %(last)s "
+        f"ORDER BY t.token, t.seq) TO STDOUT WITH {copy_options(schema)}"
+    )
+
+
+def columns_function_sql(function: str, schema: StreamSchema, with_ts: bool) -> str:
+    """``CREATE FUNCTION pg_temp.<function>(after, last, prefix) RETURNS TABLE (...)``: a range with batches.
+
+    The rows with ``after < token <= last`` in ``(token, seq)`` order, each
+    as the columns of :func:`columns_sql`, joined to the range's multi-row
+    tokens (``pg_lines.lines_select_sql``) so a batch's rows below the last
+    say ``batch``.
     """
     columns = columns_sql(schema, with_ts)
-    select = lines_select_sql(schema, columns, "$1", "last_token")
-    table = schema.table
-    single = ", ".join(f"{expression} AS {name}" for name, expression in columns_sql(schema, with_ts, False).items())
+    select = lines_select_sql(schema, columns, "$1", "$2")
     kinds = {"o_ts": "bigint"} | {f"o_{i}": "bigint" for i, c in enumerate(schema.columns, 1) if c.type == "bigint"}
     returns = ", ".join(f"{name} {kinds.get(name, 'text')}" for name in columns)
     listed = ", ".join(f"l.{name}" for name in columns)
     return (
-        f"CREATE FUNCTION pg_temp.{function}(bigint, bigint, integer, text) RETURNS TABLE ({returns}) "
+        f"CREATE FUNCTION pg_temp.{function}(bigint, bigint, text) RETURNS TABLE ({returns}) "
         f"LANGUAGE plpgsql STABLE {PLAN_SETTINGS} AS $fn$\n#variable_conflict use_variable\n"
-        "DECLARE\n    last_token bigint;\n    batched boolean;\nBEGIN\n"
-        # The last token, and whether a token repeats among the first rows (the rows past the limit
-        # have tokens >= the last; the last's own rows are counted next): the join that marks a
-        # batch's rows costs about 0.25 us per row (its GROUP BY), counting distinct sorted tokens 0.1.
-        "    SELECT max(x.token), count(*) > count(DISTINCT x.token) INTO last_token, batched FROM ("
-        f"SELECT r.token FROM {table} r WHERE r.token > $1 AND r.token <= $2 ORDER BY r.token LIMIT $3) AS x;\n"
-        "    IF NOT batched THEN\n"
-        f"        SELECT count(*) > 1 INTO batched FROM (SELECT 1 FROM {table} r WHERE r.token = last_token LIMIT 2) AS x;\n"
-        "    END IF;\n"
-        "    IF batched THEN\n"
-        f"        RETURN QUERY SELECT {listed} FROM ({select}) AS l ORDER BY l.token, l.seq;\n"
-        "    ELSE\n"
-        f"        RETURN QUERY SELECT {listed} FROM (SELECT t.token, t.seq, {single} FROM {table} t "
-        "WHERE t.token > $1 AND t.token <= last_token ORDER BY t.token, t.seq OFFSET 0) AS l "
-        "ORDER BY l.token, l.seq;\n"
-        "    END IF;\n"
+        f"BEGIN\n    RETURN QUERY SELECT {listed} FROM ({select.replace('$4', '$3')}) AS l ORDER BY l.token, l.seq;\n"
         "END\n$fn$"
     )
 
 
+# The plan the plain COPY is written for, as pg_lines.PLAN_SETTINGS: the (token, seq) index in order.
+# Left to itself the planner takes a bitmap scan and a sort (about 0.2 us per row more, and a sort
+# of 20,000 wide rows spills past work_mem), with statistics or without.
+_STEER = "BEGIN; " + "".join(
+    f"SET LOCAL {setting.strip()}; " for setting in PLAN_SETTINGS.removeprefix("SET ").split(" SET ")
+)
+
+
+def _roll_back(cursor: Any) -> None:
+    """End the read's transaction after an error (the connection may be gone: then nothing to end)."""
+    try:
+        cursor.execute("ROLLBACK")
+    except psycopg2.Error:
+        pass
+
+
 _COLUMNS_FUNCTIONS = SessionFunctions("tickline_columns", columns_function_sql)
+_RANGE_STATEMENTS = SessionFunctions("tickline_range", range_statement_sql)
 
 
 def lines_from_columns(data: bytes, rows: int) -> bytes | None:
@@ -165,10 +213,25 @@ def read_columns(
 
     No check of ``max_line_bytes``: :func:`read_lines` makes it.
     """
+    # Both made outside the transaction below (its rollback would take a function made in it).
+    statement = _RANGE_STATEMENTS.name(cursor, schema, False)
     function = _COLUMNS_FUNCTIONS.name(cursor, schema, with_ts)
-    query = cursor.mogrify(f"SELECT * FROM pg_temp.{function}(%s, %s, %s, %s)", (after, upto, limit, prefix))
     chunks = CopyChunks()
-    cursor.copy_expert(f"COPY ({query.decode()}) TO STDOUT WITH {copy_options(schema)}", chunks)
+    try:
+        # One transaction: its SET LOCAL steers the plain COPY's plan (the function's SET clause
+        # does the same for a range with batches) and ends with it.
+        cursor.execute(f"{_STEER}EXECUTE {statement}(%s, %s, %s)", (after, upto, limit))
+        last, batched = cursor.fetchone()
+        if last is not None and batched:
+            query = cursor.mogrify(f"SELECT * FROM pg_temp.{function}(%s, %s, %s)", (after, last, prefix)).decode()
+            cursor.copy_expert(f"COPY ({query}) TO STDOUT WITH {copy_options(schema)}", chunks)
+        elif last is not None:
+            sql = range_copy_sql(schema, with_ts)
+            cursor.copy_expert(cursor.mogrify(sql, {"after": after, "last": last, "prefix": prefix}).decode(), chunks)
+        cursor.execute("COMMIT")
+    except BaseException:
+        _roll_back(cursor)
+        raise
     if not chunks:
         return b"", after, 0
     rows = len(chunks)

@@ -141,7 +141,9 @@ def last_token_sql(table: str, after: str, upto: str, limit: str) -> str:
     )
 
 
-def lines_select_sql(schema: StreamSchema, lines: dict[str, str], after: str, last: str) -> str:
+def lines_select_sql(
+    schema: StreamSchema, lines: dict[str, str], after: str, last: str, batched: str | None = None
+) -> str:
     """``SELECT t.token, t.seq, <line> AS <name>, ...`` of the rows ``after < token <= last`` in ``(token, seq)`` order.
 
     ``lines``: output name -> line expression (:func:`line_sql`); ``after``
@@ -149,12 +151,16 @@ def lines_select_sql(schema: StreamSchema, lines: dict[str, str], after: str, la
     are marked by joining the range's multi-row tokens (``b``), found from
     the ``(token, seq)`` index alone. ``OFFSET 0`` keeps the query whole when
     it is a subquery: pulled up, each reference to a line would build it again.
+    ``batched``: an SQL condition that holds (or the multi-row tokens are not
+    looked for: a one-time filter, so the grouping, about 0.3 us per row, is
+    not run) if the range may hold a token of more than one row.
     """
     table = schema.table
     built = ", ".join(f"{expression} AS {name}" for name, expression in lines.items())
+    gate = f"({batched}) AND " if batched else ""
     return (
         f"SELECT t.token, t.seq, {built} FROM {table} t LEFT JOIN ("
-        f"SELECT s.token, max(s.seq) AS last_seq FROM {table} s WHERE s.token > {after} AND s.token <= {last} "
+        f"SELECT s.token, max(s.seq) AS last_seq FROM {table} s WHERE {gate}s.token > {after} AND s.token <= {last} "
         "GROUP BY s.token HAVING count(*) > 1) AS b ON b.token = t.token "
         f"WHERE t.token > {after} AND t.token <= {last} ORDER BY t.token, t.seq OFFSET 0"
     )

@@ -13,9 +13,14 @@ connection's own session, so masters never share or race on it), which runs
    ``tickline_tso.last_ts``), then
 2. one query: the positions (one snapshot), and per stream and variant
    (with or without ``ts``) the lines of the rows after the token fanned out
-   so far, up to the position just read, about ``limit`` rows, never part of
-   a token (the same lines as ``PgStreamStore.read_lines_json``, built by
-   the same SQL: ``storage.pg_lines``).
+   so far up to the position just read, when they are at most ``limit``
+   rows (the lines ``pg_lines`` builds, by the same SQL; the join that marks
+   a batch's rows only when a token repeats). A larger range is left to the
+   master's reads (``replication.read_ahead``: two at once on the database
+   threads, the columns sent by ``storage.pg_columns_out``, about 1 µs of
+   the server's CPU per row against the 1.3-1.6 of a line built here, and
+   the fan-out starts after the first quarter chunk); a commit of up to
+   ``limit`` rows still reaches the master in one round trip.
 
 **Order.** The proof of the safe time (docs/time.md) needs the mark read
 before the live writers and the positions (a snapshot) and before the
@@ -49,7 +54,7 @@ import psycopg2.extensions
 
 from storage.contracts import WakeReads, WakeResult
 from storage.pg_db import session_settings
-from storage.pg_lines import PLAN_SETTINGS, last_token_sql, line_sql, lines_select_sql
+from storage.pg_lines import PLAN_SETTINGS, line_sql, lines_select_sql
 from storage.pg_store import _ORACLE_LAST_SQL, PgStreamStore, _seq
 from storage.schema import StreamSchema
 from storage.store import DatabaseUnavailable
@@ -66,11 +71,14 @@ def _literal(text: str) -> str:
 def _lines_cte(index: int, schema: StreamSchema, variants: tuple[bool, ...]) -> str:
     """The lines of stream ``index`` (1-based in the arrays) up to its position, in each variant asked.
 
-    Two CTEs: ``u<index>``, the token of the ``max_rows``-th row, and
-    ``l<index>``, the lines of each variant gathered in order, the last
-    token, the count and the longest line. The lines are built by
-    ``storage.pg_lines`` (the same SQL as the master's reads), each variant
-    a column of the same rows.
+    Two CTEs: ``u<index>``, the last token and the count of the first
+    ``max_rows + 1`` rows after ``afters[index]``, and ``l<index>``, the
+    lines of each variant gathered in order, the last token, the count, the
+    longest line and that first count. Only a range of at most ``max_rows``
+    rows is read (the lines of a larger one are left to the master's reads,
+    cheaper per row: see the module doc), whole: every row up to the
+    position. The lines are built by ``storage.pg_lines`` (the same SQL as
+    the master's reads of a ``json`` stream), each variant a column of the same rows.
     """
     after = f"afters[{index}]"
     position = f"(SELECT pos.position FROM pos WHERE pos.name = {_literal(schema.name)})"
@@ -79,20 +87,26 @@ def _lines_cte(index: int, schema: StreamSchema, variants: tuple[bool, ...]) -> 
         schema,
         {f"line_{int(v)}": line_sql(schema, v, prefix) for v in variants},
         after,
-        f"(SELECT u{index}.upper_token FROM u{index})",
+        f"(SELECT CASE WHEN u{index}.found <= max_rows THEN u{index}.upper_token END FROM u{index})",
+        f"(SELECT u{index}.repeats FROM u{index})",
     )
 
     def gathered(variant: bool) -> str:
         if variant not in variants:
             return "NULL::text"
+        # ORDER BY in the aggregate itself: PostgreSQL does not promise that an aggregate takes its
+        # input in a subquery's order, and the lines' order is the delivery order. The sort of
+        # rows already in order is cheap next to building the lines.
         return f"string_agg(x.line_{int(variant)}, E'\\n' ORDER BY x.token, x.seq) || E'\\n'"
 
     # The longest line: the variant with ts where it is asked (the longer one).
     return (
-        f"u{index} AS ({last_token_sql(schema.table, after, position, 'max_rows')}), "
+        f"u{index} AS (SELECT max(x.token) AS upper_token, count(*) AS found, "
+        f"count(*) > count(DISTINCT x.token) AS repeats FROM (SELECT r.token FROM {schema.table} r "
+        f"WHERE r.token > {after} AND r.token <= {position} ORDER BY r.token LIMIT max_rows + 1) AS x), "
         f"l{index} AS (SELECT {gathered(False)} AS lines, {gathered(True)} AS lines_ts, "
         f"max(x.token) AS last, count(*) AS cnt, COALESCE(max(octet_length(x.line_{int(max(variants))})), 0)::integer "
-        f"AS longest FROM ({select}) AS x)"
+        f"AS longest, (SELECT u{index}.found FROM u{index}) AS found FROM ({select}) AS x)"
     )
 
 
@@ -122,8 +136,9 @@ def wake_function_sql(function: str, schemas: list[StreamSchema], reads: list[tu
         ctes.append(_lines_cte(index, schema, variants))
         selects.append(
             f"SELECT {_literal(schema.name)}::text, NULL::bigint, NULL::bigint, NULL::boolean, NULL::bigint, "
-            f"NULL::bigint, l{index}.lines, l{index}.lines_ts, l{index}.last, l{index}.cnt, l{index}.longest "
-            f"FROM l{index} WHERE l{index}.cnt > 0"
+            f"NULL::bigint, l{index}.lines, l{index}.lines_ts, l{index}.last, "
+            f"CASE WHEN l{index}.found > max_rows THEN -1 ELSE l{index}.cnt END, l{index}.longest "
+            f"FROM l{index} WHERE l{index}.cnt > 0 OR l{index}.found > max_rows"
         )
     query = "WITH " + ", ".join(ctes) + " " + " UNION ALL ".join(selects)
     return (
@@ -206,7 +221,7 @@ class PgWake:
         positions: dict[str, int] = {}
         first: dict[str, tuple[int, tuple[dict[bool, bytes], int, int]]] = {}
         limit = self._store.max_line_bytes
-        too_long: set[str] = set()
+        unread: set[str] = set()
         for name, position, head, live, last_ts, mark, lines, lines_ts, last, count, longest in rows:
             if count is None:
                 positions[name] = int(position)
@@ -218,8 +233,8 @@ class PgWake:
                 if found is not None:
                     times[name] = found
                 continue
-            if limit is not None and longest > limit:
-                too_long.add(name)  # the caller builds these lines itself
+            if count < 0 or (limit is not None and longest > limit):
+                unread.add(name)  # more rows than the limit, or a line too long: the master reads them
                 continue
             encoded = {}
             if lines is not None:
@@ -229,7 +244,7 @@ class PgWake:
             first[name] = (reads[name][0], (encoded, int(last), int(count)))
         # Streams read whose range held no row (tokens rolled back): the master moves them on.
         for name, (after, variants) in reads.items():
-            if name not in first and name not in too_long and positions.get(name, after) > after:
+            if name not in first and name not in unread and positions.get(name, after) > after:
                 first[name] = (after, ({v: b"" for v in variants}, after, 0))
         return (times if read_mark else None), positions, first
 

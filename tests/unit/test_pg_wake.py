@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import itertools
 import select
 
 import psycopg2
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from replication.streams import CACHES, EVENTS
+from storage import pg_lines
 from storage.pg_lines import line_sql
 from storage.pg_store import PgStreamStore
 from storage.pg_wake import PgWake, wake_function_sql
 from storage.schema import Column, StreamSchema
 from storage.store import DatabaseUnavailable, open_store
 from tests.stores import pg_store
+from tests.unit.test_pg_columns_out import APPENDS
 
 NUMBERS = StreamSchema("numbers", (Column("x", "double", nullable=True), Column("flag", "boolean")))
 
@@ -81,17 +86,22 @@ def test_same_answer_as_the_threaded_statements(stores) -> None:
     assert times is None and positions == got[1] and first == got[2]
 
 
-def test_a_limit_never_cuts_a_token(stores) -> None:
+def test_a_range_over_the_limit_is_left_to_the_master(stores) -> None:
+    """The wake-up reads a range's lines only when it holds at most ``limit`` rows, and then all of them."""
     writer, _reader, wake = stores
     writer.append("events", [["$a", "!r", "t", None, None]], "w")
     writer.append("events", [[f"$b{i}", "!r", "t", None, None] for i in range(3)], "w", batch=True)
     writer.append("events", [["$c", "!r", "t", None, None]], "w")
-    wake.start(True, {"events": (0, (False,))}, 2)
-    _times, positions, first = drive(wake)
-    assert positions["events"] == 3
-    encoded, last, count = first["events"][1]
-    assert (last, count) == (2, 4)  # the limit fell inside token 2: all of its rows come
-    assert encoded[False].count(b"\n") == 4
+    for limit in (1, 2, 4):
+        wake.start(True, {"events": (0, (False,))}, limit)
+        _times, positions, first = drive(wake)
+        assert positions["events"] == 3 and "events" not in first  # five rows: the master reads them
+    wake.start(True, {"events": (0, (False,))}, 5)
+    encoded, last, count = drive(wake)[2]["events"][1]
+    assert (last, count) == (3, 5)  # every row up to the position, the batch whole
+    assert encoded[False].count(b"\n") == 5 and encoded[False].count(b" batch ") == 2
+    wake.start(True, {"events": (1, (False,))}, 4)
+    assert drive(wake)[2]["events"][1][1:] == (3, 4)
 
 
 def test_a_range_without_rows_moves_on(stores) -> None:
@@ -171,3 +181,46 @@ def test_the_wake_ups_lines_are_the_python_encoders_bytes(stores) -> None:
     schemas = reader._catalog.known()
     sql = wake_function_sql("f", schemas, [(schemas.index(TEXTS) + 1, (False, True))])
     assert line_sql(TEXTS, True, "'RDATA texts '") in sql and "lead(" not in sql
+
+
+_wake_names = (f"wakeprop{i}" for i in itertools.count())
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    appends=APPENDS,
+    variants=st.sampled_from([(False,), (True,), (False, True)]),
+    limit=st.integers(1, 8),
+)
+def test_the_wake_ups_lines_are_the_server_built_lines(stores, appends, variants, limit) -> None:
+    """Arbitrary rows (unicode, quotes, control characters, NULLs, every type but json, batches,
+    instance names with commas and quotes): the wake-up's lines are ``storage.pg_lines``' bytes for
+    every start, and it reads them exactly when the range up to the position holds at most ``limit`` rows."""
+    writer, reader, wake = stores
+    columns, writes = appends
+    schema = StreamSchema(next(_wake_names), columns)
+    writer.register_stream(schema)
+    last = 0
+    for rows, instance, batch in writes:
+        last = max(writer.append(schema.name, rows, instance, batch=batch))
+    reader.catalog()
+    prefix = f"RDATA {schema.name} "
+    for after in range(last):
+        wake.start(True, {schema.name: (after, variants)}, limit)
+        _times, positions, first = drive(wake)
+        position = positions[schema.name]
+        built: dict[bool, tuple[bytes, int, int]] = {}
+        with reader._side_cursor() as cur:
+            for v in variants:
+                got = pg_lines.read_lines(cur, schema, after, position, 10**6, prefix, v, None)
+                assert got is not None  # no limit on a line's bytes
+                built[v] = got
+        count = built[variants[0]][2]
+        if count > limit:
+            assert schema.name not in first  # the master reads them
+            continue
+        if position <= after:
+            assert schema.name not in first
+            continue
+        expected = {v: got[0] for v, got in built.items()}
+        assert first[schema.name] == (after, (expected, after if count == 0 else built[variants[0]][1], count))
