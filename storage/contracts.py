@@ -55,7 +55,9 @@ ReceivedRows = tuple[int | list[int], str, list[list[Any]]]
 # variants (with ``ts`` or not) its live subscriptions take.
 WakeReads = Mapping[str, tuple[int, tuple[bool, ...]]]
 # Per stream the safe time (None: no time was read), the safe positions, and per stream
-# read that moved: ``(after, (lines per variant, last token, rows))``.
+# read that moved: ``(after, (lines per variant, last token, rows))``, present only when its
+# new rows up to the position were at most the call's ``limit`` (every one of them; a larger
+# range, or a line too long, is left to the master's own reads).
 WakeResult = tuple[dict[str, int] | None, dict[str, int], dict[str, tuple[int, tuple[dict[bool, bytes], int, int]]]]
 
 T = TypeVar("T")
