@@ -477,9 +477,10 @@ class PgWorkerStore:
         On this thread's autocommit connection: ``BEGIN`` and the ``COPY``
         (one request); then ``ready()`` blocks until the group before is
         settled: False (it did not commit), ``ROLLBACK`` and False, nothing
-        applied; True, the exact move (``UPDATE ... WHERE token = before``,
-        which under READ COMMITTED would also wait for the other
-        transaction's row lock) and ``COMMIT`` as one request. A move that
+        applied; True, the token's row locked (``FOR UPDATE``: it waits for
+        a transaction that still holds it), the exact move (``UPDATE ...
+        WHERE token = before``, on a snapshot taken after that lock, under
+        READ COMMITTED) and ``COMMIT``, as one request. A move that
         does not move (the applied token is not ``before``) fails by a
         division by zero, which stops the request before the ``COMMIT``:
         rolled back, :class:`StaleApply`. So the commits follow the token
@@ -489,14 +490,15 @@ class PgWorkerStore:
         committing = False
         try:
             with conn.cursor() as cur:
-                move = prepared(cur, _MOVE_AFTER_SQL)  # PREPAREd outside the transaction (first time only)
+                # PREPAREd outside the transaction (the first time only)
+                lock, move = prepared(cur, _LOCK_APPLIED_SQL), prepared(cur, _MOVE_AFTER_SQL)
                 cur.copy_expert(f"{BEGIN}{_copy_sql(schema)}", io.BytesIO(prepared_text), size=1 << 20)
                 if not ready():
                     rollback_explicit(conn)
                     return False
                 committing = True
                 try:
-                    cur.execute(f"{move}; COMMIT", (token, stream, before))
+                    cur.execute(f"{lock}; {move}; COMMIT", (stream, token, stream, before))
                 except psycopg2.errors.DivisionByZero:
                     committing = False
                     rollback_explicit(conn)
@@ -558,6 +560,10 @@ _MOVE_SQL = move_applied_token_sql("%s")  # prepared: its parameters typed by th
 _MOVE_CHECKED_SQL = f"WITH moved AS ({_MOVE_SQL} RETURNING 1) SELECT 1 / count(*) FROM moved"
 # The move of a group copied while the group before it was applied: only from exactly that group's
 # last token (parameters: token, stream, before), failing by 1 / 0 when it does not move.
+# Its row locked first: an UPDATE alone would not wait for a transaction that moved the token and
+# has not committed (the version it sees does not match "token = before"); this waits for it,
+# and the move's own snapshot, taken after, sees the token that transaction committed.
+_LOCK_APPLIED_SQL = "SELECT 1 FROM tickline_applied WHERE stream = %s FOR UPDATE"
 _MOVE_AFTER_SQL = (
     "WITH moved AS (UPDATE tickline_applied SET token = %s WHERE stream = %s AND token = %s RETURNING 1) "
     "SELECT 1 / count(*) FROM moved"
