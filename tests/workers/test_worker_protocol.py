@@ -644,7 +644,7 @@ def test_a_group_whose_commit_answer_was_lost_is_applied_again_once(pg_url, capl
     lane = ThreadLane()
     h = Harness(pg_url, apply=ApplySettings(apply_rows=60), second_db=lane)
     real = h.store.apply_after
-    lost = []
+    lost: list[int] = []
 
     def apply_after(*args: Any) -> bool:
         committed = real(*args)
@@ -653,7 +653,7 @@ def test_a_group_whose_commit_answer_was_lost_is_applied_again_once(pg_url, capl
             raise CommitUnknown("the server closed the connection unexpectedly")
         return committed
 
-    h.store.apply_after = apply_after  # type: ignore[method-assign]
+    h.store.apply_after = apply_after  # type: ignore[method-assign,assignment]
     with caplog.at_level(logging.INFO):
         _queue_three_groups(h, [f"RDATA events m {n} {ev(n)}" for n in range(1, 182)])
         _release(h)
