@@ -94,10 +94,11 @@ class Worker(ReplicationHandler):
         self.db: DatabaseRunner = (
             db if db is not None else DatabaseThreads(reactor, max_threads=1, name=f"tickline-worker-{config.name}-db")
         )
-        # During a backlog (PostgreSQL), every other full group is copied on a second database
-        # thread with its own connection, at the same time as the group before it (_chain_in_db).
-        # With an injected runner and none given for this, both lanes are that runner.
-        if second_db is None and store.concurrent_applies:
+        # During a backlog (PostgreSQL, worker.apply_connections 2), every other full group is
+        # copied on a second database thread with its own connection, at the same time as the
+        # group before it (_chain_in_db). With an injected runner and none given for this, both
+        # lanes are that runner.
+        if second_db is None and store.concurrent_applies and config.apply.apply_connections > 1:
             second_db = (
                 self.db
                 if db is not None

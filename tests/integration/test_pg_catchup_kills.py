@@ -1,8 +1,10 @@
 """A PostgreSQL worker's catch-up (two groups copied at once on two connections) through failures.
 
 200,000 rows are written while the worker is away; ``tickline worker
---replicate events`` then catches up in full groups, every other one copied on
-its second database thread's connection while the one before commits. Its
+--replicate events`` then catches up in full groups: with
+``worker.apply_connections: 2`` every other one copied on its second database
+thread's connection while the one before commits, with 1 each queued on the
+database thread behind the one before. Its
 database connections are killed again and again (``pg_terminate_backend``),
 the worker is killed (SIGKILL) and stopped (SIGTERM) in the middle of the
 backlog and started again: every row arrives exactly once, in token order,
@@ -17,6 +19,7 @@ import time
 from pathlib import Path
 
 import psycopg2
+import pytest
 
 from tests.integration.procs import Proc, accepts, free_port, query_pg, wait_for
 
@@ -56,7 +59,10 @@ def _kill_worker_connections(url: str) -> int:
         conn.close()
 
 
-def test_catch_up_through_killed_connections_and_worker_stops_is_exactly_once(pg_server, tmp_path: Path) -> None:
+@pytest.mark.parametrize("connections", [2, 1])
+def test_catch_up_through_killed_connections_and_worker_stops_is_exactly_once(
+    pg_server, tmp_path: Path, connections: int
+) -> None:
     from replication.streams import EVENTS
     from storage.store import open_store
 
@@ -69,7 +75,21 @@ def test_catch_up_through_killed_connections_and_worker_stops_is_exactly_once(pg
     port = free_port()
     master = Proc(tmp_path / "master.log", "master", "--database", source, "--listen", f"127.0.0.1:{port}")
     wait_for(lambda: accepts(port), 30, "the master to listen")
-    args = ("worker", "--name", "pg", "--master", f"127.0.0.1:{port}", "--database", target, "--replicate", "events")
+    config = tmp_path / "worker.yaml"
+    config.write_text(f"worker:\n  apply_connections: {connections}\n")
+    args = (
+        "worker",
+        "-c",
+        str(config),
+        "--name",
+        "pg",
+        "--master",
+        f"127.0.0.1:{port}",
+        "--database",
+        target,
+        "--replicate",
+        "events",
+    )
     done = threading.Event()
     killing = threading.Event()  # not while a worker starts: a connection lost there stops it (by design)
     killed = [0]
