@@ -288,7 +288,8 @@ class Worker(ReplicationHandler):
         self, stream: str, token: int, schema: StreamSchema, received: list[ReceivedRows], effects: Effects
     ) -> defer.Deferred[None]:
         d = self.db.run(self.store.apply_replicated, stream, token, schema, received, effects)
-        return self._settle_uncertain(d, stream, token)
+        d = self._settle_uncertain(d, stream, token)
+        return d.addErrback(self._commit_unknown, stream, token, schema, received, effects)
 
     def _chain_in_db(
         self,
@@ -351,9 +352,9 @@ class Worker(ReplicationHandler):
                 link.finish(True)
 
         d = self._lanes[link.lane].run(run)
-        return d.addErrback(self._chain_failed, stream, token, schema, received, effects)
+        return d.addErrback(self._commit_unknown, stream, token, schema, received, effects)
 
-    def _chain_failed(
+    def _commit_unknown(
         self,
         failure: Failure,
         stream: str,
@@ -362,10 +363,11 @@ class Worker(ReplicationHandler):
         received: list[ReceivedRows],
         effects: Effects,
     ) -> defer.Deferred[None]:
-        """A chained group's connection was lost after its ``COMMIT`` was sent: committed or not is
-        unknown. The same group is applied again at once on the database thread (its commit was sent
-        only after the group before it committed, so its forward move is exact), where a
-        :class:`StaleApply` means it had committed (``_settle_uncertain``)."""
+        """An apply's connection was lost after its ``COMMIT`` was sent: committed or not is unknown.
+        The same group is applied again at once on the database thread (a chained group's commit was
+        sent only after the group before it committed, so the forward move of the retry is exact),
+        where a :class:`StaleApply` means it had committed (``_settle_uncertain``). Retried token by
+        token instead, a group that had committed would meet a stale token on every retry."""
         if not failure.check(CommitUnknown):
             return defer.fail(failure)
         logger.warning("%s: the connection was lost while token %s committed; applying it again", stream, token)

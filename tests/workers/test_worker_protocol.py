@@ -666,3 +666,29 @@ def test_a_group_whose_commit_answer_was_lost_is_applied_again_once(pg_url, capl
     assert "token 121 was applied before its connection was lost" in caplog.text
     assert h.applied() == 181
     assert [r[0] for r in h.rows()] == list(range(1, 182))
+
+
+def test_an_apply_whose_commit_answer_was_lost_is_settled_not_retried_token_by_token(pg_url, caplog) -> None:
+    """The database thread's connection fails as an ordinary apply's COMMIT is sent (here after it
+    committed): the same group is applied again, found applied (a stale token), and the stream goes
+    on; retried token by token it would have met a stale token on every retry."""
+    from storage.store import CommitUnknown
+
+    h = Harness(pg_url)
+    real = h.store.apply_replicated
+    lost: list[int] = []
+
+    def apply_replicated(*args: Any) -> None:
+        real(*args)
+        if not lost:
+            lost.append(args[1])
+            raise CommitUnknown("the server closed the connection unexpectedly")
+
+    h.store.apply_replicated = apply_replicated  # type: ignore[method-assign,assignment]
+    with caplog.at_level(logging.INFO):
+        h.send("SERVER s", "POSITION events m 0 0", *[f"RDATA events m {n} {ev(n)}" for n in range(1, 101)])
+        h.send(*[f"RDATA events m {n} {ev(n)}" for n in range(101, 201)])
+    assert lost == [100]
+    assert "token 100 was applied before its connection was lost" in caplog.text
+    assert h.applied() == 200
+    assert [r[0] for r in h.rows()] == list(range(1, 201))
