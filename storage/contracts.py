@@ -332,6 +332,26 @@ class WorkerStore(Protocol):
         sends anything (PostgreSQL: the ``COPY`` text), or None (nothing to make ahead)."""
         ...
 
+    @property
+    def concurrent_applies(self) -> bool:
+        """The store can copy a group while the group before it commits (:meth:`apply_after`)."""
+        ...
+
+    def apply_after(
+        self, stream: str, token: int, before: int, schema: StreamSchema, prepared: bytes, ready: Callable[[], bool]
+    ) -> bool:
+        """Apply ``prepared`` (:meth:`prepare_replicated`'s text) while the group ending at ``before`` may
+        still be applied on another connection; the token moves from exactly ``before`` to ``token``.
+
+        The rows are copied first; then ``ready()`` blocks until the group
+        before is settled and says whether it committed. False: nothing
+        commits, the method returns False. True: the token's move (only
+        from ``before``: :class:`~storage.store.StaleApply` otherwise) and
+        the commit. :class:`~storage.store.CommitUnknown` if the connection
+        was lost after the commit was sent.
+        """
+        ...
+
     def close(self) -> None: ...
 
 

@@ -29,7 +29,7 @@ from storage.pg_copy import (
 from storage.pg_db import Cursor, PgDatabase, prepared, rollback_explicit, sql_literals
 from storage.pg_wake import close_quietly, lost_connection, open_nonblocking, poll_word
 from storage.schema import COLUMN_TYPES, INT64_MAX, INT64_MIN, StreamSchema
-from storage.store import ApplyRefused, DatabaseUnavailable, StaleApply
+from storage.store import ApplyRefused, CommitUnknown, DatabaseUnavailable, StaleApply
 from storage.urls import redact_url
 from storage.worker_store import expand_received, move_applied_token, move_applied_token_sql, token_bounds
 
@@ -333,6 +333,10 @@ class PgApplyTransaction:
 class PgWorkerStore:
     """Implements :class:`storage.contracts.WorkerStore`; holds its :class:`PgDatabase`."""
 
+    # Each thread has its own connection (PgDatabase.autocommit_connection): two groups of a
+    # backlog are copied at once on two threads, their commits in token order (apply_after).
+    concurrent_applies = True
+
     def __init__(self, dsn: str, synchronous_commit: bool = False) -> None:
         # synchronous_commit off (the default, as PostgreSQL's own apply workers):
         # a commit returns before its WAL is flushed. Exactly once still holds,
@@ -439,24 +443,79 @@ class PgWorkerStore:
         commits with the rows or neither does.
         """
         conn = self.database.autocommit_connection()
-        names = ", ".join(("token", "instance_name", *schema.column_names, "ts"))
+        committing = False
         try:
             with conn.cursor() as cur:
                 # BEGIN, the move and the COPY in one request: the move is not awaited on its own
                 # (a stale token fails it with a division by zero, so nothing of the COPY runs).
                 move = cur.mogrify(prepared(cur, _MOVE_CHECKED_SQL), (stream, token)).decode()
-                copy = f"COPY {schema.replicated_table} ({names}) FROM STDIN"
                 try:
-                    cur.copy_expert(f"{BEGIN}{move}; {copy}", io.BytesIO(text), size=1 << 20)
+                    cur.copy_expert(f"{BEGIN}{move}; {_copy_sql(schema)}", io.BytesIO(text), size=1 << 20)
                 except psycopg2.errors.DivisionByZero:
                     rollback_explicit(conn)
                     raise StaleApply(f"stream {stream!r}: token {token} is not above the applied token") from None
+                committing = True
                 cur.execute("COMMIT")
         except psycopg2.OperationalError as e:
-            raise self.database.lost_autocommit(conn, e) from None
+            raise self._lost(conn, e, committing) from None
         except BaseException:
             rollback_explicit(conn)
             raise
+
+    def apply_after(
+        self,
+        stream: str,
+        token: int,
+        before: int,
+        schema: StreamSchema,
+        prepared_text: bytes,
+        ready: Callable[[], bool],
+    ) -> bool:
+        """The rows by ``COPY`` while the group ending at ``before`` may still be applied on another
+        thread's connection; the token moves from exactly ``before`` to ``token``, after that group committed.
+
+        On this thread's autocommit connection: ``BEGIN`` and the ``COPY``
+        (one request); then ``ready()`` blocks until the group before is
+        settled: False (it did not commit), ``ROLLBACK`` and False, nothing
+        applied; True, the token's row locked (``FOR UPDATE``: it waits for
+        a transaction that still holds it), the exact move (``UPDATE ...
+        WHERE token = before``, on a snapshot taken after that lock, under
+        READ COMMITTED) and ``COMMIT``, as one request. A move that
+        does not move (the applied token is not ``before``) fails by a
+        division by zero, which stops the request before the ``COMMIT``:
+        rolled back, :class:`StaleApply`. So the commits follow the token
+        order, a failed group is never skipped and nothing is applied twice.
+        """
+        conn = self.database.autocommit_connection()
+        committing = False
+        try:
+            with conn.cursor() as cur:
+                # PREPAREd outside the transaction (the first time only)
+                lock, move = prepared(cur, _LOCK_APPLIED_SQL), prepared(cur, _MOVE_AFTER_SQL)
+                cur.copy_expert(f"{BEGIN}{_copy_sql(schema)}", io.BytesIO(prepared_text), size=1 << 20)
+                if not ready():
+                    rollback_explicit(conn)
+                    return False
+                committing = True
+                try:
+                    cur.execute(f"{lock}; {move}; COMMIT", (stream, token, stream, before))
+                except psycopg2.errors.DivisionByZero:
+                    committing = False
+                    rollback_explicit(conn)
+                    raise StaleApply(
+                        f"stream {stream!r}: the applied token is not {before}, the group before {token}"
+                    ) from None
+        except psycopg2.OperationalError as e:
+            raise self._lost(conn, e, committing) from None
+        except BaseException:
+            rollback_explicit(conn)
+            raise
+        return True
+
+    def _lost(self, conn: Any, e: BaseException, committing: bool) -> DatabaseUnavailable:
+        """The thread's autocommit connection is gone; after a ``COMMIT`` was sent, its outcome is unknown."""
+        lost = self.database.lost_autocommit(conn, e)
+        return CommitUnknown(str(lost)) if committing else lost
 
     @staticmethod
     def _copy_text(schema: StreamSchema, received: Sequence[ReceivedRows]) -> bytes | None:
@@ -499,6 +558,21 @@ BEGIN = "BEGIN ISOLATION LEVEL READ COMMITTED; "
 _MOVE_SQL = move_applied_token_sql("%s")  # prepared: its parameters typed by the insert's columns
 # The same move failing when it does not move (1 / 0): sent with the COPY, its answer not awaited alone.
 _MOVE_CHECKED_SQL = f"WITH moved AS ({_MOVE_SQL} RETURNING 1) SELECT 1 / count(*) FROM moved"
+# The move of a group copied while the group before it was applied: only from exactly that group's
+# last token (parameters: token, stream, before), failing by 1 / 0 when it does not move.
+# Its row locked first: an UPDATE alone would not wait for a transaction that moved the token and
+# has not committed (the version it sees does not match "token = before"); this waits for it,
+# and the move's own snapshot, taken after, sees the token that transaction committed.
+_LOCK_APPLIED_SQL = "SELECT 1 FROM tickline_applied WHERE stream = %s FOR UPDATE"
+_MOVE_AFTER_SQL = (
+    "WITH moved AS (UPDATE tickline_applied SET token = %s WHERE stream = %s AND token = %s RETURNING 1) "
+    "SELECT 1 / count(*) FROM moved"
+)
+
+
+def _copy_sql(schema: StreamSchema) -> str:
+    names = ", ".join(("token", "instance_name", *schema.column_names, "ts"))
+    return f"COPY {schema.replicated_table} ({names}) FROM STDIN"
 
 
 _RECEIVED_CHUNKS: dict[StreamSchema, Callable[..., tuple[list[str] | None, int]] | None] = {}

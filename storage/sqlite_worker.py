@@ -32,6 +32,8 @@ class SqliteApplyTransaction:
 class SqliteWorkerStore:
     """Implements :class:`storage.contracts.WorkerStore`; holds its :class:`SqliteDatabase`."""
 
+    concurrent_applies = False  # one writer at a time: groups are applied one after another
+
     def __init__(self, path: str) -> None:
         self.database = SqliteDatabase(path)
 
@@ -77,6 +79,11 @@ class SqliteWorkerStore:
     def prepare_replicated(self, schema: StreamSchema, received: Sequence[ReceivedRows]) -> None:
         """Nothing to make ahead on SQLite."""
         return None
+
+    def apply_after(
+        self, stream: str, token: int, before: int, schema: StreamSchema, prepared: bytes, ready: Callable[[], bool]
+    ) -> bool:
+        raise NotImplementedError("SQLite applies one group at a time (concurrent_applies is False)")
 
 
 class _SqliteView:

@@ -39,6 +39,13 @@ class DatabaseUnavailable(StorageError):
     """The database cannot be opened or reached."""
 
 
+class CommitUnknown(DatabaseUnavailable):
+    """The connection was lost after an apply's ``COMMIT`` was sent: it may or may not have committed.
+
+    Retrying the same group tells (a :class:`StaleApply` then means it had).
+    """
+
+
 class SchemaMismatch(StorageError):
     """A stream's declaration differs from what the database holds."""
 

@@ -27,6 +27,7 @@ import bisect
 import collections
 import logging
 import operator
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -48,10 +49,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 # (stream, token, schema, rows as received, the same apply as effects) -> applied
 ReplicateInDb = Callable[[str, int, StreamSchema, list[ReceivedRows], Effects], defer.Deferred[None]]
-# As ReplicateInDb, with two calls run on the database thread: before the apply (False: do not
-# apply, NotApplied) and after its commit; None: not offered now (the caller goes the usual way).
+# As ReplicateInDb for a full group of a backlog: its link, and the link of the group before it
+# (None: it waits for no other); None: not offered now (the caller goes the usual way).
 ChainInDb = Callable[
-    [str, int, StreamSchema, list[ReceivedRows], Effects, "Callable[[], bool] | None", Callable[[], None]],
+    [str, int, StreamSchema, list[ReceivedRows], Effects, "ChainLink", "ChainLink | None"],
     "defer.Deferred[None] | None",
 ]
 
@@ -61,6 +62,34 @@ class NotApplied(Exception):
 
     Nothing of it ran; it is applied again once the group before it is.
     """
+
+
+class ChainLink:
+    """A full group of a backlog handed to the database, as the database threads see it.
+
+    ``token``: its last token; ``lane``: the database thread (and connection)
+    it runs on, set by whoever runs it. The thread that applies it calls
+    :meth:`finish` once it committed or failed, and the group queued behind
+    it waits for that (:meth:`wait`) before it moves the token: the commits
+    follow the token order even when two groups are copied at once.
+    """
+
+    __slots__ = ("_done", "committed", "lane", "token")
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+        self.lane = 0
+        self.committed = False
+        self._done = threading.Event()
+
+    def finish(self, committed: bool) -> None:
+        """On the database thread: the group committed (True) or will not (False)."""
+        self.committed = committed
+        self._done.set()
+
+    def wait(self, timeout: float) -> bool:
+        """Block until the group finished; whether it committed (False too after ``timeout`` s)."""
+        return self._done.wait(timeout) and self.committed
 
 
 def _replicator_only(handlers: list[Handler], schema: StreamSchema) -> bool:
@@ -179,6 +208,10 @@ class _Item:
         return [(self.tokens, self.instance, self.raw)]
 
 
+# A group handed to the database: (items, last token, generation, chain link or None, rows).
+_Entry = tuple[list[_Item], int, int, "ChainLink | None", int]
+
+
 class StreamConsumer:
     def __init__(
         self,
@@ -215,12 +248,10 @@ class StreamConsumer:
         self._nudge = nudge
         self._queue: collections.deque[_Item] = collections.deque()
         self.queued_rows = 0
-        # Groups handed to the database, in token order: (items, last token, generation, chained,
-        # rows). At most two: the one being applied and one full group queued behind it.
-        self._inflight: list[tuple[list[_Item], int, int, bool, int]] = []
-        # The highest token a chained apply of this consumer committed; written on the
-        # database thread right after the commit, read there by the group queued behind it.
-        self._db_committed = applied
+        # Groups handed to the database, in token order: (items, last token, generation, link of a
+        # full group of a backlog or None, rows). At most two: the one being applied and one full
+        # group behind it (applied at the same time on a second connection, or queued).
+        self._inflight: list[_Entry] = []
         self._generation = 0
         self._failures = 0
         self._retry_call: Any = None
@@ -400,54 +431,57 @@ class StreamConsumer:
             self._run_handlers(txn, group)
 
         d = None
-        chained = False
+        link = None
         if self._replicate_in_db is not None and count and self._failures == 0 and all(i.with_ts for i in group):
             # One statement with the rows as received (PostgreSQL); retries go the general way.
             received = [rows for item in group if item.count for rows in item.received()]
             if (full or count == self.settings.apply_rows) and limit is None:
                 # A full group: a backlog. Applied so that a next full group may queue behind it.
-                d = self._chain(token, received, effects, None)
-                chained = d is not None
+                link = ChainLink(token)
+                d = self._chain(token, received, effects, link, None)
+                if d is None:
+                    link = None
             if d is None:
                 d = self._replicate_in_db(self.stream, token, self.schema, received, effects)
         else:
             d = self._apply_in_db(self.stream, token, effects)
-        self._handed(d, group, token, count, chained)
-        if chained:
+        self._handed(d, group, token, count, link)
+        if link is not None:
             self._kick_chained()
 
     def _chain(
-        self, token: int, received: list[ReceivedRows], effects: Effects, behind: Callable[[], bool] | None
+        self, token: int, received: list[ReceivedRows], effects: Effects, link: ChainLink, before: ChainLink | None
     ) -> defer.Deferred[None] | None:
         if self._chain_in_db is None:
             return None
+        return self._chain_in_db(self.stream, token, self.schema, received, effects, link, before)
 
-        def committed() -> None:  # on the database thread, after the commit
-            self._db_committed = max(self._db_committed, token)
-
-        return self._chain_in_db(self.stream, token, self.schema, received, effects, behind, committed)
-
-    def _handed(self, d: defer.Deferred[None], group: list[_Item], token: int, count: int, chained: bool) -> None:
-        entry = (group, token, self._generation, chained, count)
+    def _handed(
+        self, d: defer.Deferred[None], group: list[_Item], token: int, count: int, link: ChainLink | None
+    ) -> None:
+        entry = (group, token, self._generation, link, count)
         self._inflight.append(entry)
         d.addCallbacks(self._applied, self._failed, callbackArgs=(entry,), errbackArgs=(entry,))
 
     def _kick_chained(self) -> None:
-        """While a full group is applied, queue the next full group behind it on the database thread.
+        """While a full group is applied, hand the next full group to the database behind it.
 
-        The database thread then takes it as soon as the first commits, with
-        no wait for the reactor in between. It is applied only if the group
-        before it committed (checked on the database thread, which knows
-        first: ``_db_committed``); otherwise nothing of it runs
+        The worker applies it at the same time on a second connection (its
+        token moves only once the group before committed, see
+        ``Worker._chain_in_db``), or queues it on the database thread, which
+        takes it as soon as the first commits, with no wait for the reactor
+        in between. Either way it commits only if the group before it
+        committed (known on the database threads first: its
+        :class:`ChainLink`); otherwise nothing of it commits
         (:class:`NotApplied`) and it is applied again the usual way, so a
-        failed group is never skipped. At most one group waits so.
+        failed group is never skipped. At most one group is handed so.
         """
         if len(self._inflight) != 1 or self._failures or self.gate is not None:
             return
         if self._retry_call is not None and self._retry_call.active():
             return
-        before, before_token, generation, chained, before_rows = self._inflight[0]
-        if not chained or generation != self._generation:
+        before, before_token, generation, before_link, before_rows = self._inflight[0]
+        if before_link is None or generation != self._generation:
             return
         limit = self.settings.apply_rows
         if self.queued_rows - before_rows < limit:
@@ -474,12 +508,10 @@ class StreamConsumer:
         def effects(txn: ApplyTransaction) -> None:
             self._run_handlers(txn, group)
 
-        def ready() -> bool:  # on the database thread: the group before it committed
-            return self._db_committed >= before_token
-
-        d = self._chain(token, received, effects, ready)
+        link = ChainLink(token)
+        d = self._chain(token, received, effects, link, before_link)
         if d is not None:
-            self._handed(d, group, token, count, True)
+            self._handed(d, group, token, count, link)
 
     def _run_handlers(self, transaction: ApplyTransaction, group: list[_Item]) -> None:
         """On the database thread, inside the apply transaction."""
@@ -490,8 +522,8 @@ class StreamConsumer:
         for handler in self.handlers:
             handler(ctx, rows)
 
-    def _applied(self, _: None, entry: tuple[list[_Item], int, int, bool, int]) -> None:
-        group, token, _generation, _chained, count = entry
+    def _applied(self, _: None, entry: _Entry) -> None:
+        group, token, _generation, _link, count = entry
         self._inflight.remove(entry)
         self.applied = max(self.applied, token)
         self.known = max(self.known, token)
@@ -515,12 +547,14 @@ class StreamConsumer:
         if self.gate is not None:
             self.gate.applied(self)
 
-    def _failed(self, failure: Failure, entry: tuple[list[_Item], int, int, bool, int]) -> None:
+    def _failed(self, failure: Failure, entry: _Entry) -> None:
         group = entry[0]
         self._inflight.remove(entry)
         if failure.check(NotApplied):
-            # Queued behind a group that did not commit: nothing of it ran.
-            self.kick()
+            # Behind a group that did not commit: nothing of it committed. Applied again
+            # once the group before is settled (its own answer kicks, if still to come).
+            if not self._inflight:
+                self.kick()
             return
         self._failures += 1
         delay = min(self.settings.retry_max, self.settings.retry_initial * 2 ** (self._failures - 1))

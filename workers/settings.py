@@ -12,6 +12,9 @@ import attr
 @attr.s(slots=True, frozen=True, auto_attribs=True)
 class ApplySettings:
     apply_rows: int = 5000  # most rows per apply transaction
+    # PostgreSQL, during a backlog: 2 copies every other full group on a second database thread
+    # and connection while the group before commits (workers.worker, Worker._chain_in_db); 1: one.
+    apply_connections: int = 1
     retry_initial: float = 0.5  # first delay after a failed apply, doubling
     retry_max: float = 30.0
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 import attr
@@ -46,15 +45,18 @@ from replication.stats import STATS, ConnectionStats, ProtocolCounters
 from replication.tls import connect as tls_connect
 from storage.contracts import AsyncApply, Effects, ReceivedRows, WorkerStore
 from storage.schema import StreamSchema
-from storage.store import ApplyRefused, DatabaseUnavailable, StaleApply
+from storage.store import ApplyRefused, CommitUnknown, DatabaseUnavailable, StaleApply
 from workers.caches import CacheRegistry
-from workers.consumer import ConsumerStats, NotApplied, StreamConsumer
+from workers.consumer import ChainLink, ConsumerStats, NotApplied, StreamConsumer
 from workers.handlers import HandlerRegistry
 from workers.ordering import OrderedDelivery
 from workers.replicator import cache_invalidator, table_replicator
 from workers.settings import WorkerConfig
 
 logger = logging.getLogger(__name__)
+# How long a group copied at the same time as the one before it waits for that one's commit
+# before it gives up (rolled back, applied again later): longer than any one apply takes.
+CHAIN_WAIT = 60.0
 
 
 @attr.s(slots=True, frozen=True, auto_attribs=True)
@@ -78,6 +80,7 @@ class Worker(ReplicationHandler):
         secret: str | None = None,
         db: DatabaseRunner | None = None,
         tls: TLSConfig | None = None,
+        second_db: DatabaseRunner | None = None,
     ) -> None:
         self.config = config
         self.secret = secret  # sent in AUTH when the master requires it
@@ -91,6 +94,17 @@ class Worker(ReplicationHandler):
         self.db: DatabaseRunner = (
             db if db is not None else DatabaseThreads(reactor, max_threads=1, name=f"tickline-worker-{config.name}-db")
         )
+        # During a backlog (PostgreSQL, worker.apply_connections 2), every other full group is
+        # copied on a second database thread with its own connection, at the same time as the
+        # group before it (_chain_in_db). With an injected runner and none given for this, both
+        # lanes are that runner.
+        if second_db is None and store.concurrent_applies and config.apply.apply_connections > 1:
+            second_db = (
+                self.db
+                if db is not None
+                else DatabaseThreads(reactor, max_threads=1, name=f"tickline-worker-{config.name}-db2")
+            )
+        self._lanes: tuple[DatabaseRunner, ...] = (self.db,) if second_db is None else (self.db, second_db)
         self.consumers: dict[str, StreamConsumer] = {}
         self.client: ClientProtocol | None = None
         self.factory: WorkerFactory | None = None
@@ -193,7 +207,8 @@ class Worker(ReplicationHandler):
         return with_handlers
 
     def start(self) -> None:
-        self.db.start()
+        for lane in dict.fromkeys(self._lanes):
+            lane.start()
         self._open_async_apply()
         self.factory = WorkerFactory(self)
         tls_connect(self.reactor, self.config.master_host, self.config.master_port, self.factory, self.tls)
@@ -221,7 +236,8 @@ class Worker(ReplicationHandler):
         if self._async_apply is not None:
             self._async_apply.close()
             self._async_apply = None
-        self.db.stop()
+        for lane in reversed(dict.fromkeys(self._lanes)):
+            lane.stop()
 
     def client_protocol(self) -> ClientProtocol:
         """The protocol for one connection to the master."""
@@ -272,7 +288,8 @@ class Worker(ReplicationHandler):
         self, stream: str, token: int, schema: StreamSchema, received: list[ReceivedRows], effects: Effects
     ) -> defer.Deferred[None]:
         d = self.db.run(self.store.apply_replicated, stream, token, schema, received, effects)
-        return self._settle_uncertain(d, stream, token)
+        d = self._settle_uncertain(d, stream, token)
+        return d.addErrback(self._commit_unknown, stream, token, schema, received, effects)
 
     def _chain_in_db(
         self,
@@ -281,32 +298,81 @@ class Worker(ReplicationHandler):
         schema: StreamSchema,
         received: list[ReceivedRows],
         effects: Effects,
-        waiting: Callable[[], bool] | None,
-        committed: Callable[[], None],
+        link: ChainLink,
+        before: ChainLink | None,
     ) -> defer.Deferred[None] | None:
-        """A full group on the database thread, which may take it while the group before it is applied.
+        """A full group of a backlog on a database thread; ``before``: the group it follows, or None.
 
-        ``waiting``: None for a group that waits for no other; else the group
-        is queued behind another and, on the database thread, ``waiting()``
-        runs first (False: the group before it has not committed, nothing is
-        applied, :class:`NotApplied`). Then the apply, then ``committed()``. None (not offered) while streams are
-        delivered in timestamp order, or while an apply of the stream is
-        uncertain after a lost connection: the usual way then.
+        The first group of a chain (``before`` None) goes to the database
+        thread (lane 0) as before: its token moves forwards, then the rows.
+        A group behind another, where the store can (PostgreSQL, its ``COPY``
+        text made here while the other is applied), goes to the other lane's
+        thread and connection and is copied at the same time: its token moves
+        only from exactly ``before``'s last token, after ``before`` committed
+        (``WorkerStore.apply_after``); else it is queued on lane 0 behind
+        ``before`` and applied once that committed. Either way, if ``before``
+        did not commit, nothing of it commits (:class:`NotApplied`). Each group
+        tells the group behind it how it ended (``link.finish``) on its thread.
+        None (not offered) while streams are delivered in timestamp order, or
+        while an apply of the stream is uncertain after a lost connection: the
+        usual way then.
         """
         if self.ordering is not None or stream in self._uncertain:
             return None
-
         # The first group of a chain makes its text on the database thread as before; a group
-        # queued behind it (ready() not yet known) has it made here, while the other is applied.
-        prepared = None if waiting is None else self.store.prepare_replicated(schema, received)
+        # behind another has it made here, while the other is applied.
+        prepared = None if before is None else self.store.prepare_replicated(schema, received)
+        store = self.store
+        if before is not None and prepared is not None and len(self._lanes) > 1:
+            text = prepared
+            link.lane = 1 - before.lane
 
-        def run() -> None:
-            if waiting is not None and not waiting():
-                raise NotApplied(f"{stream}: the group before token {token} did not commit")
-            self.store.apply_replicated(stream, token, schema, received, effects, prepared)
-            committed()
+            def run() -> None:
+                try:
+                    if not store.apply_after(
+                        stream, token, before.token, schema, text, lambda: before.wait(CHAIN_WAIT)
+                    ):
+                        raise NotApplied(f"{stream}: the group before token {token} did not commit")
+                except BaseException:
+                    link.finish(False)
+                    raise
+                link.finish(True)
 
-        return self.db.run(run)
+        else:
+            link.lane = 0
+
+            def run() -> None:
+                try:
+                    if before is not None and not before.wait(CHAIN_WAIT):
+                        raise NotApplied(f"{stream}: the group before token {token} did not commit")
+                    store.apply_replicated(stream, token, schema, received, effects, prepared)
+                except BaseException:
+                    link.finish(False)
+                    raise
+                link.finish(True)
+
+        d = self._lanes[link.lane].run(run)
+        return d.addErrback(self._commit_unknown, stream, token, schema, received, effects)
+
+    def _commit_unknown(
+        self,
+        failure: Failure,
+        stream: str,
+        token: int,
+        schema: StreamSchema,
+        received: list[ReceivedRows],
+        effects: Effects,
+    ) -> defer.Deferred[None]:
+        """An apply's connection was lost after its ``COMMIT`` was sent: committed or not is unknown.
+        The same group is applied again at once on the database thread (a chained group's commit was
+        sent only after the group before it committed, so the forward move of the retry is exact),
+        where a :class:`StaleApply` means it had committed (``_settle_uncertain``). Retried token by
+        token instead, a group that had committed would meet a stale token on every retry."""
+        if not failure.check(CommitUnknown):
+            return defer.fail(failure)
+        logger.warning("%s: the connection was lost while token %s committed; applying it again", stream, token)
+        self._uncertain[stream] = max(token, self._uncertain.get(stream, 0))
+        return self._replicate_threaded(stream, token, schema, received, effects)
 
     def _async_apply_failed(
         self,

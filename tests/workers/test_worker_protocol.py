@@ -10,6 +10,7 @@ of on a database thread, so every step is deterministic.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,7 @@ import pytest
 from twisted.internet import defer
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
+from twisted.python.failure import Failure
 
 from replication.protocol import ProtocolConfig
 from replication.streams import all_streams
@@ -65,12 +67,21 @@ class Harness:
         self.clock = Clock()
         self.handlers = config.pop("handlers", HandlerRegistry())
         self.caches = config.pop("caches", CacheRegistry({"room_caches": ["members", "state"]}))
+        second_db = config.pop("second_db", None)  # the worker's second lane (PostgreSQL); None: the SyncDB
         defaults = dict(name="w1", replicate=("events",), apply=ApplySettings(retry_initial=1.0))
         self.config = WorkerConfig(**{**defaults, **config})
         self.store = backend_worker_store(open_worker_store(url))
         self.db = SyncDB()
         self.worker = Worker(
-            self.config, ProtocolConfig(), self.store, all_streams(), self.clock, self.handlers, self.caches, db=self.db
+            self.config,
+            ProtocolConfig(),
+            self.store,
+            all_streams(),
+            self.clock,
+            self.handlers,
+            self.caches,
+            db=self.db,
+            second_db=second_db,
         )
         self.worker.prepare()
         self.connect()
@@ -530,3 +541,154 @@ def test_a_group_queued_behind_a_failed_one_is_not_applied(url, caplog) -> None:
     while h.db.hold:
         _release(h)
     assert h.applied() == 29  # still stopped there, never skipped
+
+
+class ThreadLane:
+    """The second lane's runner (PostgreSQL): each call at once on a thread of its own, as the worker's
+    second database thread runs it; its answer delivered to the worker by :meth:`deliver` (this thread)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[threading.Thread, defer.Deferred, dict[str, Any]]] = []
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> defer.Deferred:
+        d: defer.Deferred = defer.Deferred()
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["result"] = fn(*args, **kwargs)
+            except BaseException:
+                box["failure"] = Failure()
+
+        thread = threading.Thread(target=target, daemon=True)
+        thread.start()
+        self.calls.append((thread, d, box))
+        return d
+
+    def waiting(self) -> bool:
+        """A call is still running (its group waits for the one before it)."""
+        return any(thread.is_alive() for thread, _, _ in self.calls)
+
+    def deliver(self) -> None:
+        calls, self.calls = self.calls, []
+        for thread, d, box in calls:
+            thread.join(30)
+            assert not thread.is_alive()
+            if "failure" in box:
+                d.errback(box["failure"])
+            else:
+                d.callback(box.get("result"))
+
+
+def _settle(h: Harness, lane: ThreadLane) -> None:
+    """Run what both lanes were handed, the first lane's in the order handed, until nothing is left
+    (a group on the second lane may wait for one held on the first: the first lane goes first)."""
+    while h.db.hold or lane.calls:
+        while h.db.hold:
+            _release(h)
+        lane.deliver()
+
+
+def test_a_full_group_is_copied_beside_the_one_before_and_commits_after_it(pg_url) -> None:
+    """PostgreSQL: the group behind the one applied is copied at once on the second lane, and waits
+    for the first's commit before its token moves; the third goes to the first lane: every row once."""
+    lane = ThreadLane()
+    h = Harness(pg_url, apply=ApplySettings(apply_rows=60), second_db=lane)
+    _queue_three_groups(h, [f"RDATA events m {n} {ev(n)}" for n in range(1, 182)])
+    assert len(_held(h)) == 1 and len(lane.calls) == 1  # 2..61 on the first lane, 62..121 on the second
+    assert lane.waiting() and h.applied() == 1  # copied, waiting for 2..61 to commit
+    _release(h)  # 2..61 commit; 122..181 queued on the first lane behind 62..121
+    lane.deliver()
+    assert h.applied() == 121
+    while h.db.hold:
+        _release(h)
+    assert not lane.calls
+    assert h.applied() == 181
+    assert [r[0] for r in h.rows()] == list(range(1, 182))
+    assert h.worker.stats().streams[1].pending_rows == 0
+
+
+def test_a_group_copied_beside_a_failed_one_commits_nothing(pg_url, caplog) -> None:
+    """The group before it fails: the group copied beside it finds that out and rolls back; the stream
+    stops at the bad row, named, and nothing after it is applied or skipped."""
+    lane = ThreadLane()
+    h = Harness(pg_url, apply=ApplySettings(apply_rows=60), second_db=lane)
+    lines = [f"RDATA events m {n} {ev(n)}" for n in range(1, 182)]
+    lines[29] = f'RDATA events m 30 [12345, "!r", "m.t", null, null, {TS + 30}]'
+    with caplog.at_level(logging.WARNING):
+        _queue_three_groups(h, lines)
+        assert lane.waiting()
+        _release(h)  # tokens 2..61: refused
+        lane.deliver()  # 62..121: rolled back
+        assert h.applied() == 1 and [r[0] for r in h.rows()] == [1]
+        for _ in range(40):  # retried token by token
+            h.clock.advance(0)
+            _settle(h, lane)
+    assert h.applied() == 29
+    assert [r[0] for r in h.rows()] == list(range(1, 30))
+    assert "'event_id' expects text" in caplog.text
+
+
+def test_a_group_whose_commit_answer_was_lost_is_applied_again_once(pg_url, caplog) -> None:
+    """The connection of the group on the second lane fails as its COMMIT is sent (here after it
+    committed): the worker applies the same group again on the first lane, finds it applied (a stale
+    token), and goes on; every row once."""
+    from storage.store import CommitUnknown
+
+    lane = ThreadLane()
+    h = Harness(pg_url, apply=ApplySettings(apply_rows=60), second_db=lane)
+    real = h.store.apply_after
+    lost: list[int] = []
+
+    def apply_after(*args: Any) -> bool:
+        committed = real(*args)
+        if not lost:
+            lost.append(args[1])
+            raise CommitUnknown("the server closed the connection unexpectedly")
+        return committed
+
+    h.store.apply_after = apply_after  # type: ignore[method-assign,assignment]
+    with caplog.at_level(logging.INFO):
+        _queue_three_groups(h, [f"RDATA events m {n} {ev(n)}" for n in range(1, 182)])
+        _release(h)
+        lane.deliver()  # 62..121 committed, its answer lost: applied again on the first lane
+        for _ in range(10):
+            _settle(h, lane)
+            h.clock.advance(1)
+    assert lost == [121]
+    assert "the connection was lost while token 121 committed" in caplog.text
+    assert "token 121 was applied before its connection was lost" in caplog.text
+    assert h.applied() == 181
+    assert [r[0] for r in h.rows()] == list(range(1, 182))
+
+
+def test_an_apply_whose_commit_answer_was_lost_is_settled_not_retried_token_by_token(pg_url, caplog) -> None:
+    """The database thread's connection fails as an ordinary apply's COMMIT is sent (here after it
+    committed): the same group is applied again, found applied (a stale token), and the stream goes
+    on; retried token by token it would have met a stale token on every retry."""
+    from storage.store import CommitUnknown
+
+    h = Harness(pg_url)
+    real = h.store.apply_replicated
+    lost: list[int] = []
+
+    def apply_replicated(*args: Any) -> None:
+        real(*args)
+        if not lost:
+            lost.append(args[1])
+            raise CommitUnknown("the server closed the connection unexpectedly")
+
+    h.store.apply_replicated = apply_replicated  # type: ignore[method-assign,assignment]
+    with caplog.at_level(logging.INFO):
+        h.send("SERVER s", "POSITION events m 0 0", *[f"RDATA events m {n} {ev(n)}" for n in range(1, 101)])
+        h.send(*[f"RDATA events m {n} {ev(n)}" for n in range(101, 201)])
+    assert lost == [100]
+    assert "token 100 was applied before its connection was lost" in caplog.text
+    assert h.applied() == 200
+    assert [r[0] for r in h.rows()] == list(range(1, 201))
