@@ -252,11 +252,7 @@ def _command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Calla
     elif args.command == "write":
         run = run_write
     elif args.command == "worker":
-        if not config.tls.client_enabled:
-            from replication.tls import import_reactor_without_tls
-
-            import_reactor_without_tls()  # about 0.1 s of a start (see replication.tls)
-        from scripts.run_worker import run_worker as run
+        return _worker_command(args, config)
     elif args.command == "snapshot":
         from scripts.snapshot import run_snapshot as run
     elif args.command == "timeline":
@@ -266,6 +262,21 @@ def _command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Calla
     else:
         raise AssertionError(args.command)
     return lambda: run(args, config)
+
+
+def _worker_command(args: argparse.Namespace, config: Config) -> Callable[[], int]:
+    """``tickline worker``: its database opened on its own thread while Twisted is imported here."""
+    from scripts.lazy_modules import lazy_modules
+    from scripts.worker_start import WorkerStart, worker_config
+
+    begun = WorkerStart.begin(worker_config(args, config))  # see scripts.worker_start
+    with lazy_modules():  # http.cookiejar, imported by Twisted, used by no worker (scripts.lazy_modules)
+        if not config.tls.client_enabled:
+            from replication.tls import import_reactor_without_tls
+
+            import_reactor_without_tls()  # about 0.1 s of a start (see replication.tls)
+        from scripts.run_worker import run_worker
+    return lambda: run_worker(args, config, begun)
 
 
 def one_line(error: Exception, limit: int = 500) -> str:
