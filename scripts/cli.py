@@ -276,6 +276,11 @@ def _worker_command(args: argparse.Namespace, config: Config) -> Callable[[], in
 
             import_reactor_without_tls()  # about 0.1 s of a start (see replication.tls)
         from scripts.run_worker import run_worker
+    # What the imports built lives as long as the worker, which moves it out of the cyclic
+    # collector's way once started anyway (run_worker: gc.freeze()). Moved now, the first
+    # collection after the pause (_collector_paused) does not examine these ~60,000 objects
+    # on the way to the first rows (6-11 ms); it would have freed about 0.5 MB of cycles.
+    gc.freeze()
     return lambda: run_worker(args, config, begun)
 
 

@@ -37,24 +37,12 @@ def run_worker(args: argparse.Namespace, config: Config, begun: WorkerStart | No
     caches = CacheRegistry(config.caches.special, config.caches.max_size)
     if begun is None:
         begun = WorkerStart.begin(wc)
-    store = begun.store()  # opened and migrated on the database thread; raises what that raised
-    db = begun.thread
-    db.attach(reactor)
+    store = begun.store()  # opened and migrated by its own thread; raises what that raised
     worker = Worker(
-        wc,
-        config.protocol,
-        store,
-        config.streams,
-        reactor,
-        handlers,
-        caches,
-        config.master.secret,
-        db=db,
-        tls=config.tls,
+        wc, config.protocol, store, config.streams, reactor, handlers, caches, config.master.secret, tls=config.tls
     )
     try:
-        # On the database thread: the connection that migrated the store reads the applied tokens.
-        db.call(worker.prepare)
+        begun.prepare(worker.prepare)  # with the connection that migrated the store
     except UnknownStreamError as e:
         raise ConfigError(str(e)) from None
     timeline = timeline_consumers(wc, config, reactor)

@@ -1,22 +1,23 @@
-"""A worker's database opened while its start imports Twisted, on the thread that then runs its applies.
+"""A worker's database opened while its start imports Twisted, on a thread of its own.
 
 A ``tickline worker`` start spends about 0.1 s of CPU importing Twisted and
 the worker's modules, none of which opening its database needs; opening it
 (the connection, the session settings, the migrations' check) is a dozen
 round trips to the server, mostly waiting. So the command line starts, as
-soon as the configuration is read, the one thread that will run the worker's
-blocking database calls (:class:`DatabaseThread`), and it opens and migrates
-the store (``storage.worker_store.open_worker_store``) while the main thread
-imports. ``Worker.prepare`` (tables, applied tokens) then runs on it, the
-main thread waiting, and it becomes the worker's database runner
-(``replication.dbthreads.DatabaseRunner``): a database keeps one connection
-per thread, so the first apply uses the connection the migrations opened
-instead of opening one of its own.
+soon as the configuration is read, a thread (:class:`SetupThread`) that opens
+and migrates the store (``storage.worker_store.open_worker_store``) while the
+main thread imports; ``Worker.prepare`` (tables, applied tokens) runs on it
+too, the main thread waiting, so that it uses the connection the migrations
+opened (a database keeps one connection per thread) instead of opening
+another; then the thread ends. The worker's applies run on its database
+thread as before.
 
-Nothing here imports Twisted at import time. What the worker does and in
-which order is unchanged: a failure of the store's opening is raised where
+Nothing here imports Twisted. What the worker does and in which order is
+unchanged: a failure of the store's opening is raised where
 ``scripts.run_worker`` opened it before (after the handlers are loaded), so
-errors and exit codes are those of a start without this thread.
+errors and exit codes are those of a start without this thread. The
+migrations may now have run in a start that then stops on a handler that
+cannot be loaded (they are idempotent; the next start would run them).
 """
 
 from __future__ import annotations
@@ -36,8 +37,6 @@ from storage.urls import parse_database_url
 from workers.settings import WorkerConfig
 
 if TYPE_CHECKING:
-    from twisted.internet import defer
-
     from storage.contracts import WorkerStore
 
 T = TypeVar("T")
@@ -77,30 +76,13 @@ def worker_config(args: argparse.Namespace, config: Config) -> WorkerConfig:
     return attr.evolve(wc, **changes)
 
 
-def thread_name(wc: WorkerConfig) -> str:
-    return f"tickline-worker-{wc.name}-db"
-
-
-class _Call:
-    """One call for the thread; ``done`` is told the outcome on the thread."""
-
-    __slots__ = ("args", "done", "fn", "kwargs")
-
-    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, done: Callable[[bool, Any], None]) -> None:
-        self.fn, self.args, self.kwargs, self.done = fn, args, kwargs, done
-
-
 class _Outcome:
-    """What a blocking :meth:`DatabaseThread.call` waits for."""
+    """A call's result or exception, waited for by :meth:`SetupThread.call`."""
 
     def __init__(self) -> None:
         self.event = threading.Event()
         self.ok = False
         self.value: Any = None
-
-    def __call__(self, ok: bool, value: Any) -> None:
-        self.ok, self.value = ok, value
-        self.event.set()
 
     def result(self) -> Any:
         self.event.wait()
@@ -109,44 +91,33 @@ class _Outcome:
         return self.value
 
 
-_STOP = object()
+_END = None
 
 
-class DatabaseThread:
-    """One thread for blocking database calls, running before Twisted is imported.
-
-    Before the reactor: :meth:`submit` and :meth:`call` (blocking). After
-    :meth:`attach`: a ``DatabaseRunner`` as ``replication.dbthreads.DatabaseThreads``
-    with one thread (calls run one at a time in the order given; their results
-    come back on the reactor; :meth:`stop` lets the calls already given finish,
-    then ends the thread).
-    """
+class SetupThread:
+    """One thread running blocking calls in the order given, before Twisted is imported."""
 
     def __init__(self, name: str) -> None:
-        self._calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._reactor: Any = None
-        self._started = False
-        # A daemon: a start that fails before the reactor runs must not wait for it to exit.
+        self._calls: queue.SimpleQueue[tuple[Callable[..., Any], tuple, dict, _Outcome] | None] = queue.SimpleQueue()
+        # A daemon: a start that fails before it is ended must not wait for it to exit.
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
-        while True:
-            call = self._calls.get()
-            if call is _STOP:
-                return
+        while (call := self._calls.get()) is not _END:
+            fn, args, kwargs, outcome = call
             try:
-                result = call.fn(*call.args, **call.kwargs)
+                outcome.value = fn(*args, **kwargs)
+                outcome.ok = True
             except BaseException as e:
-                call.done(False, e)
-            else:
-                call.done(True, result)
-            del call  # nothing of a finished call is kept alive while the thread waits
+                outcome.value = e
+            outcome.event.set()
+            del call, outcome  # nothing of a finished call is kept alive while the thread waits
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> _Outcome:
-        """Run ``fn`` on the thread; the returned outcome's ``result()`` waits for it."""
+        """Run ``fn`` on the thread; the outcome's ``result()`` waits for it."""
         outcome = _Outcome()
-        self._calls.put(_Call(fn, args, kwargs, outcome))
+        self._calls.put((fn, args, kwargs, outcome))
         return outcome
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -154,59 +125,27 @@ class DatabaseThread:
         result: T = self.submit(fn, *args, **kwargs).result()
         return result
 
-    # -- DatabaseRunner ------------------------------------------------------------
-
-    def attach(self, reactor: Any) -> None:
-        """The reactor that :meth:`run` answers on (and whose shutdown stops the thread)."""
-        self._reactor = reactor
-
-    def start(self) -> None:
-        if not self._started:
-            self._started = True
-            self._reactor.addSystemEventTrigger("during", "shutdown", self.stop)
-
-    def stop(self) -> None:
-        if self._started:
-            self._started = False
-            self._calls.put(_STOP)
-            if self._thread is not threading.current_thread():
-                self._thread.join()
-
-    def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> defer.Deferred[T]:
-        """``fn`` on the thread; a Deferred fired on the reactor with its result or failure."""
-        from twisted.internet import defer
-        from twisted.python.failure import Failure
-
-        d: defer.Deferred[T] = defer.Deferred()
-        reactor = self._reactor
-
-        def done(ok: bool, value: Any) -> None:
-            # As twisted.internet.threads.deferToThreadPool: the failure is taken on the thread.
-            if ok:
-                reactor.callFromThread(d.callback, value)
-            else:
-                reactor.callFromThread(d.errback, Failure(value, type(value), value.__traceback__))
-
-        self._calls.put(_Call(fn, args, kwargs, done))
-        return d
+    def end(self) -> None:
+        """The thread ends once the calls given before are done."""
+        self._calls.put(_END)
 
 
 @attr.s(slots=True, auto_attribs=True)
 class WorkerStart:
-    """What ``tickline worker`` began before its imports: the database thread opening the store."""
+    """What ``tickline worker`` began before its imports: a thread opening the worker's store."""
 
     config: WorkerConfig
-    thread: DatabaseThread
+    thread: SetupThread
     _store: _Outcome
 
     @classmethod
     def begin(cls, wc: WorkerConfig) -> WorkerStart:
-        """Start the database thread opening (and migrating) the worker's store."""
+        """Start the thread opening (and migrating) the worker's store."""
         from storage.worker_store import open_worker_store
 
         _import_store_modules(wc.database)
         sys.setswitchinterval(SWITCH_INTERVAL)
-        thread = DatabaseThread(thread_name(wc))
+        thread = SetupThread(f"tickline-worker-{wc.name}-setup")
         store = thread.submit(open_worker_store, wc.database, synchronous_commit=wc.synchronous_commit)
         return cls(wc, thread, store)
 
@@ -214,6 +153,13 @@ class WorkerStart:
         """The opened (migrated) store, once it is; raises what opening it raised."""
         store: WorkerStore = self._store.result()
         return store
+
+    def prepare(self, prepare: Callable[[], None]) -> None:
+        """``prepare`` (the worker's blocking set-up) on the thread that opened the store, then the thread ends."""
+        try:
+            self.thread.call(prepare)
+        finally:
+            self.thread.end()
 
 
 def _import_store_modules(url: str) -> None:
