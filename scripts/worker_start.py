@@ -46,7 +46,7 @@ T = TypeVar("T")
 # (BEGIN, COPY, COMMIT), while the reactor thread holds it making the next group's COPY
 # text and parsing rows: at 5 ms that handover stretched each 5,000-row COPY apply of a
 # catch-up from about 6.7 to 9.3 ms (docs/benchmarks.md, cu3). It is set as soon as the
-# database thread starts: while the main thread imports, each of the store's round trips
+# set-up thread starts: while the main thread imports, each of the store's round trips
 # would otherwise wait up to 5 ms for the GIL.
 SWITCH_INTERVAL = 0.0005
 
@@ -166,14 +166,15 @@ def _import_store_modules(url: str) -> None:
     """The store's modules imported here, before the thread starts, not by it.
 
     Two threads importing at once can see each other's modules half made where
-    imports form a cycle; the thread then only waits for the server. A module
-    that is missing (psycopg2 not installed) is left for ``open_worker_store``
-    to report, on the thread, raised by :meth:`WorkerStart.store`.
+    imports form a cycle; the thread then only waits for the server. Anything
+    that fails here (psycopg2 not installed) is left for ``open_worker_store``
+    to report, on the thread, raised by :meth:`WorkerStart.store` where it was
+    raised before.
     """
     try:
         if parse_database_url(url).is_sqlite:
             import storage.sqlite_worker
         else:
             import storage.pg_worker  # noqa: F401
-    except ImportError:
+    except Exception:  # reported by open_worker_store, in its place
         pass
