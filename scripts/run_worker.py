@@ -18,7 +18,7 @@ __all__ = ["SWITCH_INTERVAL", "run_worker", "timeline_consumers", "worker_config
 
 
 def run_worker(args: argparse.Namespace, config: Config, begun: WorkerStart | None = None) -> int:
-    """Run the worker; ``begun``: its database thread, started by the command line before these imports."""
+    """Run the worker; ``begun``: its set-up thread, started by the command line before these imports."""
     from twisted.internet import defer, reactor
 
     sys.setswitchinterval(SWITCH_INTERVAL)  # see scripts.worker_start

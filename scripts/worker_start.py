@@ -150,8 +150,12 @@ class WorkerStart:
         return cls(wc, thread, store)
 
     def store(self) -> WorkerStore:
-        """The opened (migrated) store, once it is; raises what opening it raised."""
-        store: WorkerStore = self._store.result()
+        """The opened (migrated) store, once it is; raises what opening it raised (the thread then ends)."""
+        try:
+            store: WorkerStore = self._store.result()
+        except BaseException:
+            self.thread.end()
+            raise
         return store
 
     def prepare(self, prepare: Callable[[], None]) -> None:
