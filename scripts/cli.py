@@ -42,113 +42,138 @@ def _add_config(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-c", "--config", metavar="FILE", help="configuration file (YAML)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+COMMANDS = ("master", "write", "tail", "worker", "snapshot", "check-config", "timeline", "bench")
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser; with ``command``, one of :data:`COMMANDS`, only that command's.
+
+    Parsing that command's arguments gives the same results, help and errors
+    (a subcommand's parser does not list the others); a start does not build
+    the other commands' parsers, nor import the timeline's (about 7 ms).
+    """
+
+    def wanted(name: str) -> bool:
+        return command is None or name == command
+
     parser = Parser(prog="tickline", description="Line-based TCP replication.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
 
-    master = commands.add_parser("master", help="run the master: serve streams to workers")
-    _add_config(master)
-    master.add_argument("--listen", metavar="HOST:PORT", help="address to listen on")
-    master.add_argument("--database", metavar="URL", help="database URL (sqlite:///path.db)")
-    master.add_argument("--server-name", metavar="NAME", help="name sent in SERVER")
-    master.add_argument("--metrics-listen", metavar="HOST:PORT", help="serve Prometheus /metrics here (or PORT)")
+    if wanted("master"):
+        master = commands.add_parser("master", help="run the master: serve streams to workers")
+        _add_config(master)
+        master.add_argument("--listen", metavar="HOST:PORT", help="address to listen on")
+        master.add_argument("--database", metavar="URL", help="database URL (sqlite:///path.db)")
+        master.add_argument("--server-name", metavar="NAME", help="name sent in SERVER")
+        master.add_argument("--metrics-listen", metavar="HOST:PORT", help="serve Prometheus /metrics here (or PORT)")
 
-    write = commands.add_parser("write", help="append rows to a stream, print their tokens")
-    _add_config(write)
-    write.add_argument("--database", metavar="URL", help="database URL")
-    write.add_argument("--instance", metavar="NAME", default="writer", help="writer instance name (default: writer)")
-    write.add_argument("--batch", action="store_true", help="all rows share one token")
-    write.add_argument("stream", metavar="STREAM")
-    write.add_argument(
-        "rows",
-        metavar="ROW_JSON",
-        nargs="+",
-        help="a JSON array (columns in order) or object (by column name); '-' reads one row per line from stdin",
-    )
+    if wanted("write"):
+        write = commands.add_parser("write", help="append rows to a stream, print their tokens")
+        _add_config(write)
+        write.add_argument("--database", metavar="URL", help="database URL")
+        write.add_argument(
+            "--instance", metavar="NAME", default="writer", help="writer instance name (default: writer)"
+        )
+        write.add_argument("--batch", action="store_true", help="all rows share one token")
+        write.add_argument("stream", metavar="STREAM")
+        write.add_argument(
+            "rows",
+            metavar="ROW_JSON",
+            nargs="+",
+            help="a JSON array (columns in order) or object (by column name); '-' reads one row per line from stdin",
+        )
 
-    tail = commands.add_parser("tail", help="follow streams like a worker, print rows as JSON")
-    _add_config(tail)
-    tail.add_argument("--master", metavar="HOST:PORT", help="master address (default: the config's listen)")
-    tail.add_argument(
-        "--from", dest="from_token", metavar="TOKEN", type=count_arg, help="replay rows after TOKEN first"
-    )
-    tail.add_argument("--count", metavar="N", type=count_arg, help="exit after N rows")
-    tail.add_argument(
-        "--since",
-        metavar="WHEN",
-        help="replay rows from this time first: Unix ms, ISO-8601 (UTC unless a zone is given), or -30s/-5m/-2h/-1d",
-    )
-    tail.add_argument(
-        "--ts", action="store_true", help='add each row\'s timestamp as "ts" and its time as "ts_iso" (ISO-8601, UTC)'
-    )
-    tail.add_argument("--name", default="tail", help="client name sent in NAME (default: tail)")
-    tail.add_argument("streams", metavar="STREAM", nargs="+")
+    if wanted("tail"):
+        tail = commands.add_parser("tail", help="follow streams like a worker, print rows as JSON")
+        _add_config(tail)
+        tail.add_argument("--master", metavar="HOST:PORT", help="master address (default: the config's listen)")
+        tail.add_argument(
+            "--from", dest="from_token", metavar="TOKEN", type=count_arg, help="replay rows after TOKEN first"
+        )
+        tail.add_argument("--count", metavar="N", type=count_arg, help="exit after N rows")
+        tail.add_argument(
+            "--since",
+            metavar="WHEN",
+            help="replay rows from this time first: Unix ms, ISO-8601 (UTC unless a zone is given), or -30s/-5m/-2h/-1d",
+        )
+        tail.add_argument(
+            "--ts",
+            action="store_true",
+            help='add each row\'s timestamp as "ts" and its time as "ts_iso" (ISO-8601, UTC)',
+        )
+        tail.add_argument("--name", default="tail", help="client name sent in NAME (default: tail)")
+        tail.add_argument("streams", metavar="STREAM", nargs="+")
 
-    worker = commands.add_parser("worker", help="run a worker: apply streams into its own database")
-    _add_config(worker)
-    worker.add_argument("--name", metavar="NAME", help="worker instance name (default: the config's worker.name)")
-    worker.add_argument("--master", metavar="HOST:PORT", help="master address")
-    worker.add_argument("--database", metavar="URL", help="the worker's own database URL")
-    worker.add_argument("--server-name", metavar="NAME", help="expected SERVER name of the master")
-    worker.add_argument(
-        "--replicate",
-        metavar="STREAM",
-        action="append",
-        default=[],
-        help="copy STREAM into table replicated_STREAM (repeatable)",
-    )
-    worker.add_argument("--metrics-listen", metavar="HOST:PORT", help="serve Prometheus /metrics here (or PORT)")
+    if wanted("worker"):
+        worker = commands.add_parser("worker", help="run a worker: apply streams into its own database")
+        _add_config(worker)
+        worker.add_argument("--name", metavar="NAME", help="worker instance name (default: the config's worker.name)")
+        worker.add_argument("--master", metavar="HOST:PORT", help="master address")
+        worker.add_argument("--database", metavar="URL", help="the worker's own database URL")
+        worker.add_argument("--server-name", metavar="NAME", help="expected SERVER name of the master")
+        worker.add_argument(
+            "--replicate",
+            metavar="STREAM",
+            action="append",
+            default=[],
+            help="copy STREAM into table replicated_STREAM (repeatable)",
+        )
+        worker.add_argument("--metrics-listen", metavar="HOST:PORT", help="serve Prometheus /metrics here (or PORT)")
 
-    snapshot = commands.add_parser("snapshot", help="read a worker's replicated stream with Spark as of one token")
-    _add_config(snapshot)
-    snapshot.add_argument(
-        "--database", metavar="URL", help="the worker's database (default: the config's worker.database)"
-    )
-    snapshot.add_argument("--stream", metavar="NAME", required=True, help="the stream (table replicated_NAME)")
-    snapshot.add_argument(
-        "--partitions",
-        metavar="N",
-        type=int,
-        help="token ranges read in parallel (default: spark.num_partitions)",
-    )
-    snapshot_range = snapshot.add_mutually_exclusive_group()
-    snapshot_range.add_argument(
-        "--as-of", metavar="TOKEN", type=int, help="rows with token <= TOKEN (default: the applied token)"
-    )
-    snapshot_range.add_argument(
-        "--after", metavar="TOKEN", type=int, help="incremental: rows with TOKEN < token <= the applied token"
-    )
-    snapshot.add_argument(
-        "--out", metavar="DIR", help="write Parquet and a manifest into DIR/<stream>_<after>_<token>/"
-    )
+    if wanted("snapshot"):
+        snapshot = commands.add_parser("snapshot", help="read a worker's replicated stream with Spark as of one token")
+        _add_config(snapshot)
+        snapshot.add_argument(
+            "--database", metavar="URL", help="the worker's database (default: the config's worker.database)"
+        )
+        snapshot.add_argument("--stream", metavar="NAME", required=True, help="the stream (table replicated_NAME)")
+        snapshot.add_argument(
+            "--partitions",
+            metavar="N",
+            type=int,
+            help="token ranges read in parallel (default: spark.num_partitions)",
+        )
+        snapshot_range = snapshot.add_mutually_exclusive_group()
+        snapshot_range.add_argument(
+            "--as-of", metavar="TOKEN", type=int, help="rows with token <= TOKEN (default: the applied token)"
+        )
+        snapshot_range.add_argument(
+            "--after", metavar="TOKEN", type=int, help="incremental: rows with TOKEN < token <= the applied token"
+        )
+        snapshot.add_argument(
+            "--out", metavar="DIR", help="write Parquet and a manifest into DIR/<stream>_<after>_<token>/"
+        )
 
-    check = commands.add_parser("check-config", help="validate a configuration file")
-    check.add_argument("-c", "--config", metavar="FILE", required=True)
+    if wanted("check-config"):
+        check = commands.add_parser("check-config", help="validate a configuration file")
+        check.add_argument("-c", "--config", metavar="FILE", required=True)
 
-    from scripts.timeline_cli import add_parser as add_timeline_parser
+    if wanted("timeline"):
+        from scripts.timeline_cli import add_parser as add_timeline_parser
 
-    add_timeline_parser(commands)
+        add_timeline_parser(commands)
 
-    bench = commands.add_parser("bench", help="run benchmarks, print ratios against baselines")
-    bench.add_argument("scenarios", nargs="*", metavar="SCENARIO", help="default: all")
-    bench.add_argument("--rows", type=int, default=None, help="rows per scenario")
-    bench.add_argument("--repeat", type=int, default=3, help="runs per measurement (interleaved)")
-    bench.add_argument("--rate", type=int, default=1000, help="latency: single-row commits per second")
-    bench.add_argument("--seconds", type=float, default=10.0, help="latency: seconds of paced commits")
-    bench.add_argument(
-        "--plot", metavar="PNG", help="end-to-end, latency, catch-up, writer: plot ratios and percentiles"
-    )
-    bench.add_argument("-v", "--verbose", action="store_true", help="print every run")
-    bench.add_argument(
-        "--db",
-        choices=("sqlite", "postgresql"),
-        default="sqlite",
-        help="fanout: the master's database (postgresql: a throwaway server)",
-    )
-    bench.add_argument(
-        "--variants", metavar="LIST", help="fanout: only these variants, comma-separated (e.g. live-1,replay-1)"
-    )
+    if wanted("bench"):
+        bench = commands.add_parser("bench", help="run benchmarks, print ratios against baselines")
+        bench.add_argument("scenarios", nargs="*", metavar="SCENARIO", help="default: all")
+        bench.add_argument("--rows", type=int, default=None, help="rows per scenario")
+        bench.add_argument("--repeat", type=int, default=3, help="runs per measurement (interleaved)")
+        bench.add_argument("--rate", type=int, default=1000, help="latency: single-row commits per second")
+        bench.add_argument("--seconds", type=float, default=10.0, help="latency: seconds of paced commits")
+        bench.add_argument(
+            "--plot", metavar="PNG", help="end-to-end, latency, catch-up, writer: plot ratios and percentiles"
+        )
+        bench.add_argument("-v", "--verbose", action="store_true", help="print every run")
+        bench.add_argument(
+            "--db",
+            choices=("sqlite", "postgresql"),
+            default="sqlite",
+            help="fanout: the master's database (postgresql: a throwaway server)",
+        )
+        bench.add_argument(
+            "--variants", metavar="LIST", help="fanout: only these variants, comma-separated (e.g. live-1,replay-1)"
+        )
     return parser
 
 
@@ -195,8 +220,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from storage.store import StorageError
         from storage.urls import BadDatabaseUrl
 
-        parser = build_parser()
-        args = parser.parse_args(_relative_since(sys.argv[1:] if argv is None else argv))
+        argv = _relative_since(sys.argv[1:] if argv is None else argv)
+        # A command named first: only its parser (anything else, e.g. --help: all of them).
+        parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
+        args = parser.parse_args(argv)
     try:
         with _collector_paused():
             command = _command(parser, args)
@@ -252,11 +279,7 @@ def _command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Calla
     elif args.command == "write":
         run = run_write
     elif args.command == "worker":
-        if not config.tls.client_enabled:
-            from replication.tls import import_reactor_without_tls
-
-            import_reactor_without_tls()  # about 0.1 s of a start (see replication.tls)
-        from scripts.run_worker import run_worker as run
+        return _worker_command(args, config)
     elif args.command == "snapshot":
         from scripts.snapshot import run_snapshot as run
     elif args.command == "timeline":
@@ -266,6 +289,26 @@ def _command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Calla
     else:
         raise AssertionError(args.command)
     return lambda: run(args, config)
+
+
+def _worker_command(args: argparse.Namespace, config: Config) -> Callable[[], int]:
+    """``tickline worker``: its database opened on its own thread while Twisted is imported here."""
+    from scripts.lazy_modules import lazy_modules
+    from scripts.worker_start import WorkerStart, worker_config
+
+    begun = WorkerStart.begin(worker_config(args, config))  # see scripts.worker_start
+    with lazy_modules():  # http.cookiejar, imported by Twisted, used by no worker (scripts.lazy_modules)
+        if not config.tls.client_enabled:
+            from replication.tls import import_reactor_without_tls
+
+            import_reactor_without_tls()  # about 0.1 s of a start (see replication.tls)
+        from scripts.run_worker import run_worker
+    # What the imports built lives as long as the worker, which moves it out of the cyclic
+    # collector's way once started anyway (run_worker: gc.freeze()). Moved now, the first
+    # collection after the pause (_collector_paused) does not examine these ~60,000 objects
+    # on the way to the first rows (6-11 ms); it would have freed about 0.5 MB of cycles.
+    gc.freeze()
+    return lambda: run_worker(args, config, begun)
 
 
 def one_line(error: Exception, limit: int = 500) -> str:

@@ -7,55 +7,22 @@ import gc
 import sys
 from typing import Any
 
-import attr
-
-from scripts.config import Config, ConfigError, parse_address, parse_metrics_address
+from scripts.config import Config, ConfigError, parse_metrics_address
 from scripts.daemon import run_daemon
-from storage.schema import NAME_WORD
-from storage.urls import parse_database_url
-from storage.worker_store import open_worker_store
+from scripts.worker_start import SWITCH_INTERVAL, WorkerStart, worker_config
 from workers.caches import CacheRegistry
 from workers.handlers import HandlerError, HandlerRegistry, load_handler
 from workers.worker import UnknownStreamError, Worker, WorkerConfig
 
-# The interpreter's switch interval in a worker (CPython's default: 5 ms). The database
-# thread waits for its backend with the GIL released and needs it back at every answer
-# (BEGIN, COPY, COMMIT), while the reactor thread holds it making the next group's COPY
-# text and parsing rows: at 5 ms that handover stretched each 5,000-row COPY apply of a
-# catch-up from about 6.7 to 9.3 ms (docs/benchmarks.md, cu3).
-SWITCH_INTERVAL = 0.0005
+__all__ = ["SWITCH_INTERVAL", "run_worker", "timeline_consumers", "worker_config"]
 
 
-def worker_config(args: argparse.Namespace, config: Config) -> WorkerConfig:
-    """The config's worker section with the command line's overrides."""
-    wc = config.worker
-    changes: dict = {}
-    if args.name:
-        if not NAME_WORD.fullmatch(args.name):
-            raise ConfigError("--name must be one word of printable ASCII")
-        changes["name"] = args.name
-    if args.master:
-        changes["master_host"], changes["master_port"] = parse_address(args.master, "--master")
-    if args.database:
-        parse_database_url(args.database)
-        changes["database"] = args.database
-    if args.server_name:
-        changes["server_name"] = args.server_name
-    if args.replicate:
-        for stream in args.replicate:
-            if stream not in config.streams:
-                raise ConfigError(
-                    f"--replicate: unknown stream {stream!r} (known: {', '.join(sorted(config.streams))})"
-                )
-        changes["replicate"] = tuple(dict.fromkeys(wc.replicate + tuple(args.replicate)))
-    return attr.evolve(wc, **changes)
-
-
-def run_worker(args: argparse.Namespace, config: Config) -> int:
+def run_worker(args: argparse.Namespace, config: Config, begun: WorkerStart | None = None) -> int:
+    """Run the worker; ``begun``: its set-up thread, started by the command line before these imports."""
     from twisted.internet import defer, reactor
 
-    sys.setswitchinterval(SWITCH_INTERVAL)
-    wc = worker_config(args, config)
+    sys.setswitchinterval(SWITCH_INTERVAL)  # see scripts.worker_start
+    wc = worker_config(args, config) if begun is None else begun.config
     handlers = HandlerRegistry()
     try:
         for stream, path in wc.handlers:
@@ -68,12 +35,14 @@ def run_worker(args: argparse.Namespace, config: Config) -> int:
         else config.worker_metrics_listen
     )
     caches = CacheRegistry(config.caches.special, config.caches.max_size)
-    store = open_worker_store(wc.database, synchronous_commit=wc.synchronous_commit)
+    if begun is None:
+        begun = WorkerStart.begin(wc)
+    store = begun.store()  # opened and migrated by its own thread; raises what that raised
     worker = Worker(
         wc, config.protocol, store, config.streams, reactor, handlers, caches, config.master.secret, tls=config.tls
     )
     try:
-        worker.prepare()
+        begun.prepare(worker.prepare)  # with the connection that migrated the store
     except UnknownStreamError as e:
         raise ConfigError(str(e)) from None
     timeline = timeline_consumers(wc, config, reactor)
