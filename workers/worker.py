@@ -371,6 +371,12 @@ class Worker(ReplicationHandler):
         if not failure.check(CommitUnknown):
             return defer.fail(failure)
         logger.warning("%s: the connection was lost while token %s committed; applying it again", stream, token)
+        return self._apply_uncertain(stream, token, schema, received, effects)
+
+    def _apply_uncertain(
+        self, stream: str, token: int, schema: StreamSchema, received: list[ReceivedRows], effects: Effects
+    ) -> defer.Deferred[None]:
+        """Apply again on the database thread a group that may have committed (``_settle_uncertain``)."""
         self._uncertain[stream] = max(token, self._uncertain.get(stream, 0))
         return self._replicate_threaded(stream, token, schema, received, effects)
 
@@ -390,8 +396,7 @@ class Worker(ReplicationHandler):
             logger.warning(
                 "the apply connection failed (%s); applying on the database thread", failure.getErrorMessage()
             )
-            self._uncertain[stream] = max(token, self._uncertain.get(stream, 0))
-            return self._replicate_threaded(stream, token, schema, received, effects)
+            return self._apply_uncertain(stream, token, schema, received, effects)
         return defer.fail(failure)
 
     def _settle_uncertain(self, d: defer.Deferred[None], stream: str, token: int) -> defer.Deferred[None]:
