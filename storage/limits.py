@@ -170,6 +170,28 @@ def _originals(schema: StreamSchema, row: Row) -> Sequence[Any]:
     return row  # check_row has verified it is a list or tuple of the right length
 
 
+class RowChecker:
+    """:func:`check_rows` of one row for one stream, what it looks up per stream done once.
+
+    A writer keeps one per stream for its single-row appends: their check then
+    builds no sizer and encodes no stream name per row.
+    """
+
+    __slots__ = ("_check", "_overhead", "schema")
+
+    def __init__(self, schema: StreamSchema) -> None:
+        self.schema = schema
+        self._check = _RowSizer(schema).check
+        self._overhead = rdata_overhead(schema.name)
+
+    def one(self, row: Row, max_line_bytes: int | None) -> tuple[Any, ...]:
+        """The row checked as the first of ``check_rows`` (a RowError names it as row 1)."""
+        try:
+            return self._check(row, max_line_bytes, self._overhead)
+        except RowError as e:
+            raise RowError(e.reason, index=0) from None
+
+
 def check_rows(schema: StreamSchema, rows: Iterable[Row], max_line_bytes: int | None) -> list[tuple[Any, ...]]:
     """Every row checked; a RowError names the row (``index``: its position in ``rows``)."""
     sizer = _RowSizer(schema)

@@ -19,6 +19,7 @@ from replication.streams import EVENTS
 from scripts.pg_local import PostgresServer
 from storage import tso
 from storage.pg_store import FLOOR_TRIGGER, ORACLE_SEQUENCE, Fenced, PgStreamStore
+from storage.schema import RowError
 from storage.store import open_store
 from tests.integration.procs import wait_for
 from tests.stores import pg_store
@@ -225,3 +226,36 @@ def test_an_instance_name_with_quotes_backslashes_and_percent_signs(store, count
         assert [token for c in committed for token, _, _ in c.rows] == tokens + again
     finally:
         notifier.close()
+
+
+def test_single_row_appends_from_threads_of_one_writer_each_take_their_own_connection(store) -> None:
+    """The single-row plan is shared by threads; its statement is prepared per connection (each thread's own)."""
+    store.append("events", [ROW], "w")
+    tokens: list[int] = []
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            for _ in range(200):
+                tokens.extend(store.append("events", [ROW], "w"))
+        except BaseException as e:  # reported by the assertion below
+            errors.append(e)
+
+    threads = [threading.Thread(target=write) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert len(tokens) == len(set(tokens)) == 600
+    stored = [row[1] for row in store.read_rows("events", 0, 10**9, 10**6)]
+    assert sorted(tokens) == stored[1:]
+
+
+def test_a_bad_single_row_is_refused_as_row_1_and_writes_nothing(store) -> None:
+    store.append("events", [ROW], "w")
+    with pytest.raises(RowError, match=r"row 1: .*may not be null"):
+        store.append("events", [[None, "!r", "m.room.message", None, None]], "w")
+    with pytest.raises(RowError, match="bad instance name"):
+        store.append("events", [ROW], "two words")
+    assert len(store.read_rows("events", 0, 10**9, 10**6)) == 1
