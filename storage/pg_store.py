@@ -481,12 +481,18 @@ class PgStreamStore:
         try:
             with conn.cursor() as cur:
                 yield cur
-        except psycopg2.OperationalError as e:
-            self._drop_side(conn)
-            raise DatabaseUnavailable(redact_url(f"PostgreSQL at {self.database.dsn}: {_first_line(e)}")) from None
-        except psycopg2.Error:
-            _release_oracle_lock(conn)
+        except psycopg2.Error as e:
+            self._side_failed(conn, e)
             raise
+
+    def _side_failed(self, conn: Any, error: psycopg2.Error) -> None:
+        """After ``error`` on this thread's side connection: a lost connection is dropped and raised as
+        :class:`DatabaseUnavailable`; otherwise the session may hold the oracle's lock, which is released
+        (the caller raises ``error`` again)."""
+        if isinstance(error, psycopg2.OperationalError):
+            self._drop_side(conn)
+            raise DatabaseUnavailable(redact_url(f"PostgreSQL at {self.database.dsn}: {_first_line(error)}")) from None
+        _release_oracle_lock(conn)
 
     def _drop_side(self, conn: Any) -> None:
         try:
@@ -678,11 +684,8 @@ class PgStreamStore:
                 if self._writers.get(key) is state:
                     del self._writers[key]
             raise
-        except psycopg2.OperationalError as e:
-            self._drop_side(conn)
-            raise DatabaseUnavailable(redact_url(f"PostgreSQL at {self.database.dsn}: {_first_line(e)}")) from None
-        except psycopg2.Error:
-            _release_oracle_lock(conn)
+        except psycopg2.Error as e:
+            self._side_failed(conn, e)
             raise
         finally:
             with lock:

@@ -20,7 +20,7 @@ from scripts.pg_local import PostgresServer
 from storage import tso
 from storage.pg_store import FLOOR_TRIGGER, ORACLE_SEQUENCE, Fenced, PgStreamStore
 from storage.schema import RowError
-from storage.store import open_store
+from storage.store import DatabaseUnavailable, open_store
 from tests.integration.procs import wait_for
 from tests.stores import pg_store
 
@@ -259,3 +259,29 @@ def test_a_bad_single_row_is_refused_as_row_1_and_writes_nothing(store) -> None:
     with pytest.raises(RowError, match="bad instance name"):
         store.append("events", [ROW], "two words")
     assert len(store.read_rows("events", 0, 10**9, 10**6)) == 1
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_a_writer_whose_connection_is_lost_gets_one_line_and_its_next_append_reconnects(store, pg_url, count) -> None:
+    """The single-row path (``_append_row``) and the transaction's path lose their connection alike:
+    DatabaseUnavailable with one line naming the server, nothing half written, the next append works."""
+    store.append("events", [ROW] * count, "w")
+    backends = _query(
+        pg_url,
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid() "
+        "AND backend_type = 'client backend'",
+    )
+    for (pid,) in backends:
+        _query(pg_url, "SELECT pg_terminate_backend(%s)", (pid,))
+    wait_for(
+        lambda: not _query(pg_url, "SELECT 1 FROM pg_stat_activity WHERE pid = ANY(%s)", ([p for (p,) in backends],)),
+        10.0,
+        "the writer's backends to end",
+    )
+    with pytest.raises(DatabaseUnavailable) as lost:
+        store.append("events", [ROW] * count, "w")
+    assert "\n" not in str(lost.value) and "PostgreSQL at" in str(lost.value)
+    tokens = store.append("events", [ROW] * count, "w")
+    stored = [row[1] for row in store.read_rows("events", 0, 10**9, 10**6)]
+    assert len(stored) == len(set(stored)) == 2 * count
+    assert stored[-count:] == tokens
