@@ -1036,7 +1036,7 @@ class WriteTransaction:
             sql = self._statements.claiming(count, state.writer_id, self._instance, self._cur.cursor)
             params = [now_ms, state.epoch, MAX_TOKEN]  # the cap is set under the lock
         else:
-            sql = self._statements.small(count, batch, token_count == 0, self._cur.cursor)
+            sql = self._statements.batch(count, token_count == 0, self._cur.cursor)
             params = [_seq(schema), count, token_count, now_ms]
             if token_count == 0:
                 params.append(self._batch_token)
@@ -1074,7 +1074,7 @@ class WriteTransaction:
                     raise Fenced(self._instance) from None
                 raise
             first = self._allocated(first_token, batch)
-            self._remember(first_token, token_count, first_ts, count, now_ms)
+            _remember(self._state, first_token, token_count, first_ts, count, now_ms)
         self._position_sent = first if batch else first + count - 1
         self.position_written = min(self._position_sent, cap)
         return first, first_ts
@@ -1097,7 +1097,7 @@ class WriteTransaction:
                 self._first(prepared(self._cur.cursor, _ALLOCATE_SQL)), (_seq(schema), count, token_count, now_ms)
             ).fetchone()
             first = self._allocated(first_token, batch)
-            self._remember(first_token, token_count, first_ts, count, now_ms)
+            _remember(self._state, first_token, token_count, first_ts, count, now_ms)
         self._copy(_CopySource(self._statements, rows, self._instance, first, 0 if batch else 1, first_ts, limit))
         return first, first_ts
 
@@ -1154,7 +1154,7 @@ class WriteTransaction:
             # The COPY had started: the call took the proposal. Those tokens and timestamps are
             # skipped with the rollback; the next proposal starts after them.
             with store._lock:
-                self._remember(want_token, token_count, want_ts, count)
+                _remember(self._state, want_token, token_count, want_ts, count)
             raise
         except psycopg2.Error as e:
             if e.pgcode == FENCED_CODE:
@@ -1170,13 +1170,8 @@ class WriteTransaction:
         with store._lock:
             if batch:
                 self._batch_token = want_token
-            self._remember(want_token, token_count, want_ts, count)
+            _remember(self._state, want_token, token_count, want_ts, count)
         return want_token, want_ts
-
-    def _remember(
-        self, first_token: int | None, token_count: int, first_ts: int, count: int, now_ms: int | None = None
-    ) -> None:
-        _remember(self._state, first_token, token_count, first_ts, count, now_ms)
 
     def _first(self, sql: str) -> str:
         """``sql``, led by ``BEGIN`` if it is the transaction's first statement (explicit transactions)."""
@@ -1221,7 +1216,7 @@ class _Statements:
         # orders a token's rows as inserted): given, not drawn from its sequence row by row.
         names = ", ".join(("seq", "token", "instance_name", "ts", *schema.column_names))
         self.copy = f"COPY {schema.table} ({names}) FROM STDIN"
-        self._small: dict[tuple[int, bool, bool], str] = {}
+        self._batch: dict[tuple[int, bool], str] = {}
         self._claiming: dict[tuple[int, str, str], str] = {}
         self._formats = [_COPY_FORMATS[c.type] for c in schema.columns]
         self.doubles = frozenset(schema.double_columns)
@@ -1232,12 +1227,12 @@ class _Statements:
             3 + 4 + (5 if c.type == "boolean" else 0) + (24 if c.type == "double" else 0) for c in schema.columns
         )
 
-    def small(self, count: int, batch: bool, shared: bool, cursor: Any) -> str:
-        """The statement for ``count`` rows; for few rows a prepared one (``EXECUTE``, no parse or plan)."""
-        key = (count, batch, shared)
-        sql = self._small.get(key)
+    def batch(self, count: int, shared: bool, cursor: Any) -> str:
+        """A batch append's statement for ``count`` rows; for few rows a prepared one (``EXECUTE``, no parse or plan)."""
+        key = (count, shared)
+        sql = self._batch.get(key)
         if sql is None:
-            sql = self._small[key] = self._build_small(count, batch, shared)
+            sql = self._batch[key] = self._build_batch(count, shared)
         if count > PREPARED_ROWS:
             return sql
         return prepared(cursor, sql)
@@ -1299,17 +1294,18 @@ class _Statements:
             for c in self.schema.columns
         )
 
-    def _build_small(self, count: int, batch: bool, shared: bool) -> str:
-        """A batch's statement (its rows share a token; its notification names the stream only)."""
+    def _build_batch(self, count: int, shared: bool) -> str:
+        """A batch's statement (its rows share a token; its notification names the stream only).
+
+        ``shared``: the token is the transaction's batch token, already allocated (a parameter).
+        """
         schema = self.schema
         rows = ", ".join([f"(%s::int, {self._casts()})"] * count)
         aliases = ", ".join(f"v.{name}" for name in schema.column_names)
         if shared:
             token, last = "%s::bigint", "COALESCE(%s::bigint, a.first_token)"
-        elif batch:
+        else:
             token, last = "a.first_token", "a.first_token"
-        else:  # not built: appends not in a batch take _build_claiming's statement
-            token, last = "a.first_token + v._i - 1", f"a.first_token + {count - 1}"
         names = ", ".join(("seq", "token", "instance_name", "ts", *schema.column_names))
         return (
             f"WITH a AS (SELECT first_token, first_ts FROM {ORACLE_FUNCTION}(%s::regclass, %s, %s, %s)), "
