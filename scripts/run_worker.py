@@ -9,38 +9,39 @@ from typing import Any
 
 from scripts.config import Config, ConfigError, parse_metrics_address
 from scripts.daemon import run_daemon
-from scripts.worker_start import SWITCH_INTERVAL, WorkerStart, worker_config
+from scripts.worker_start import WorkerStart, worker_config
 from workers.caches import CacheRegistry
 from workers.handlers import HandlerError, HandlerRegistry, load_handler
 from workers.worker import UnknownStreamError, Worker, WorkerConfig
-
-__all__ = ["SWITCH_INTERVAL", "run_worker", "timeline_consumers", "worker_config"]
 
 
 def run_worker(args: argparse.Namespace, config: Config, begun: WorkerStart | None = None) -> int:
     """Run the worker; ``begun``: its set-up thread, started by the command line before these imports."""
     from twisted.internet import defer, reactor
 
-    sys.setswitchinterval(SWITCH_INTERVAL)  # see scripts.worker_start
-    wc = worker_config(args, config) if begun is None else begun.config
-    handlers = HandlerRegistry()
-    try:
-        for stream, path in wc.handlers:
-            handlers.register(stream, load_handler(path))
-    except HandlerError as e:
-        raise ConfigError(f"worker.handlers: {e}") from None
-    metrics = (
-        parse_metrics_address(args.metrics_listen, "--metrics-listen")
-        if args.metrics_listen
-        else config.worker_metrics_listen
-    )
-    caches = CacheRegistry(config.caches.special, config.caches.max_size)
     if begun is None:
-        begun = WorkerStart.begin(wc)
-    store = begun.store()  # opened and migrated by its own thread; raises what that raised
-    worker = Worker(
-        wc, config.protocol, store, config.streams, reactor, handlers, caches, config.master.secret, tls=config.tls
-    )
+        begun = WorkerStart.begin(worker_config(args, config))
+    wc = begun.config
+    try:
+        handlers = HandlerRegistry()
+        try:
+            for stream, path in wc.handlers:
+                handlers.register(stream, load_handler(path))
+        except HandlerError as e:
+            raise ConfigError(f"worker.handlers: {e}") from None
+        metrics = (
+            parse_metrics_address(args.metrics_listen, "--metrics-listen")
+            if args.metrics_listen
+            else config.worker_metrics_listen
+        )
+        caches = CacheRegistry(config.caches.special, config.caches.max_size)
+        store = begun.store()  # opened and migrated by its own thread; raises what that raised
+        worker = Worker(
+            wc, config.protocol, store, config.streams, reactor, handlers, caches, config.master.secret, tls=config.tls
+        )
+    except BaseException:
+        begun.abandon()  # a start that stops before prepare: the set-up thread ends, its store closed
+        raise
     try:
         begun.prepare(worker.prepare)  # with the connection that migrated the store
     except UnknownStreamError as e:

@@ -17,7 +17,9 @@ unchanged: a failure of the store's opening is raised where
 ``scripts.run_worker`` opened it before (after the handlers are loaded), so
 errors and exit codes are those of a start without this thread. The
 migrations may now have run in a start that then stops on a handler that
-cannot be loaded (they are idempotent; the next start would run them).
+cannot be loaded or a bad ``--metrics-listen`` (they are idempotent; the
+next start would run them); such a start closes the store on the thread and
+ends it (:meth:`WorkerStart.abandon`).
 """
 
 from __future__ import annotations
@@ -157,6 +159,17 @@ class WorkerStart:
             self.thread.end()
             raise
         return store
+
+    def abandon(self) -> None:
+        """A start that stops before :meth:`prepare`: the store, if it opened, closed on its thread
+        (a database closes the calling thread's connection), then the thread ends."""
+
+        def close() -> None:
+            if self._store.ok:
+                self._store.value.close()
+
+        self.thread.submit(close)
+        self.thread.end()
 
     def prepare(self, prepare: Callable[[], None]) -> None:
         """``prepare`` (the worker's blocking set-up) on the thread that opened the store, then the thread ends."""

@@ -43,6 +43,8 @@ def test_one_commands_parser_has_that_commands_help(command) -> None:
         return subparsers.choices[command].format_help()
 
     assert help_of(build_parser(command)) == help_of(build_parser())
+    (subparsers,) = [a for a in build_parser(command)._actions if a.dest == "command"]
+    assert list(subparsers.choices or ()) == [command]  # only that command's parser was built
 
 
 def test_errors_name_the_command_as_before(capsys) -> None:
@@ -141,3 +143,28 @@ def test_a_worker_start_does_not_run_http_cookiejar(tmp_path) -> None:
     }
     assert "twisted.internet.reactor" in imported and "http.cookiejar" in imported
     assert not {"urllib.request", "http.client", "email.parser"} & imported
+
+
+@pytest.mark.parametrize(
+    "config_text, flags",
+    [
+        ("worker:\n  handlers:\n    events: [no_such_module_here:handle]\n", []),
+        ("", ["--metrics-listen", "bogus:x:y"]),
+    ],
+    ids=["bad handler", "bad metrics address"],
+)
+def test_a_start_that_stops_before_prepare_ends_its_setup_thread(tmp_path, capsys, config_text, flags) -> None:
+    # In one process (as a caller of scripts.cli.main would): the set-up thread that opened the
+    # store must not stay parked on its queue holding the store once the start has failed.
+    from scripts.cli import main
+
+    config = tmp_path / "worker.yaml"
+    config.write_text(config_text or "worker: {}\n")
+    before = set(threading.enumerate())
+    argv = ["worker", "-c", str(config), "--database", f"sqlite:///{tmp_path}/w.db", "--master", "127.0.0.1:9"]
+    assert main([*argv, *flags]) == 2
+    assert "tickline worker: error:" in capsys.readouterr().err
+    setup = [t for t in set(threading.enumerate()) - before if t.name.endswith("-setup")]
+    for thread in setup:
+        thread.join(10)
+    assert not [t for t in setup if t.is_alive()]
