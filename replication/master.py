@@ -735,7 +735,8 @@ class Master:
         # left to the timer's passes, off the commit -> RDATA path.
         woken, self._woken = self._woken, False
         # Streams with live subscriptions: their first rows are read in the same
-        # database hop as the safe point (no second hop through the thread pool).
+        # database hop as the safe point (no second hop through the thread pool;
+        # PostgreSQL's wake-up: when the new rows are at most fanout_rows).
         reads = {
             stream: (self._live[stream], _live_variants(subs))
             for stream, subs in self._live_subs.items()

@@ -6,8 +6,8 @@ which bounded the master's reads on PostgreSQL. Here the server sends each
 row's columns and the master turns a whole ``COPY`` buffer into lines with a
 handful of bytes operations, no Python object per row or value.
 
-**The read** (:func:`read_columns`), in one transaction on the thread's
-connection: a prepared statement (:func:`range_statement_sql`) finds the
+**The read** (:func:`read_columns`), in one read-only ``REPEATABLE READ``
+transaction (one snapshot for both steps) on the thread's connection: a prepared statement (:func:`range_statement_sql`) finds the
 range's last token and whether a token of several rows may be in it
 (usually none is); then a plain ``COPY (SELECT ... ORDER BY token, seq)``
 of the range with its bounds as literals (:func:`range_copy_sql`), whose
@@ -49,9 +49,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import psycopg2
-
 from storage import pg_lines
+from storage.pg_db import rollback_explicit
 from storage.pg_lines import PLAN_SETTINGS, CopyChunks, SessionFunctions, lines_select_sql, value_json_sql
 from storage.schema import StreamSchema
 
@@ -149,7 +148,7 @@ def columns_function_sql(function: str, schema: StreamSchema, with_ts: bool) -> 
     listed = ", ".join(f"l.{name}" for name in columns)
     return (
         f"CREATE FUNCTION pg_temp.{function}(bigint, bigint, text) RETURNS TABLE ({returns}) "
-        f"LANGUAGE plpgsql STABLE {PLAN_SETTINGS} AS $fn$\n#variable_conflict use_variable\n"
+        f"LANGUAGE plpgsql STABLE {PLAN_SETTINGS} AS $fn$\n"
         f"BEGIN\n    RETURN QUERY SELECT {listed} FROM ({select.replace('$4', '$3')}) AS l ORDER BY l.token, l.seq;\n"
         "END\n$fn$"
     )
@@ -158,17 +157,9 @@ def columns_function_sql(function: str, schema: StreamSchema, with_ts: bool) -> 
 # The plan the plain COPY is written for, as pg_lines.PLAN_SETTINGS: the (token, seq) index in order.
 # Left to itself the planner takes a bitmap scan and a sort (about 0.2 us per row more, and a sort
 # of 20,000 wide rows spills past work_mem), with statistics or without.
-_STEER = "BEGIN; " + "".join(
+_STEER = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; " + "".join(
     f"SET LOCAL {setting.strip()}; " for setting in PLAN_SETTINGS.removeprefix("SET ").split(" SET ")
 )
-
-
-def _roll_back(cursor: Any) -> None:
-    """End the read's transaction after an error (the connection may be gone: then nothing to end)."""
-    try:
-        cursor.execute("ROLLBACK")
-    except psycopg2.Error:
-        pass
 
 
 _COLUMNS_FUNCTIONS = SessionFunctions("tickline_columns", columns_function_sql)
@@ -230,7 +221,7 @@ def read_columns(
             cursor.copy_expert(cursor.mogrify(sql, {"after": after, "last": last, "prefix": prefix}).decode(), chunks)
         cursor.execute("COMMIT")
     except BaseException:
-        _roll_back(cursor)
+        rollback_explicit(cursor.connection)  # closes a connection that cannot even roll back
         raise
     if not chunks:
         return b"", after, 0

@@ -190,7 +190,7 @@ def lines_function_sql(function: str, schema: StreamSchema, with_ts: bool) -> st
 
 
 class SessionFunctions:
-    """Temporary functions of each connection's session, one per stream table and variant, made on first use.
+    """Temporary functions (or prepared statements) of each connection's session, one per stream table and variant, made on first use.
 
     ``build(name, schema, with_ts)`` gives the ``CREATE FUNCTION``; names are
     ``<stem>_<n>``, so two sets with different stems never collide on one

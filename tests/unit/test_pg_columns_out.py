@@ -8,6 +8,7 @@ import itertools
 from collections.abc import Iterator
 from typing import Any
 
+import psycopg2.extensions
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -73,6 +74,8 @@ def _both(store: PgStreamStore, schema: StreamSchema, after: int, upto: int, lim
         server = pg_lines.read_lines(cur, schema, after, upto, limit, prefix, with_ts, max_bytes)
         columns = pg_columns_out.read_lines(cur, schema, after, upto, limit, prefix, with_ts, max_bytes)
         fast = pg_columns_out.read_columns(cur, schema, after, upto, limit, prefix, with_ts)
+        # Every read ends its own transaction (its SET LOCALs and snapshot go with it).
+        assert cur.connection.get_transaction_status() == psycopg2.extensions.TRANSACTION_STATUS_IDLE
     return server, columns, fast
 
 
