@@ -525,10 +525,13 @@ class StreamConsumer:
     def _applied(self, _: None, entry: _Entry) -> None:
         group, token, _generation, _link, count = entry
         self._inflight.remove(entry)
+        # Two groups' answers (two apply connections) may come back in either order: the
+        # applied time follows the newest token only, so the lag never jumps backwards.
+        newest = token >= self.applied
         self.applied = max(self.applied, token)
         self.known = max(self.known, token)
         self.rows_applied += count
-        last = next((item for item in reversed(group) if item.count), None)
+        last = next((item for item in reversed(group) if item.count), None) if newest else None
         if last is not None:
             last_ts = last.last_ts()
             if last_ts is not None:

@@ -323,33 +323,26 @@ class Worker(ReplicationHandler):
         # behind another has it made here, while the other is applied.
         prepared = None if before is None else self.store.prepare_replicated(schema, received)
         store = self.store
-        if before is not None and prepared is not None and len(self._lanes) > 1:
-            text = prepared
-            link.lane = 1 - before.lane
+        concurrent = before is not None and prepared is not None and len(self._lanes) > 1
+        if before is not None and not concurrent and before.lane != 0:
+            return None  # waiting on lane 0 for a group on lane 1 would hold up lane 0's other applies
+        link.lane = 1 - before.lane if before is not None and concurrent else 0
 
-            def run() -> None:
-                try:
-                    if not store.apply_after(
-                        stream, token, before.token, schema, text, lambda: before.wait(CHAIN_WAIT)
-                    ):
-                        raise NotApplied(f"{stream}: the group before token {token} did not commit")
-                except BaseException:
-                    link.finish(False)
-                    raise
-                link.finish(True)
-
-        else:
-            link.lane = 0
-
-            def run() -> None:
-                try:
-                    if before is not None and not before.wait(CHAIN_WAIT):
-                        raise NotApplied(f"{stream}: the group before token {token} did not commit")
+        def run() -> None:
+            committed = False
+            try:
+                if concurrent:
+                    assert before is not None and prepared is not None
+                    committed = store.apply_after(
+                        stream, token, before.token, schema, prepared, lambda: before.wait(CHAIN_WAIT)
+                    )
+                elif before is None or before.wait(CHAIN_WAIT):
                     store.apply_replicated(stream, token, schema, received, effects, prepared)
-                except BaseException:
-                    link.finish(False)
-                    raise
-                link.finish(True)
+                    committed = True
+                if not committed:
+                    raise NotApplied(f"{stream}: the group before token {token} did not commit")
+            finally:
+                link.finish(committed)  # on this thread: the group behind may be waiting for it
 
         d = self._lanes[link.lane].run(run)
         return d.addErrback(self._commit_unknown, stream, token, schema, received, effects)

@@ -20,6 +20,7 @@ import pytest
 from replication.streams import EVENTS
 from storage.store import CommitUnknown, StaleApply
 from storage.worker_store import open_worker_store
+from tests.integration.procs import wait_for
 from tests.stores import pg_worker_store
 
 TS = 470_000_000_000_000_000
@@ -50,6 +51,19 @@ def _tokens(url: str) -> list[int]:
         with conn.cursor() as cur:
             cur.execute("SELECT token FROM replicated_events ORDER BY token")
             return [t for (t,) in cur.fetchall()]
+    finally:
+        conn.close()
+
+
+def _backends_waiting_for_a_lock(url: str) -> int:
+    conn = psycopg2.connect(url)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            )
+            (waiting,) = cur.fetchone()
+            return int(waiting)
     finally:
         conn.close()
 
@@ -159,8 +173,9 @@ def test_the_move_waits_for_the_row_lock_of_the_group_before(store, pg_url) -> N
     assert behind.copied.wait(30)
     behind.answer = lambda: True
     behind.go.set()
-    behind.join(0.3)
-    assert behind.is_alive()  # blocked on the row lock (nothing committed, nothing visible)
+    # Blocked on the group before's row lock (awaited, not slept on: a plain UPDATE would not wait).
+    wait_for(lambda: _backends_waiting_for_a_lock(pg_url) == 1, 30.0, "the move to wait for the row lock")
+    assert behind.is_alive()
     assert _tokens(pg_url) == list(range(1, 101))
     before.commit()
     before.close()
