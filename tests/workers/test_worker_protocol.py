@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import psycopg2
 import pytest
 from twisted.internet import defer
 from twisted.internet.task import Clock
@@ -23,6 +24,7 @@ from twisted.python.failure import Failure
 from replication.protocol import ProtocolConfig
 from replication.streams import all_streams
 from storage.worker_store import open_worker_store
+from tests.integration.procs import wait_for
 from tests.stores import backend_worker_store
 from workers.caches import CacheRegistry
 from workers.consumer import ApplySettings
@@ -571,9 +573,25 @@ class ThreadLane:
         self.calls.append((thread, d, box))
         return d
 
-    def waiting(self) -> bool:
-        """A call is still running (its group waits for the one before it)."""
-        return any(thread.is_alive() for thread, _, _ in self.calls)
+    def wait_until_copied(self, url: str) -> None:
+        """The call's group is copied and its transaction left open, waiting for the group before it
+        (its backend idle in a transaction, seen in pg_stat_activity), and its thread still running."""
+
+        def copied_and_open() -> bool:
+            conn = psycopg2.connect(url)
+            try:
+                with conn.cursor() as cur:
+                    cur.execute(
+                        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                        "AND state = 'idle in transaction'"
+                    )
+                    (count,) = cur.fetchone()
+                    return bool(count == 1)
+            finally:
+                conn.close()
+
+        wait_for(copied_and_open, 30.0, "the second lane's group to be copied and wait")
+        assert any(thread.is_alive() for thread, _, _ in self.calls)
 
     def deliver(self) -> None:
         calls, self.calls = self.calls, []
@@ -602,7 +620,8 @@ def test_a_full_group_is_copied_beside_the_one_before_and_commits_after_it(pg_ur
     h = Harness(pg_url, apply=ApplySettings(apply_rows=60), second_db=lane)
     _queue_three_groups(h, [f"RDATA events m {n} {ev(n)}" for n in range(1, 182)])
     assert len(_held(h)) == 1 and len(lane.calls) == 1  # 2..61 on the first lane, 62..121 on the second
-    assert lane.waiting() and h.applied() == 1  # copied, waiting for 2..61 to commit
+    lane.wait_until_copied(pg_url)  # copied, waiting for 2..61 to commit
+    assert h.applied() == 1
     _release(h)  # 2..61 commit; 122..181 queued on the first lane behind 62..121
     lane.deliver()
     assert h.applied() == 121
@@ -623,7 +642,7 @@ def test_a_group_copied_beside_a_failed_one_commits_nothing(pg_url, caplog) -> N
     lines[29] = f'RDATA events m 30 [12345, "!r", "m.t", null, null, {TS + 30}]'
     with caplog.at_level(logging.WARNING):
         _queue_three_groups(h, lines)
-        assert lane.waiting()
+        lane.wait_until_copied(pg_url)
         _release(h)  # tokens 2..61: refused
         lane.deliver()  # 62..121: rolled back
         assert h.applied() == 1 and [r[0] for r in h.rows()] == [1]
