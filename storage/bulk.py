@@ -19,7 +19,7 @@ from typing import IO, Any
 from storage.contracts import StreamStore, WriteTransaction
 from storage.limits import MAX_BATCH_ROWS
 from storage.schema import RowError
-from storage.store import StorageError
+from storage.store import StorageError, error_line
 
 Row = Sequence[Any] | Mapping[str, Any]
 CHUNK_ROWS = 2000  # rows checked and inserted per statement batch
@@ -112,7 +112,7 @@ def write_rows(
     except RowError:
         raise
     except StorageError as e:
-        raise StorageError(f"the write failed, nothing was committed: {_first_line(e)}") from None
+        raise StorageError(f"the write failed, nothing was committed: {error_line(e)}") from None
     except Exception as e:
         if type(e).__name__ == "Fenced":
             raise StorageError(
@@ -120,7 +120,7 @@ def write_rows(
                 "(it did not report for master.writer_timeout); run it again"
             ) from None
         if is_database_error(e):
-            raise StorageError(f"the write failed, nothing was committed: {_first_line(e)}") from None
+            raise StorageError(f"the write failed, nothing was committed: {error_line(e)}") from None
         raise
     return tokens
 
@@ -139,8 +139,3 @@ def is_database_error(e: Exception) -> bool:
         return True
     psycopg2 = sys.modules.get("psycopg2")
     return psycopg2 is not None and isinstance(e, psycopg2.Error)
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

@@ -17,7 +17,7 @@ import psycopg2.extensions
 import psycopg2.extras
 
 from storage.migrate import apply_migrations
-from storage.store import DatabaseUnavailable
+from storage.store import CommitUnknown, DatabaseUnavailable, error_line
 from storage.urls import redact_url
 
 MIGRATION_LOCK = 0x7469636B  # "tick"
@@ -174,8 +174,9 @@ class PgDatabase:
         try:
             conn = psycopg2.connect(self.dsn, connect_timeout=self._connect_timeout, application_name="tickline")
         except psycopg2.Error as e:
-            message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise DatabaseUnavailable(redact_url(f"cannot connect to PostgreSQL at {self.dsn}: {message}")) from None
+            raise DatabaseUnavailable(
+                redact_url(f"cannot connect to PostgreSQL at {self.dsn}: {error_line(e)}")
+            ) from None
         settings = session_settings(conn.server_version, self._settings)
         if settings:
             conn.autocommit = True
@@ -205,15 +206,20 @@ class PgDatabase:
 
     def _run(self, fn: Callable[[Cursor], Any], isolation: int) -> Any:
         conn = self.connection()
+        committing = False
         try:
             conn.set_session(isolation_level=isolation)
             with conn.cursor() as cur:
                 result = fn(Cursor(cur))
+            committing = True
             conn.commit()
             return result
         except psycopg2.OperationalError as e:
             self.drop_broken(conn)
-            raise DatabaseUnavailable(redact_url(f"PostgreSQL at {self.dsn}: {str(e).strip()}")) from None
+            message = redact_url(f"PostgreSQL at {self.dsn}: {error_line(e)}")
+            # Lost once COMMIT was sent: the transaction may have committed (a worker's apply
+            # must then be settled by applying it again, not retried as if it had not).
+            raise (CommitUnknown(message) if committing else DatabaseUnavailable(message)) from None
         except BaseException:
             if not conn.closed:
                 conn.rollback()
@@ -227,12 +233,14 @@ class PgDatabase:
             pass
         self._local.conn = None
 
-    def query(self, sql: str, params: Any = (), prepare: bool = False) -> list[Any]:
+    def query(self, sql: str, params: Any = (), prepare: bool = False, writes: bool = False) -> list[Any]:
         """One statement's rows on this thread's autocommit connection: its own transaction, one round trip.
 
         The same snapshot semantics as :meth:`read` of a single statement,
         without ``BEGIN`` and ``COMMIT`` round trips. With ``prepare``, the
         statement is prepared once per connection (see :func:`prepared`).
+        ``writes``: the statement writes, so a connection lost once it was
+        sent raises :class:`CommitUnknown` (it commits on its own).
         """
         conn = self.autocommit_connection()
         try:
@@ -241,7 +249,8 @@ class PgDatabase:
                 rows: list[Any] = cur.fetchall()
                 return rows
         except psycopg2.OperationalError as e:
-            raise self.lost_autocommit(conn, e) from None
+            lost = self.lost_autocommit(conn, e)
+            raise (CommitUnknown(str(lost)) if writes else lost) from None
 
     def autocommit_connection(self) -> Any:
         """This thread's autocommit connection (:meth:`query`'s; created on first use)."""
@@ -257,7 +266,7 @@ class PgDatabase:
         except psycopg2.Error:
             pass
         self._local.auto = None
-        return DatabaseUnavailable(redact_url(f"PostgreSQL at {self.dsn}: {str(e).strip()}"))
+        return DatabaseUnavailable(redact_url(f"PostgreSQL at {self.dsn}: {error_line(e)}"))
 
     def write(self, fn: Callable[[Cursor], Any]) -> Any:
         return self._run(fn, psycopg2.extensions.ISOLATION_LEVEL_READ_COMMITTED)

@@ -45,7 +45,7 @@ from storage.pg_copy import _COPY_FORMATS, NULL_COPY, _copy_text, chunk_formatte
 from storage.pg_db import Cursor, PgDatabase, execute_literals, prepared, rollback_explicit
 from storage.pg_lines import value_json_sql
 from storage.schema import COLUMN_TYPES, INT64_MAX, RowError, StreamSchema, check_instance_name
-from storage.store import FIRST_VALUE, DatabaseUnavailable, StreamCatalog
+from storage.store import FIRST_VALUE, DatabaseUnavailable, StreamCatalog, error_line
 from storage.urls import redact_url
 
 if TYPE_CHECKING:
@@ -491,7 +491,7 @@ class PgStreamStore:
         (the caller raises ``error`` again)."""
         if isinstance(error, psycopg2.OperationalError):
             self._drop_side(conn)
-            raise DatabaseUnavailable(redact_url(f"PostgreSQL at {self.database.dsn}: {_first_line(error)}")) from None
+            raise DatabaseUnavailable(redact_url(f"PostgreSQL at {self.database.dsn}: {error_line(error)}")) from None
         _release_oracle_lock(conn)
 
     def _drop_side(self, conn: Any) -> None:
@@ -718,7 +718,7 @@ class PgStreamStore:
                 conn.close()
             except psycopg2.Error:
                 pass
-            raise DatabaseUnavailable(redact_url(f"PostgreSQL at {self.database.dsn}: {str(e).strip()}")) from None
+            raise DatabaseUnavailable(redact_url(f"PostgreSQL at {self.database.dsn}: {error_line(e)}")) from None
         except Fenced:
             rollback_explicit(conn)
             with self._lock:
@@ -1583,8 +1583,3 @@ def _json_encoder(schema: StreamSchema) -> Callable[[StoredRow], bytes]:
         return dumps(values)
 
     return encode
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

@@ -57,7 +57,7 @@ from storage.pg_db import session_settings
 from storage.pg_lines import PLAN_SETTINGS, line_sql, lines_select_sql
 from storage.pg_store import _ORACLE_LAST_SQL, PgStreamStore, _seq
 from storage.schema import StreamSchema
-from storage.store import DatabaseUnavailable
+from storage.store import DatabaseUnavailable, error_line
 from storage.time_index import stream_safe_time
 from storage.urls import redact_url
 
@@ -304,8 +304,7 @@ def close_quietly(conn: Any) -> None:
 def lost_connection(conn: Any, dsn: str, e: BaseException) -> DatabaseUnavailable:
     """A non-blocking connection that failed: closed, and the one-line error to raise (password redacted)."""
     close_quietly(conn)
-    text = str(e).strip()
-    return DatabaseUnavailable(redact_url(f"PostgreSQL at {dsn}: {text.splitlines()[0] if text else type(e).__name__}"))
+    return DatabaseUnavailable(redact_url(f"PostgreSQL at {dsn}: {error_line(e)}"))
 
 
 def open_nonblocking(dsn: str, application_name: str, settings: dict[str, str] | None = None) -> Any:
@@ -329,12 +328,8 @@ def open_nonblocking(dsn: str, application_name: str, settings: dict[str, str] |
             _wait(conn)
         return conn
     except psycopg2.Error as e:
-        text = str(e).strip()
         raise DatabaseUnavailable(
-            redact_url(
-                f"cannot open a non-blocking connection to PostgreSQL at {dsn}: "
-                f"{text.splitlines()[0] if text else type(e).__name__}"
-            )
+            redact_url(f"cannot open a non-blocking connection to PostgreSQL at {dsn}: {error_line(e)}")
         ) from None
 
 

@@ -29,7 +29,7 @@ from storage.pg_copy import (
 from storage.pg_db import Cursor, PgDatabase, prepared, rollback_explicit, sql_literals
 from storage.pg_wake import close_quietly, lost_connection, open_nonblocking, poll_word
 from storage.schema import COLUMN_TYPES, INT64_MAX, INT64_MIN, StreamSchema
-from storage.store import ApplyRefused, CommitUnknown, DatabaseUnavailable, StaleApply
+from storage.store import ApplyRefused, CommitUnknown, DatabaseUnavailable, StaleApply, error_line
 from storage.urls import redact_url
 from storage.worker_store import expand_received, move_applied_token, move_applied_token_sql, token_bounds
 
@@ -297,7 +297,7 @@ class PgAsyncApply:
         refused = self._refused
         if refused is not None:
             self._refused = None
-            raise ApplyRefused(str(refused).strip().splitlines()[0] if str(refused).strip() else type(refused).__name__)
+            raise ApplyRefused(error_line(refused))
         ((moved,),) = self._cursor.fetchall()
         self._cursor.close()
         self._cursor = None
@@ -421,7 +421,7 @@ class PgWorkerStore:
             sql = self._replicate_sql[schema] = replicate_json_sql(schema)
         payload = orjson.dumps(expand_received(received)).decode()
         try:
-            ((moved,),) = self.database.query(sql, (stream, token, payload), prepare=True)
+            ((moved,),) = self.database.query(sql, (stream, token, payload), prepare=True, writes=True)
         except DatabaseUnavailable:
             raise
         except psycopg2.Error as e:
@@ -637,8 +637,9 @@ class PgSnapshotReader:
         try:
             conn = psycopg2.connect(self.dsn, connect_timeout=5, application_name="tickline-snapshot")
         except psycopg2.Error as e:
-            message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise DatabaseUnavailable(redact_url(f"cannot connect to PostgreSQL at {self.dsn}: {message}")) from None
+            raise DatabaseUnavailable(
+                redact_url(f"cannot connect to PostgreSQL at {self.dsn}: {error_line(e)}")
+            ) from None
         try:
             # REPEATABLE READ: every statement sees the same snapshot.
             conn.set_session(isolation_level=psycopg2.extensions.ISOLATION_LEVEL_REPEATABLE_READ, readonly=True)
@@ -647,7 +648,7 @@ class PgSnapshotReader:
             conn.commit()
             return result
         except psycopg2.Error as e:
-            raise DatabaseUnavailable(redact_url(f"cannot read PostgreSQL at {self.dsn}: {str(e).strip()}")) from None
+            raise DatabaseUnavailable(redact_url(f"cannot read PostgreSQL at {self.dsn}: {error_line(e)}")) from None
         finally:
             conn.close()
 

@@ -35,6 +35,12 @@ class StorageError(Exception):
     """Base of the storage layer's errors; the message names what was wrong."""
 
 
+def error_line(e: BaseException) -> str:
+    """An error's message as one line (a driver's may span several): its first, or the error's type."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 class DatabaseUnavailable(StorageError):
     """The database cannot be opened or reached."""
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import attr
@@ -255,7 +256,15 @@ class Worker(ReplicationHandler):
 
     def _apply_in_db(self, stream: str, token: int, effects: Effects) -> defer.Deferred[None]:
         d = self.db.run(self.store.apply, stream, token, effects)
-        return self._settle_uncertain(d, stream, token)
+        d = self._settle_uncertain(d, stream, token)
+        return d.addErrback(
+            self._commit_unknown, stream, token, lambda: self._apply_uncertain_effects(stream, token, effects)
+        )
+
+    def _apply_uncertain_effects(self, stream: str, token: int, effects: Effects) -> defer.Deferred[None]:
+        """Apply again, the general way, a group that may have committed (``_settle_uncertain``)."""
+        self._uncertain[stream] = max(token, self._uncertain.get(stream, 0))
+        return self._apply_in_db(stream, token, effects)
 
     def _replicate_in_db(
         self, stream: str, token: int, schema: StreamSchema, received: list[ReceivedRows], effects: Effects
@@ -289,7 +298,9 @@ class Worker(ReplicationHandler):
     ) -> defer.Deferred[None]:
         d = self.db.run(self.store.apply_replicated, stream, token, schema, received, effects)
         d = self._settle_uncertain(d, stream, token)
-        return d.addErrback(self._commit_unknown, stream, token, schema, received, effects)
+        return d.addErrback(
+            self._commit_unknown, stream, token, lambda: self._apply_uncertain(stream, token, schema, received, effects)
+        )
 
     def _chain_in_db(
         self,
@@ -345,26 +356,23 @@ class Worker(ReplicationHandler):
                 link.finish(committed)  # on this thread: the group behind may be waiting for it
 
         d = self._lanes[link.lane].run(run)
-        return d.addErrback(self._commit_unknown, stream, token, schema, received, effects)
+        return d.addErrback(
+            self._commit_unknown, stream, token, lambda: self._apply_uncertain(stream, token, schema, received, effects)
+        )
 
     def _commit_unknown(
-        self,
-        failure: Failure,
-        stream: str,
-        token: int,
-        schema: StreamSchema,
-        received: list[ReceivedRows],
-        effects: Effects,
+        self, failure: Failure, stream: str, token: int, apply_again: Callable[[], defer.Deferred[None]]
     ) -> defer.Deferred[None]:
         """An apply's connection was lost after its ``COMMIT`` was sent: committed or not is unknown.
-        The same group is applied again at once on the database thread (a chained group's commit was
-        sent only after the group before it committed, so the forward move of the retry is exact),
-        where a :class:`StaleApply` means it had committed (``_settle_uncertain``). Retried token by
-        token instead, a group that had committed would meet a stale token on every retry."""
+        The same group is applied again at once on the database thread (``apply_again``; a chained
+        group's commit was sent only after the group before it committed, so the forward move of the
+        retry is exact), where a :class:`StaleApply` means it had committed (``_settle_uncertain``).
+        Retried token by token instead, a group that had committed would meet a stale token on every
+        retry. A connection that cannot be made again fails the retry as usual (the consumer's backoff)."""
         if not failure.check(CommitUnknown):
             return defer.fail(failure)
         logger.warning("%s: the connection was lost while token %s committed; applying it again", stream, token)
-        return self._apply_uncertain(stream, token, schema, received, effects)
+        return apply_again()
 
     def _apply_uncertain(
         self, stream: str, token: int, schema: StreamSchema, received: list[ReceivedRows], effects: Effects

@@ -711,3 +711,36 @@ def test_an_apply_whose_commit_answer_was_lost_is_settled_not_retried_token_by_t
     assert "token 100 was applied before its connection was lost" in caplog.text
     assert h.applied() == 200
     assert [r[0] for r in h.rows()] == list(range(1, 201))
+
+
+def test_a_handled_apply_whose_commit_answer_was_lost_is_settled_not_retried_token_by_token(url, caplog) -> None:
+    """As above, for the general apply (a stream with a handler: the handler's transaction): the
+    same group is applied again, found applied, and the handler's rows are not seen twice."""
+    from storage.store import CommitUnknown
+
+    handlers = HandlerRegistry()
+    seen: list[int] = []
+
+    @handlers.handler("events")
+    def record(ctx, rows) -> None:
+        seen.extend(row.token for row in rows)
+
+    h = Harness(url, handlers=handlers)
+    real = h.store.apply
+    lost: list[int] = []
+
+    def apply(stream: str, token: int, effects: Any) -> None:
+        real(stream, token, effects)
+        if not lost:
+            lost.append(token)
+            raise CommitUnknown("the server closed the connection unexpectedly")
+
+    h.store.apply = apply  # type: ignore[method-assign]
+    with caplog.at_level(logging.INFO):
+        h.send("SERVER s", "POSITION events m 0 0", *[f"RDATA events m {n} {ev(n)}" for n in range(1, 4)])
+        h.send(*[f"RDATA events m {n} {ev(n)}" for n in range(4, 6)])
+    assert lost == [3]
+    assert "token 3 was applied before its connection was lost" in caplog.text
+    assert h.applied() == 5
+    assert [r[0] for r in h.rows()] == [1, 2, 3, 4, 5]
+    assert seen == [1, 2, 3, 4, 5]

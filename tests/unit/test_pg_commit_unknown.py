@@ -1,0 +1,108 @@
+"""A worker apply whose connection is lost once its commit may have been sent: ``CommitUnknown``.
+
+On the real PostgreSQL server, for the apply paths other than ``COPY``
+(``test_pg_apply_after.py`` has those): the small apply's one autocommit
+statement (it commits on its own, so a connection lost once it was sent leaves
+the outcome unknown) and the general apply's transaction, whose ``COMMIT`` is
+sent after its backend was terminated. The worker settles a ``CommitUnknown``
+by applying the same group again (``tests/workers/test_worker_protocol.py``);
+a plain ``DatabaseUnavailable`` would be retried token by token, which stalls
+on a stale token if the group had committed. In both cases here nothing
+committed, and the next apply reconnects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg2
+import pytest
+
+from replication.streams import EVENTS
+from storage.store import CommitUnknown, DatabaseUnavailable
+from storage.worker_store import open_worker_store
+from tests.stores import pg_worker_store
+
+TS = 470_000_000_000_000_000
+
+
+def _received(first: int, last: int) -> list:
+    return [
+        ([*range(first, last + 1)], "m", [[f"$e{n}", "!r", "m.t", None, None, TS + n] for n in range(first, last + 1)])
+    ]
+
+
+def _no_effects(txn: Any) -> None:
+    raise AssertionError("the rows go by the one statement")
+
+
+@pytest.fixture
+def store(pg_url: str) -> Iterator[Any]:
+    store = pg_worker_store(open_worker_store(pg_url))
+    store.create_replicated_table(EVENTS)
+    store.apply_replicated("events", 3, EVENTS, _received(1, 3), _no_effects)  # applied: 3
+    yield store
+    store.close()
+
+
+def _terminate(url: str, pid: int) -> None:
+    """End backend ``pid`` and wait (up to 10 s) until it has exited."""
+    killer = psycopg2.connect(url)
+    killer.autocommit = True
+    try:
+        with killer.cursor() as cur:
+            cur.execute("SELECT pg_terminate_backend(%s, 10000)", (pid,))
+            assert cur.fetchone() == (True,)
+    finally:
+        killer.close()
+
+
+def _tokens(url: str) -> list[int]:
+    conn = psycopg2.connect(url)
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT token FROM replicated_events ORDER BY token")
+            return [t for (t,) in cur.fetchall()]
+    finally:
+        conn.close()
+
+
+def test_a_small_apply_whose_connection_is_lost_is_commit_unknown(store, pg_url) -> None:
+    _terminate(pg_url, store.database.autocommit_connection().get_backend_pid())
+    with pytest.raises(CommitUnknown) as raised:
+        store.apply_replicated("events", 5, EVENTS, _received(4, 5), _no_effects)
+    assert str(raised.value).startswith("PostgreSQL at ") and "\n" not in str(raised.value)
+    assert store.applied_tokens() == {"events": 3}
+    assert _tokens(pg_url) == [1, 2, 3]
+    store.apply_replicated("events", 5, EVENTS, _received(4, 5), _no_effects)  # a new connection
+    assert _tokens(pg_url) == [1, 2, 3, 4, 5]
+
+
+def test_a_general_apply_whose_commit_finds_its_connection_gone_is_commit_unknown(store, pg_url) -> None:
+    def effects(txn: Any) -> None:
+        # The backend is ended while the transaction is open: the COMMIT that follows is sent
+        # to a closed connection (whether a COMMIT arrived is what the error cannot tell).
+        (pid,) = txn.connection.execute("SELECT pg_backend_pid()").fetchone()
+        txn.replicate(EVENTS, [(4, "m", TS + 4, "$e4", "!r", "m.t", None, None)])
+        _terminate(pg_url, pid)
+
+    with pytest.raises(CommitUnknown):
+        store.apply("events", 4, effects)
+    assert store.applied_tokens() == {"events": 3}
+    assert _tokens(pg_url) == [1, 2, 3]
+
+
+def test_a_general_apply_lost_before_its_commit_is_not_commit_unknown(store, pg_url) -> None:
+    """A statement inside the transaction fails on the lost connection: nothing was committed, so
+    the plain error (retried by the consumer as usual)."""
+
+    def effects(txn: Any) -> None:
+        (pid,) = txn.connection.execute("SELECT pg_backend_pid()").fetchone()
+        _terminate(pg_url, pid)
+        txn.connection.execute("SELECT 1")
+
+    with pytest.raises(DatabaseUnavailable) as raised:
+        store.apply("events", 4, effects)
+    assert not isinstance(raised.value, CommitUnknown)
+    assert store.applied_tokens() == {"events": 3}
