@@ -26,7 +26,7 @@ a client process whose ``LineOnlyReceiver`` counts lines. Every side runs in
 its own process, so master and client each get a core as in production.
 
 Baseline and tickline runs alternate, each measurement is repeated
-(``--repeat``, default 5) and the best run of each is reported (other load on
+(``--repeat``, default 3) and the best run of each is reported (other load on
 the machine only ever slows a run down), per scenario, as one line::
 
     wire: tickline 412,000 rows/s, baseline 1,630,000 rows/s, ratio 0.25
@@ -66,6 +66,8 @@ if __package__ in (None, ""):
 
 import orjson
 
+from scripts.bench_options import DEFAULT_REPEAT, add_bench_arguments, fanout_variants
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIRE_SCENARIOS = ("wire", "wire-live")
 PG_SCENARIOS = ("end-to-end", "latency", "catch-up", "writer")  # against logical replication: scripts/bench_pg.py
@@ -78,7 +80,6 @@ SCENARIOS: tuple[str, ...] = (
     "fanout",  # 1, 10 and 50 clients, live and replay: scripts/bench_fanout.py
 )
 DEFAULT_ROWS = 200_000
-DEFAULT_REPEAT = 5
 STREAM = "events"
 INSTANCE = "master"
 APPEND_CHUNK = 10_000
@@ -814,40 +815,14 @@ def _cli(argv: Sequence[str] | None = None) -> int:
             return role_baseline_server(a.port, a.rows)
         p.error(f"unknown role {role}")
     p = argparse.ArgumentParser(prog="benchmark.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("scenarios", nargs="*", metavar="SCENARIO", help=f"default: all ({', '.join(SCENARIOS)})")
-    p.add_argument("--rows", type=int, default=None, help=f"rows per scenario (default {DEFAULT_ROWS:,})")
-    p.add_argument("--repeat", type=int, default=DEFAULT_REPEAT, help="runs per measurement; the best is reported")
+    add_bench_arguments(p, scenarios_help=f"default: all ({', '.join(SCENARIOS)})")
     p.add_argument(
         "--profile",
         metavar="DIR",
         help="after the timed runs, one more replay sampled by py-spy (master and client); print where time goes",
     )
-    p.add_argument("-v", "--verbose", action="store_true", help="print each run")
-    p.add_argument("--rate", type=int, default=1000, help="latency: single-row commits per second (default 1000)")
-    p.add_argument("--seconds", type=float, default=10.0, help="latency: seconds of paced commits (default 10)")
-    p.add_argument(
-        "--plot",
-        metavar="PNG",
-        help="end-to-end, latency, catch-up: plot ratios and percentiles; "
-        "fanout: master CPU per delivered row against clients (FILE-fanout.png when both)",
-    )
-    p.add_argument(
-        "--db",
-        choices=("sqlite", "postgresql"),
-        default="sqlite",
-        help="fanout: the master's database (postgresql: a throwaway server, scripts/pg_local.py)",
-    )
-    p.add_argument(
-        "--variants", metavar="LIST", help="fanout: only these variants, comma-separated (e.g. live-1,replay-1)"
-    )
     a = p.parse_args(argv)
-    if a.variants:
-        from scripts.bench_fanout import variants
-
-        chosen = a.variants.split(",")
-        unknown = [v for v in chosen if v not in variants()]
-        if unknown:
-            p.error(f"unknown fanout variant {unknown[0]!r} (known: {', '.join(variants())})")
+    chosen = fanout_variants(p, a)
     return main(
         a.scenarios,
         a.rows,
@@ -858,7 +833,7 @@ def _cli(argv: Sequence[str] | None = None) -> int:
         a.seconds,
         a.plot,
         a.db,
-        a.variants.split(",") if a.variants else None,
+        chosen,
     )
 
 

@@ -155,25 +155,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         add_timeline_parser(commands)
 
     if wanted("bench"):
-        bench = commands.add_parser("bench", help="run benchmarks, print ratios against baselines")
-        bench.add_argument("scenarios", nargs="*", metavar="SCENARIO", help="default: all")
-        bench.add_argument("--rows", type=int, default=None, help="rows per scenario")
-        bench.add_argument("--repeat", type=int, default=3, help="runs per measurement (interleaved)")
-        bench.add_argument("--rate", type=int, default=1000, help="latency: single-row commits per second")
-        bench.add_argument("--seconds", type=float, default=10.0, help="latency: seconds of paced commits")
-        bench.add_argument(
-            "--plot", metavar="PNG", help="end-to-end, latency, catch-up, writer: plot ratios and percentiles"
-        )
-        bench.add_argument("-v", "--verbose", action="store_true", help="print every run")
-        bench.add_argument(
-            "--db",
-            choices=("sqlite", "postgresql"),
-            default="sqlite",
-            help="fanout: the master's database (postgresql: a throwaway server)",
-        )
-        bench.add_argument(
-            "--variants", metavar="LIST", help="fanout: only these variants, comma-separated (e.g. live-1,replay-1)"
-        )
+        from scripts.bench_options import add_bench_arguments
+
+        add_bench_arguments(commands.add_parser("bench", help="run benchmarks, print ratios against baselines"))
     return parser
 
 
@@ -252,14 +236,9 @@ def _command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Calla
         return checked
     if args.command == "bench":
         from scripts import benchmark
+        from scripts.bench_options import fanout_variants
 
-        variants = args.variants.split(",") if args.variants else None
-        if variants:
-            from scripts.bench_fanout import variants as fanout_variants
-
-            unknown = [v for v in variants if v not in fanout_variants()]
-            if unknown:
-                parser.error(f"unknown fanout variant {unknown[0]!r} (known: {', '.join(fanout_variants())})")
+        variants = fanout_variants(parser, args)
         return lambda: benchmark.main(
             args.scenarios,
             args.rows,
