@@ -12,9 +12,12 @@ minimum over the live writers; readers follow that, never the raw head.
 
 A writer registers (``alive``, a new ``epoch``, position = the current head)
 before it allocates. A writer that stops reporting for ``writer_timeout``
-seconds is marked dead by :meth:`safe_positions` and its epoch moves on; its
-late commit then fails the epoch check and is retried with new tokens, so its
-rows are still delivered, in token order.
+seconds is dropped by :meth:`safe_positions` (its row deleted); its late
+commit then fails the epoch check and is retried with new tokens, so its rows
+are still delivered, in token order. Epochs come from one sequence, so a
+registration never takes an epoch that was live before, and the rows of
+writers that left or died can be deleted: the table holds the live writers
+(``WRITER_EPOCHS``).
 
 Every commit and every report sends ``NOTIFY tickline, '<stream>'``, which the
 master listens to instead of polling.
@@ -218,6 +221,20 @@ $fn$
 """
 
 
+# Writers' epochs: every registration takes a new one from this sequence, so no (stream, writer,
+# epoch) is ever live twice, and a writer's row can be deleted when it leaves or is declared dead
+# (a late statement of that epoch finds no row: fenced, as it finds a dead one). Before this
+# sequence a new row's epoch was 1 and fencing moved it by one, so such a row, deleted, could be
+# registered again with an epoch a stalled transaction still carries: rows of epochs below
+# EPOCH_BASE (made by earlier versions) are only marked dead, as they were.
+WRITER_EPOCHS = "tickline_writer_epochs"
+EPOCH_BASE = 1 << 40
+
+
+def _create_writer_epochs(cur: Cursor) -> None:
+    cur.execute(f"CREATE SEQUENCE IF NOT EXISTS {WRITER_EPOCHS} MINVALUE {EPOCH_BASE} START {EPOCH_BASE}")
+
+
 # time_index.oracle_last on PostgreSQL: the sequence holds what appends took, the table what the master took.
 _ORACLE_LAST_SQL = f"SELECT GREATEST(t.last_ts, s.last_value) FROM tickline_tso t, {ORACLE_SEQUENCE} s WHERE t.id = 1"
 FENCED_CODE = "TK001"
@@ -396,6 +413,7 @@ class PgStreamStore:
         """
         applied = self.database.migrate()
         self.database.write(_create_oracle)
+        self.database.write(_create_writer_epochs)
         self.database.write(_upgrade_stream_tables)
         return applied
 
@@ -546,8 +564,8 @@ class PgStreamStore:
             with self._side_cursor() as cur:
                 cur.execute(
                     "INSERT INTO tickline_writers (stream, instance_name, epoch, position, heartbeat_ms, alive) "
-                    f"VALUES (%s, %s, 1, ({self._head_sql(schema)}), {NOW_MS}, TRUE) "
-                    "ON CONFLICT (stream, instance_name) DO UPDATE SET epoch = tickline_writers.epoch + 1, "
+                    f"VALUES (%s, %s, nextval('{WRITER_EPOCHS}'), ({self._head_sql(schema)}), {NOW_MS}, TRUE) "
+                    "ON CONFLICT (stream, instance_name) DO UPDATE SET epoch = excluded.epoch, "
                     "position = excluded.position, heartbeat_ms = excluded.heartbeat_ms, alive = TRUE "
                     "RETURNING epoch",
                     (schema.name, writer_id),
@@ -781,8 +799,9 @@ class PgStreamStore:
             self._writers.clear()
         for (stream, _instance), state in writers:
             with self._side_cursor() as cur:
+                # Its epoch came from WRITER_EPOCHS: the row can go (a late statement of it is fenced).
                 cur.execute(
-                    "UPDATE tickline_writers SET alive = FALSE WHERE stream = %s AND instance_name = %s AND epoch = %s",
+                    "DELETE FROM tickline_writers WHERE stream = %s AND instance_name = %s AND epoch = %s",
                     (stream, state.writer_id, state.epoch),
                 )
                 cur.execute("SELECT pg_notify(%s, %s)", (CHANNEL, stream))
@@ -807,9 +826,18 @@ class PgStreamStore:
         def run(cur: Cursor) -> dict[str, int]:
             dead = []
             if expire_writers:
-                dead = cur.execute(
+                # Rows with epochs from WRITER_EPOCHS are deleted (those that left but are still
+                # there, marked dead by an earlier version's master, too); older ones marked dead.
+                gone = cur.execute(
+                    f"DELETE FROM tickline_writers WHERE epoch >= {EPOCH_BASE} "
+                    f"AND (NOT alive OR heartbeat_ms < {NOW_MS} - %s) RETURNING stream, instance_name, alive",
+                    (timeout_ms,),
+                ).fetchall()
+                dead = [(stream, instance) for stream, instance, alive in gone if alive]
+                dead += cur.execute(
                     "UPDATE tickline_writers SET alive = FALSE, epoch = epoch + 1 "
-                    f"WHERE alive AND heartbeat_ms < {NOW_MS} - %s RETURNING stream, instance_name",
+                    f"WHERE alive AND heartbeat_ms < {NOW_MS} - %s AND epoch < {EPOCH_BASE} "
+                    "RETURNING stream, instance_name",
                     (timeout_ms,),
                 ).fetchall()
             for stream, instance in dead:

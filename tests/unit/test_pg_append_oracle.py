@@ -166,7 +166,7 @@ def test_a_fenced_writer_s_single_row_append_fails_and_writes_nothing(store, pg_
     again = store.append("events", [ROW], "w")  # new epoch, new tokens
     assert again[0] > first[0] + 1  # the fenced attempt's token is skipped
     assert [r[1] for r in store.read_rows("events", 0, 10**9, 10)] == first + again
-    assert store._writers[("events", "w")].epoch == state.epoch + 2  # declared dead, then registered
+    assert store._writers[("events", "w")].epoch > state.epoch  # declared dead (its row deleted), then registered
 
 
 def test_an_append_racing_the_fencing_waits_for_it_and_commits_nothing(store, pg_url) -> None:

@@ -1,0 +1,98 @@
+"""PostgreSQL: ``tickline_writers`` holds the live writers only, and no epoch is ever live twice.
+
+Every process that writes registers a row (its name carries host, pid and a
+nonce). Rows of writers that left (``retire_writers``, ``tickline write`` at
+exit) or were declared dead are deleted, so the table, which every single-row
+append's claim scans, does not grow with the number of processes that ever
+wrote. That is safe because a registration's epoch comes from one sequence: a
+late statement of a deleted row's epoch finds no row and is fenced off, even
+after the same process registered again. Rows of earlier versions (epochs
+below ``EPOCH_BASE``, 1 and up) are only marked dead, as they were.
+"""
+
+from __future__ import annotations
+
+import psycopg2
+import pytest
+
+from replication.streams import EVENTS
+from storage.pg_store import EPOCH_BASE, Fenced
+from storage.store import open_store
+from tests.stores import pg_store
+
+ROW = ["$a", "!r", "m.room.message", None, None]
+
+
+def _query(url: str, sql: str, params: tuple = ()) -> list[tuple]:
+    conn = psycopg2.connect(url)
+    conn.autocommit = True
+    try:
+        with conn.cursor() as cur:
+            cur.execute(sql, params)
+            return cur.fetchall() if cur.description else []
+    finally:
+        conn.close()
+
+
+def _writer_rows(url: str) -> list[tuple]:
+    return _query(url, "SELECT instance_name, epoch, alive FROM tickline_writers ORDER BY instance_name")
+
+
+@pytest.fixture
+def url(pg_url: str) -> str:
+    store = open_store(pg_url)
+    store.register_stream(EVENTS)
+    store.close()
+    return pg_url
+
+
+def test_writers_that_leave_leave_no_row(url) -> None:
+    tokens = []
+    for _ in range(20):  # twenty short-lived writer processes, as `tickline write` runs
+        store = pg_store(open_store(url, report_interval=3600.0))
+        tokens += store.append("events", [ROW], "w")
+        assert len(_writer_rows(url)) == 1
+        store.close()
+    assert _writer_rows(url) == []
+    assert tokens == list(range(1, 21))
+
+
+def test_a_dead_writer_s_row_is_deleted_and_its_late_append_fenced_after_it_registered_again(url) -> None:
+    store = pg_store(open_store(url, report_interval=3600.0))
+    master = pg_store(open_store(url, report_interval=3600.0))
+    try:
+        first = store.append("events", [ROW], "w")
+        old = store._writers[("events", "w")]
+        assert old.epoch >= EPOCH_BASE
+        _query(url, "UPDATE tickline_writers SET heartbeat_ms = 0")
+        assert master.safe_positions(expire_writers=True) == {"events": first[0]}
+        assert _writer_rows(url) == []  # declared dead: deleted
+        # The same process registers again (another instance name of it, then this one).
+        store.append("events", [ROW], "w")
+        again = store._writers[("events", "w")]
+        assert again.epoch > old.epoch
+        # A statement still carrying the dead epoch (a stalled transaction) is fenced off.
+        store._writers[("events", "w")] = old
+        with pytest.raises(Fenced):
+            store._append_one_statement("events", [ROW], "w", False)
+        store._writers[("events", "w")] = again  # its live registration, retired at close
+    finally:
+        master.close()
+        store.close()
+    assert _writer_rows(url) == []
+
+
+def test_rows_of_earlier_versions_are_marked_dead_not_deleted(url) -> None:
+    _query(
+        url,
+        "INSERT INTO tickline_writers (stream, instance_name, epoch, position, heartbeat_ms, alive) "
+        "VALUES ('events', 'old/h:1:x', 1, 0, 0, TRUE), ('events', 'old/h:2:y', 3, 0, 0, FALSE)",
+    )
+    master = pg_store(open_store(url, report_interval=3600.0))
+    try:
+        master.safe_positions(expire_writers=True)
+    finally:
+        master.close()
+    # A deleted row of an earlier version could be registered again at epoch 1, which a
+    # stalled transaction of it may still carry; so it stays, dead, its epoch moved on.
+    assert _writer_rows(url) == [("old/h:1:x", 2, False), ("old/h:2:y", 3, False)]
