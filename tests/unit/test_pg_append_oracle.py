@@ -22,6 +22,7 @@ from storage.pg_store import FLOOR_TRIGGER, ORACLE_SEQUENCE, Fenced, PgStreamSto
 from storage.schema import RowError
 from storage.store import DatabaseUnavailable, open_store
 from tests.integration.procs import wait_for
+from tests.pg_sql import query
 from tests.stores import pg_store
 
 ROW = ["$a", "!r", "m.room.message", None, None]
@@ -41,16 +42,6 @@ def _admin(url: str):
     return conn
 
 
-def _query(url: str, sql: str, params=()) -> list[tuple]:
-    conn = _admin(url)
-    try:
-        with conn.cursor() as cur:
-            cur.execute(sql, params)
-            return cur.fetchall() if cur.description else []
-    finally:
-        conn.close()
-
-
 def _far_floor() -> int:
     """A floor an hour ahead of the clock: only the floor can put the oracle there."""
     return tso.compose(int(time.time() * 1000) + 3_600_000, 12)
@@ -63,7 +54,7 @@ def _stored_ts(store: PgStreamStore) -> list[int]:
 def test_the_floor_moved_by_an_operator_is_respected_by_the_next_append(store, pg_url) -> None:
     store.append("events", [ROW], "w")
     floor = _far_floor()
-    _query(pg_url, "UPDATE tickline_tso SET last_ts = %s WHERE id = 1", (floor,))
+    query(pg_url, "UPDATE tickline_tso SET last_ts = %s WHERE id = 1", (floor,))
     store.append("events", [ROW], "w")  # one statement (the append function)
     store.append("events", [ROW] * 3, "w", batch=True)  # one statement (the allocation function)
     store.append("events", [ROW] * 150, "w")  # COPY
@@ -82,7 +73,7 @@ def test_a_floor_rolled_back_still_leaves_the_oracle_above_what_it_handed_out(st
         cur.execute("UPDATE tickline_tso SET last_ts = %s WHERE id = 1", (floor,))
     conn.rollback()
     conn.close()
-    assert _query(pg_url, "SELECT last_ts FROM tickline_tso")[0][0] < floor
+    assert query(pg_url, "SELECT last_ts FROM tickline_tso")[0][0] < floor
     store.append("events", [ROW], "w")
     (ts,) = _stored_ts(store)
     assert ts > floor > before
@@ -113,13 +104,13 @@ def test_an_older_database_gets_the_floor_trigger_and_its_floor_on_migrate(pg_ur
     store = pg_store(open_store(pg_url, report_interval=3600.0))
     store.register_stream(EVENTS)
     store.close()
-    _query(pg_url, f"DROP TRIGGER {FLOOR_TRIGGER} ON tickline_tso")
+    query(pg_url, f"DROP TRIGGER {FLOOR_TRIGGER} ON tickline_tso")
     floor = _far_floor()
-    _query(pg_url, "UPDATE tickline_tso SET last_ts = %s WHERE id = 1", (floor,))  # no trigger: the sequence stays
-    assert _query(pg_url, f"SELECT last_value FROM {ORACLE_SEQUENCE}")[0][0] < floor
+    query(pg_url, "UPDATE tickline_tso SET last_ts = %s WHERE id = 1", (floor,))  # no trigger: the sequence stays
+    assert query(pg_url, f"SELECT last_value FROM {ORACLE_SEQUENCE}")[0][0] < floor
     again = pg_store(open_store(pg_url, report_interval=3600.0))  # migrates
     try:
-        assert _query(pg_url, "SELECT count(*) FROM pg_trigger WHERE tgname = %s", (FLOOR_TRIGGER,)) == [(1,)]
+        assert query(pg_url, "SELECT count(*) FROM pg_trigger WHERE tgname = %s", (FLOOR_TRIGGER,)) == [(1,)]
         again.append("events", [ROW], "w")
         (ts,) = _stored_ts(again)
         assert ts > floor
@@ -133,13 +124,13 @@ def test_a_raised_floor_survives_a_server_crash() -> None:
     server.start()
     try:
         url = server.new_database()
-        _query(url, f"ALTER DATABASE {url.rsplit('/', 1)[1]} SET synchronous_commit = on")
+        query(url, f"ALTER DATABASE {url.rsplit('/', 1)[1]} SET synchronous_commit = on")
         store = pg_store(open_store(url, report_interval=3600.0))
         store.register_stream(EVENTS)
         store.append("events", [ROW], "w")
         store.database.close()
         floor = _far_floor()
-        _query(url, "UPDATE tickline_tso SET last_ts = %s WHERE id = 1", (floor,))
+        query(url, "UPDATE tickline_tso SET last_ts = %s WHERE id = 1", (floor,))
         server._run(server._pg_ctl(), "-D", str(server.datadir / "data"), "-m", "immediate", "stop")
         server._launch()
         again = pg_store(open_store(url, report_interval=3600.0))
@@ -153,7 +144,7 @@ def test_a_raised_floor_survives_a_server_crash() -> None:
 def test_a_fenced_writer_s_single_row_append_fails_and_writes_nothing(store, pg_url) -> None:
     first = store.append("events", [ROW], "w")
     state = store._writers[("events", "w")]
-    _query(pg_url, "UPDATE tickline_writers SET heartbeat_ms = 0")
+    query(pg_url, "UPDATE tickline_writers SET heartbeat_ms = 0")
     other = open_store(pg_url)
     try:
         other.safe_positions(expire_writers=True)  # the master's sweep: this writer is dead
@@ -187,7 +178,7 @@ def test_an_append_racing_the_fencing_waits_for_it_and_commits_nothing(store, pg
         thread = threading.Thread(target=append)
         thread.start()
         wait_for(
-            lambda: _query(pg_url, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'")[0][0] == 1,
+            lambda: query(pg_url, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'")[0][0] == 1,
             10,
             "the append to wait for the writer's row",
         )
@@ -266,15 +257,15 @@ def test_a_writer_whose_connection_is_lost_gets_one_line_and_its_next_append_rec
     """The single-row path (``_append_row``) and the transaction's path lose their connection alike:
     DatabaseUnavailable with one line naming the server, nothing half written, the next append works."""
     store.append("events", [ROW] * count, "w")
-    backends = _query(
+    backends = query(
         pg_url,
         "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid() "
         "AND backend_type = 'client backend'",
     )
     for (pid,) in backends:
-        _query(pg_url, "SELECT pg_terminate_backend(%s)", (pid,))
+        query(pg_url, "SELECT pg_terminate_backend(%s)", (pid,))
     wait_for(
-        lambda: not _query(pg_url, "SELECT 1 FROM pg_stat_activity WHERE pid = ANY(%s)", ([p for (p,) in backends],)),
+        lambda: not query(pg_url, "SELECT 1 FROM pg_stat_activity WHERE pid = ANY(%s)", ([p for (p,) in backends],)),
         10.0,
         "the writer's backends to end",
     )

@@ -21,38 +21,21 @@ from replication.streams import EVENTS
 from storage.store import CommitUnknown, StaleApply
 from storage.worker_store import open_worker_store
 from tests.integration.procs import wait_for
+from tests.pg_sql import TS, received, replicated_tokens
 from tests.stores import pg_worker_store
-
-TS = 470_000_000_000_000_000
-
-
-def _received(first: int, last: int) -> list:
-    return [
-        ([*range(first, last + 1)], "m", [[f"$e{n}", "!r", "m.t", None, None, TS + n] for n in range(first, last + 1)])
-    ]
 
 
 @pytest.fixture
 def store(pg_url: str) -> Iterator[Any]:
     store = pg_worker_store(open_worker_store(pg_url))
     store.create_replicated_table(EVENTS)
-    store.apply_replicated("events", 100, EVENTS, _received(1, 100), _no_effects)  # applied: 100
+    store.apply_replicated("events", 100, EVENTS, received(1, 100), _no_effects)  # applied: 100
     yield store
     store.close()
 
 
 def _no_effects(txn: Any) -> None:
     raise AssertionError("the rows go by COPY")
-
-
-def _tokens(url: str) -> list[int]:
-    conn = psycopg2.connect(url)
-    try:
-        with conn.cursor() as cur:
-            cur.execute("SELECT token FROM replicated_events ORDER BY token")
-            return [t for (t,) in cur.fetchall()]
-    finally:
-        conn.close()
 
 
 def _backends_waiting_for_a_lock(url: str) -> int:
@@ -99,7 +82,7 @@ class Behind(threading.Thread):
         return self.answer()
 
     def run(self) -> None:
-        text = self.store.prepare_replicated(EVENTS, _received(201, 300))
+        text = self.store.prepare_replicated(EVENTS, received(201, 300))
         try:
             self.result = self.store.apply_after("events", 300, self.before, EVENTS, text, self.ready)
         except Exception as e:
@@ -118,12 +101,12 @@ def test_a_group_copied_beside_the_one_before_commits_only_after_it(store, pg_ur
     behind = Behind(store)
     behind.start()
     assert behind.copied.wait(30)  # copied while the group before is open
-    assert _tokens(pg_url) == list(range(1, 101))  # neither is visible yet
+    assert replicated_tokens(pg_url) == list(range(1, 101))  # neither is visible yet
     before.commit()
     assert behind.finish(True) is True
     before.close()
     assert store.applied_tokens() == {"events": 300}
-    assert _tokens(pg_url) == list(range(1, 301))  # every row once, in order
+    assert replicated_tokens(pg_url) == list(range(1, 301))  # every row once, in order
 
 
 def test_a_group_behind_one_that_did_not_commit_commits_nothing(store, pg_url) -> None:
@@ -135,13 +118,13 @@ def test_a_group_behind_one_that_did_not_commit_commits_nothing(store, pg_url) -
     before.close()
     assert behind.finish(False) is False
     assert store.applied_tokens() == {"events": 100}
-    assert _tokens(pg_url) == list(range(1, 101))
+    assert replicated_tokens(pg_url) == list(range(1, 101))
     # The thread's connection is usable: the groups are applied again, in order.
-    store.apply_replicated("events", 200, EVENTS, _received(101, 200), _no_effects)
+    store.apply_replicated("events", 200, EVENTS, received(101, 200), _no_effects)
     assert store.apply_after(
-        "events", 300, 200, EVENTS, store.prepare_replicated(EVENTS, _received(201, 300)), lambda: True
+        "events", 300, 200, EVENTS, store.prepare_replicated(EVENTS, received(201, 300)), lambda: True
     )
-    assert _tokens(pg_url) == list(range(1, 301))
+    assert replicated_tokens(pg_url) == list(range(1, 301))
 
 
 def test_the_token_moves_only_from_exactly_the_group_before(store, pg_url) -> None:
@@ -155,13 +138,11 @@ def test_the_token_moves_only_from_exactly_the_group_before(store, pg_url) -> No
     before.close()
     assert isinstance(behind.finish(True), StaleApply)
     assert store.applied_tokens() == {"events": 100}
-    assert _tokens(pg_url) == list(range(1, 101))
+    assert replicated_tokens(pg_url) == list(range(1, 101))
     # A token beyond the group before (applied twice?): refused as well.
     with pytest.raises(StaleApply):
-        store.apply_after(
-            "events", 300, 50, EVENTS, store.prepare_replicated(EVENTS, _received(201, 300)), lambda: True
-        )
-    assert _tokens(pg_url) == list(range(1, 101))
+        store.apply_after("events", 300, 50, EVENTS, store.prepare_replicated(EVENTS, received(201, 300)), lambda: True)
+    assert replicated_tokens(pg_url) == list(range(1, 101))
 
 
 def test_the_move_waits_for_the_row_lock_of_the_group_before(store, pg_url) -> None:
@@ -176,12 +157,12 @@ def test_the_move_waits_for_the_row_lock_of_the_group_before(store, pg_url) -> N
     # Blocked on the group before's row lock (awaited, not slept on: a plain UPDATE would not wait).
     wait_for(lambda: _backends_waiting_for_a_lock(pg_url) == 1, 30.0, "the move to wait for the row lock")
     assert behind.is_alive()
-    assert _tokens(pg_url) == list(range(1, 101))
+    assert replicated_tokens(pg_url) == list(range(1, 101))
     before.commit()
     before.close()
     assert behind.finish(True) is True
     assert store.applied_tokens() == {"events": 300}
-    assert _tokens(pg_url) == list(range(1, 301))
+    assert replicated_tokens(pg_url) == list(range(1, 301))
 
 
 def test_a_lost_connection_commits_nothing_and_the_next_apply_reconnects(store, pg_url) -> None:
@@ -202,8 +183,8 @@ def test_a_lost_connection_commits_nothing_and_the_next_apply_reconnects(store, 
     # there (the worker applies the same group again to find out); here they did not.
     assert isinstance(result, CommitUnknown)
     assert store.applied_tokens() == {"events": 100}
-    assert _tokens(pg_url) == list(range(1, 101))
+    assert replicated_tokens(pg_url) == list(range(1, 101))
     assert store.apply_after(
-        "events", 300, 100, EVENTS, store.prepare_replicated(EVENTS, _received(101, 300)), lambda: True
+        "events", 300, 100, EVENTS, store.prepare_replicated(EVENTS, received(101, 300)), lambda: True
     )
-    assert _tokens(pg_url) == list(range(1, 301))
+    assert replicated_tokens(pg_url) == list(range(1, 301))

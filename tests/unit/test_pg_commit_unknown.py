@@ -22,15 +22,8 @@ import pytest
 from replication.streams import EVENTS
 from storage.store import CommitUnknown, DatabaseUnavailable
 from storage.worker_store import open_worker_store
+from tests.pg_sql import TS, received, replicated_tokens
 from tests.stores import pg_worker_store
-
-TS = 470_000_000_000_000_000
-
-
-def _received(first: int, last: int) -> list:
-    return [
-        ([*range(first, last + 1)], "m", [[f"$e{n}", "!r", "m.t", None, None, TS + n] for n in range(first, last + 1)])
-    ]
 
 
 def _no_effects(txn: Any) -> None:
@@ -41,7 +34,7 @@ def _no_effects(txn: Any) -> None:
 def store(pg_url: str) -> Iterator[Any]:
     store = pg_worker_store(open_worker_store(pg_url))
     store.create_replicated_table(EVENTS)
-    store.apply_replicated("events", 3, EVENTS, _received(1, 3), _no_effects)  # applied: 3
+    store.apply_replicated("events", 3, EVENTS, received(1, 3), _no_effects)  # applied: 3
     yield store
     store.close()
 
@@ -58,25 +51,15 @@ def _terminate(url: str, pid: int) -> None:
         killer.close()
 
 
-def _tokens(url: str) -> list[int]:
-    conn = psycopg2.connect(url)
-    try:
-        with conn.cursor() as cur:
-            cur.execute("SELECT token FROM replicated_events ORDER BY token")
-            return [t for (t,) in cur.fetchall()]
-    finally:
-        conn.close()
-
-
 def test_a_small_apply_whose_connection_is_lost_is_commit_unknown(store, pg_url) -> None:
     _terminate(pg_url, store.database.autocommit_connection().get_backend_pid())
     with pytest.raises(CommitUnknown) as raised:
-        store.apply_replicated("events", 5, EVENTS, _received(4, 5), _no_effects)
+        store.apply_replicated("events", 5, EVENTS, received(4, 5), _no_effects)
     assert str(raised.value).startswith("PostgreSQL at ") and "\n" not in str(raised.value)
     assert store.applied_tokens() == {"events": 3}
-    assert _tokens(pg_url) == [1, 2, 3]
-    store.apply_replicated("events", 5, EVENTS, _received(4, 5), _no_effects)  # a new connection
-    assert _tokens(pg_url) == [1, 2, 3, 4, 5]
+    assert replicated_tokens(pg_url) == [1, 2, 3]
+    store.apply_replicated("events", 5, EVENTS, received(4, 5), _no_effects)  # a new connection
+    assert replicated_tokens(pg_url) == [1, 2, 3, 4, 5]
 
 
 def test_a_general_apply_whose_commit_finds_its_connection_gone_is_commit_unknown(store, pg_url) -> None:
@@ -90,7 +73,7 @@ def test_a_general_apply_whose_commit_finds_its_connection_gone_is_commit_unknow
     with pytest.raises(CommitUnknown):
         store.apply("events", 4, effects)
     assert store.applied_tokens() == {"events": 3}
-    assert _tokens(pg_url) == [1, 2, 3]
+    assert replicated_tokens(pg_url) == [1, 2, 3]
 
 
 def test_a_general_apply_lost_before_its_commit_is_not_commit_unknown(store, pg_url) -> None:

@@ -12,30 +12,19 @@ below ``EPOCH_BASE``, 1 and up) are only marked dead, as they were.
 
 from __future__ import annotations
 
-import psycopg2
 import pytest
 
 from replication.streams import EVENTS
 from storage.pg_store import EPOCH_BASE, Fenced
 from storage.store import open_store
+from tests.pg_sql import query
 from tests.stores import pg_store
 
 ROW = ["$a", "!r", "m.room.message", None, None]
 
 
-def _query(url: str, sql: str, params: tuple = ()) -> list[tuple]:
-    conn = psycopg2.connect(url)
-    conn.autocommit = True
-    try:
-        with conn.cursor() as cur:
-            cur.execute(sql, params)
-            return cur.fetchall() if cur.description else []
-    finally:
-        conn.close()
-
-
 def _writer_rows(url: str) -> list[tuple]:
-    return _query(url, "SELECT instance_name, epoch, alive FROM tickline_writers ORDER BY instance_name")
+    return query(url, "SELECT instance_name, epoch, alive FROM tickline_writers ORDER BY instance_name")
 
 
 @pytest.fixture
@@ -64,7 +53,7 @@ def test_a_dead_writer_s_row_is_deleted_and_its_late_append_fenced_after_it_regi
         first = store.append("events", [ROW], "w")
         old = store._writers[("events", "w")]
         assert old.epoch >= EPOCH_BASE
-        _query(url, "UPDATE tickline_writers SET heartbeat_ms = 0")
+        query(url, "UPDATE tickline_writers SET heartbeat_ms = 0")
         assert master.safe_positions(expire_writers=True) == {"events": first[0]}
         assert _writer_rows(url) == []  # declared dead: deleted
         # The same process registers again (another instance name of it, then this one).
@@ -83,7 +72,7 @@ def test_a_dead_writer_s_row_is_deleted_and_its_late_append_fenced_after_it_regi
 
 
 def test_rows_of_earlier_versions_are_marked_dead_not_deleted(url) -> None:
-    _query(
+    query(
         url,
         "INSERT INTO tickline_writers (stream, instance_name, epoch, position, heartbeat_ms, alive) "
         "VALUES ('events', 'old/h:1:x', 1, 0, 0, TRUE), ('events', 'old/h:2:y', 3, 0, 0, FALSE)",
