@@ -19,7 +19,7 @@ from typing import IO, Any
 from storage.contracts import StreamStore, WriteTransaction
 from storage.limits import MAX_BATCH_ROWS
 from storage.schema import RowError
-from storage.store import StorageError, error_line
+from storage.store import CommitUnknown, StorageError, error_line
 
 Row = Sequence[Any] | Mapping[str, Any]
 CHUNK_ROWS = 2000  # rows checked and inserted per statement batch
@@ -88,7 +88,9 @@ def write_rows(
 
     ``where`` names a row for errors ("stdin line 10001"): a RowError's
     message starts with it. Database errors become one-line StorageErrors;
-    in every failure nothing is committed.
+    in every failure nothing is committed, but where the connection was lost
+    once the ``COMMIT`` was sent: then the error says the write may have
+    committed.
     """
     tokens = TokenRuns()
     if batch:
@@ -111,6 +113,11 @@ def write_rows(
                 tokens.add(_append(txn, chunk, places, batch))
     except RowError:
         raise
+    except CommitUnknown as e:
+        raise StorageError(
+            f"the write may have committed: the connection was lost as it committed ({error_line(e)}); "
+            "look for its rows before writing them again"
+        ) from None
     except StorageError as e:
         raise StorageError(f"the write failed, nothing was committed: {error_line(e)}") from None
     except Exception as e:

@@ -48,7 +48,7 @@ from storage.pg_copy import _COPY_FORMATS, NULL_COPY, _copy_text, chunk_formatte
 from storage.pg_db import Cursor, PgDatabase, execute_literals, prepared, rollback_explicit
 from storage.pg_lines import value_json_sql
 from storage.schema import COLUMN_TYPES, INT64_MAX, RowError, StreamSchema, check_instance_name
-from storage.store import FIRST_VALUE, DatabaseUnavailable, StreamCatalog, error_line
+from storage.store import FIRST_VALUE, CommitUnknown, DatabaseUnavailable, StreamCatalog, error_line
 from storage.urls import redact_url
 
 if TYPE_CHECKING:
@@ -491,8 +491,9 @@ class PgStreamStore:
     # -- side connections (autocommit) ----------------------------------------------
 
     @contextlib.contextmanager
-    def _side_cursor(self) -> Iterator[Any]:
-        """A cursor on this thread's autocommit connection; a lost server is DatabaseUnavailable."""
+    def _side_cursor(self, commits: bool = False) -> Iterator[Any]:
+        """A cursor on this thread's autocommit connection; a lost server is DatabaseUnavailable
+        (``commits``: the statements commit, so :class:`CommitUnknown` once the connection was made)."""
         conn = getattr(self._side, "conn", None)
         if conn is None or conn.closed:
             conn = self._side.conn = self.database.connect(autocommit=True)
@@ -500,16 +501,18 @@ class PgStreamStore:
             with conn.cursor() as cur:
                 yield cur
         except psycopg2.Error as e:
-            self._side_failed(conn, e)
+            self._side_failed(conn, e, commits)
             raise
 
-    def _side_failed(self, conn: Any, error: psycopg2.Error) -> None:
+    def _side_failed(self, conn: Any, error: psycopg2.Error, commits: bool = False) -> None:
         """After ``error`` on this thread's side connection: a lost connection is dropped and raised as
-        :class:`DatabaseUnavailable`; otherwise the session may hold the oracle's lock, which is released
+        :class:`DatabaseUnavailable` (:class:`CommitUnknown` where a statement that commits may have
+        been sent: ``commits``); otherwise the session may hold the oracle's lock, which is released
         (the caller raises ``error`` again)."""
         if isinstance(error, psycopg2.OperationalError):
             self._drop_side(conn)
-            raise DatabaseUnavailable(redact_url(f"PostgreSQL at {self.database.dsn}: {error_line(error)}")) from None
+            message = redact_url(f"PostgreSQL at {self.database.dsn}: {error_line(error)}")
+            raise (CommitUnknown(message) if commits else DatabaseUnavailable(message)) from None
         _release_oracle_lock(conn)
 
     def _drop_side(self, conn: Any) -> None:
@@ -620,7 +623,7 @@ class PgStreamStore:
             self._next_txn += 1
             txn_id = self._next_txn
         try:
-            with self._side_cursor() as raw:
+            with self._side_cursor(commits=True) as raw:  # the append's statement commits on its own
                 txn = WriteTransaction(self, schema, instance_name, state, txn_id, Cursor(raw))
                 tokens = txn.append(rows, batch)
             # The statement moved the writer's position and notified the master with its
@@ -703,7 +706,7 @@ class PgStreamStore:
                     del self._writers[key]
             raise
         except psycopg2.Error as e:
-            self._side_failed(conn, e)
+            self._side_failed(conn, e, commits=True)  # the statement commits on its own
             raise
         finally:
             with lock:
@@ -725,6 +728,7 @@ class PgStreamStore:
         conn = getattr(self._writes, "conn", None)
         if conn is None or conn.closed:
             conn = self._writes.conn = self.database.connect(autocommit=True)
+        txn: WriteTransaction | None = None
         try:
             with conn.cursor() as raw:
                 txn = WriteTransaction(self, schema, instance_name, state, txn_id, Cursor(raw), explicit=True)
@@ -736,7 +740,11 @@ class PgStreamStore:
                 conn.close()
             except psycopg2.Error:
                 pass
-            raise DatabaseUnavailable(redact_url(f"PostgreSQL at {self.database.dsn}: {error_line(e)}")) from None
+            message = redact_url(f"PostgreSQL at {self.database.dsn}: {error_line(e)}")
+            # Lost once a COMMIT was sent: the rows may be in (a caller that writes them again
+            # would repeat them), which the error must not hide.
+            lost = CommitUnknown if txn is not None and txn.commit_sent else DatabaseUnavailable
+            raise lost(message) from None
         except Fenced:
             rollback_explicit(conn)
             with self._lock:
@@ -991,6 +999,7 @@ class WriteTransaction:
         self._begin = BEGIN if explicit else ""
         self._begun = False
         self._committed = False  # by the statement of an append alone in its transaction
+        self.commit_sent = False  # a statement with the COMMIT went out (a lost connection: outcome unknown)
         self._alone = False
         self._store = store
         self._schema = schema
@@ -1175,6 +1184,7 @@ class WriteTransaction:
             sql += f"; {cursor.mogrify(prepared(cursor, _FINISH_SQL), finish).decode()}; COMMIT"
         source = _CopySource(self._statements, rows, self._instance, want_token, 0 if batch else 1, want_ts, limit)
         self._begun = True
+        self.commit_sent = self._alone
         try:
             self._copy(source, sql)
             self._committed = self._alone
@@ -1217,6 +1227,7 @@ class WriteTransaction:
         """
         if not self._begun or self._committed:
             return
+        self.commit_sent = True
         if not self._last_token or self._last_token <= self._position_sent:
             self._cur.execute("COMMIT")
             return

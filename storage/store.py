@@ -46,9 +46,11 @@ class DatabaseUnavailable(StorageError):
 
 
 class CommitUnknown(DatabaseUnavailable):
-    """The connection was lost after an apply's ``COMMIT`` was sent: it may or may not have committed.
+    """The connection was lost after a ``COMMIT`` was sent: it may or may not have committed.
 
-    Retrying the same group tells (a :class:`StaleApply` then means it had).
+    A worker's apply: retrying the same group tells (a :class:`StaleApply`
+    then means it had). A writer's append: its rows may be in the stream;
+    written again, they would be there twice.
     """
 
 

@@ -1,0 +1,99 @@
+"""A writer whose connection is lost once its ``COMMIT`` may have been sent: ``CommitUnknown``, said so.
+
+On the real PostgreSQL server, the backend of the writer's connection is
+terminated (and awaited) at a chosen point. Lost before any statement with
+the ``COMMIT`` went out, the write certainly did not commit: a plain
+``DatabaseUnavailable`` ("nothing was committed" from ``tickline write``).
+Lost once it went out, the writer cannot tell whether the rows are in:
+``CommitUnknown``, and ``tickline write``'s error says the write may have
+committed, so that nobody writes the rows again believing they are not there
+(they would be twice). Here the backend was gone before the ``COMMIT``
+arrived, so nothing committed; the next write reconnects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from replication.streams import EVENTS
+from storage.bulk import CHUNK_ROWS, write_rows
+from storage.store import CommitUnknown, DatabaseUnavailable, StorageError, open_store
+from tests.pg_sql import query
+from tests.stores import pg_store
+
+ROW = ["$a", "!r", "m.room.message", None, None]
+
+
+@pytest.fixture
+def store(pg_url):
+    s = pg_store(open_store(pg_url, report_interval=3600.0))
+    s.register_stream(EVENTS)
+    yield s
+    s.close()
+
+
+def _terminate(url: str, pid: int) -> None:
+    assert query(url, "SELECT pg_terminate_backend(%s, 10000)", (pid,)) == [(True,)]
+
+
+def _tokens(store) -> list[int]:
+    return [r[1] for r in store.read_rows("events", 0, 10**9, 10**6)]
+
+
+def test_a_transaction_whose_commit_finds_its_connection_gone_is_commit_unknown(store, pg_url) -> None:
+    with pytest.raises(CommitUnknown) as raised, store.writing("events", "w") as txn:
+        txn.append([ROW, ROW])
+        _terminate(pg_url, store._writes.conn.get_backend_pid())
+    assert "\n" not in str(raised.value)
+    assert _tokens(store) == []
+    assert store.append("events", [ROW], "w") == [3]  # a new connection; tokens 1-2 are skipped
+
+
+def test_a_transaction_lost_before_its_commit_is_not_commit_unknown(store, pg_url) -> None:
+    with pytest.raises(DatabaseUnavailable) as raised, store.writing("events", "w") as txn:
+        txn.append([ROW])
+        _terminate(pg_url, store._writes.conn.get_backend_pid())
+        txn.append([ROW])
+    assert not isinstance(raised.value, CommitUnknown)
+    assert _tokens(store) == []
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_a_single_statement_append_whose_connection_is_lost_is_commit_unknown(store, pg_url, count) -> None:
+    """A small append is one autocommit statement: sent, it commits on its own."""
+    first = store.append("events", [ROW], "w")
+    _terminate(pg_url, store._side.conn.get_backend_pid())
+    with pytest.raises(CommitUnknown):
+        store.append("events", [ROW] * count, "w")
+    assert _tokens(store) == first
+    again = store.append("events", [ROW] * count, "w")
+    assert _tokens(store) == first + again
+
+
+def test_tickline_write_says_a_write_lost_at_its_commit_may_have_committed(store, pg_url) -> None:
+    def rows() -> Iterator[tuple[str, list]]:
+        for n in range(CHUNK_ROWS):
+            yield f"stdin line {n + 1}", ROW
+        # Every row appended (a full chunk): the connection goes before the COMMIT is sent.
+        _terminate(pg_url, store._writes.conn.get_backend_pid())
+
+    with pytest.raises(StorageError) as raised:
+        write_rows(store, "events", rows(), "w")
+    message = str(raised.value)
+    assert message.startswith("the write may have committed: the connection was lost as it committed (PostgreSQL at ")
+    assert message.endswith("look for its rows before writing them again") and "\n" not in message
+    assert _tokens(store) == []
+
+
+def test_tickline_write_lost_before_its_commit_says_nothing_was_committed(store, pg_url) -> None:
+    def rows() -> Iterator[tuple[str, list]]:
+        yield "stdin line 1", ROW
+        _terminate(pg_url, store._writes.conn.get_backend_pid())  # the connection is open since the first row
+        yield "stdin line 2", ROW
+
+    with pytest.raises(StorageError) as raised:
+        write_rows(store, "events", rows(), "w", chunk_rows=1)
+    assert str(raised.value).startswith("the write failed, nothing was committed: PostgreSQL at ")
+    assert _tokens(store) == []
