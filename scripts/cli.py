@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -14,6 +15,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 # cyclic collector is paused (see _collector_paused).
 if TYPE_CHECKING:
     from scripts.config import Config
+    from storage.bulk import TokenRuns
+    from storage.contracts import StreamStore
 
 
 class UsageError(Exception):
@@ -35,6 +38,14 @@ def count_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def positive_arg(text: str) -> int:
+    """A whole number >= 1."""
+    value = count_arg(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
     return value
 
 
@@ -75,7 +86,16 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         write.add_argument(
             "--instance", metavar="NAME", default="writer", help="writer instance name (default: writer)"
         )
-        write.add_argument("--batch", action="store_true", help="all rows share one token")
+        write.add_argument(
+            "--batch", action="store_true", help="all rows (with --commit-every: of each transaction) share one token"
+        )
+        write.add_argument(
+            "--commit-every",
+            metavar="N",
+            type=positive_arg,
+            help="commit every N rows, each N a transaction of its own, its tokens printed once committed "
+            "(default: all rows in one transaction)",
+        )
         write.add_argument("stream", metavar="STREAM")
         write.add_argument(
             "rows",
@@ -365,20 +385,59 @@ def run_write(args: argparse.Namespace, config: Config) -> int:
         streams = store.catalog()
         if args.stream not in streams:
             raise UsageError(f"unknown stream {args.stream!r} (streams: {', '.join(sorted(streams))})")
-        # One transaction for every row, streamed in chunks: all rows or none.
         rows = _json_rows(args.rows, streams[args.stream].in_column_order())
-        tokens = write_rows(store, args.stream, rows, args.instance, batch=args.batch)
+        if args.commit_every is None:
+            # One transaction for every row, streamed in chunks: all rows or none.
+            tokens = write_rows(store, args.stream, rows, args.instance, batch=args.batch)
+            written = len(tokens)
+            if written:
+                _print_tokens(tokens)  # only now: every row has committed
+        else:
+            written = _write_every(store, args.stream, rows, args.instance, args.batch, args.commit_every)
     finally:
         store.close()  # a PostgreSQL writer stops holding the stream back
-    if not tokens:
+    if not written:
         raise UsageError("no rows to write (stdin was empty)")
+    return 0
+
+
+def _write_every(
+    store: StreamStore, stream: str, rows: Iterator[tuple[str, Any]], instance: str, batch: bool, every: int
+) -> int:
+    """``--commit-every``: the rows in transactions of ``every`` rows, each one's tokens printed once
+    it committed (a line of stdin is written as soon as its transaction is full, or stdin ends, so
+    rows fed one at a time with ``--commit-every 1`` are committed as they come). A failure names
+    how many rows committed before it; the transaction it stopped is all or nothing, as a write."""
+    from storage.bulk import CHUNK_ROWS, write_rows
+    from storage.schema import RowError
+    from storage.store import StorageError
+
+    written = 0
+    while True:
+        try:
+            # A transaction that fits a chunk is taken whole (its rows then go in the fewest round
+            # trips); a larger one streams in chunks as the default write does.
+            group: Iterable[tuple[str, Any]] = (
+                list(itertools.islice(rows, every)) if every <= CHUNK_ROWS else itertools.islice(rows, every)
+            )
+            tokens = write_rows(store, stream, group, instance, batch=batch)
+        except (RowError, StorageError, UsageError) as e:
+            if not written:
+                raise
+            raise UsageError(f"{written:,} rows committed before this, their tokens printed; then: {e}") from None
+        if not tokens:
+            return written
+        _print_tokens(tokens)
+        written += len(tokens)
+
+
+def _print_tokens(tokens: TokenRuns) -> None:
     try:
-        tokens.write_lines(sys.stdout)  # only now: every row has committed
+        tokens.write_lines(sys.stdout)
         sys.stdout.flush()
     except BrokenPipeError:
         # The rows are committed; a reader that stopped early (| head) wanted no more.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 0
 
 
 if __name__ == "__main__":
