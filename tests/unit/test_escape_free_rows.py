@@ -16,12 +16,16 @@ from storage.schema import RowError
 
 TS = 470_000_000_000_000_000
 # Text of any character, the ones COPY escapes and JSON escapes among them.
-_TEXT = st.text(alphabet=st.sampled_from(["a", "é", "$", " ", ",", "[", '"', "\\", "\t", "\n", "\r", "\x00", "\x7f", "N"]))
+_TEXT = st.text(
+    alphabet=st.sampled_from(["a", "é", "$", " ", ",", "[", '"', "\\", "\t", "\n", "\r", "\x00", "\x7f", "N"])
+)
 _ROW = st.tuples(_TEXT, _TEXT, _TEXT, st.none() | _TEXT, st.none() | _TEXT, st.integers(0, 2**63 - 1))
 
 
 def _block(instance: str, rows: list[tuple[Any, ...]]) -> bytes:
-    return b"".join(b"RDATA events %s %d %s\n" % (instance.encode(), 1 + i, orjson.dumps(r)) for i, r in enumerate(rows))
+    return b"".join(
+        b"RDATA events %s %d %s\n" % (instance.encode(), 1 + i, orjson.dumps(r)) for i, r in enumerate(rows)
+    )
 
 
 @settings(max_examples=300, deadline=None)
