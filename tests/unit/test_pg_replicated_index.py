@@ -37,7 +37,7 @@ def test_the_token_index_is_brin_and_ranges_read_by_it(pg_url: str) -> None:
         with conn.cursor() as cur:
             cur.execute("SELECT indexdef FROM pg_indexes WHERE tablename = 'replicated_events'")
             assert [d for (d,) in cur.fetchall()] == [
-                "CREATE INDEX replicated_events_token ON public.replicated_events USING brin (token)"
+                "CREATE INDEX replicated_events_token ON public.replicated_events USING brin (token) WITH (autosummarize='on')"
             ]
             cur.execute("SET enable_seqscan = off")  # the index answers a range, exactly
             cur.execute(
