@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import attr
 import orjson
 
+from storage.contracts import EscapeFreeRows
 from storage.schema import INT64_MAX
 
 __all__ = [
@@ -393,6 +394,8 @@ def parse_rdata_block(block: bytes, max_line_bytes: int) -> tuple[str, str, list
         return None
     if len(rows) != len(tokens) or set(map(type, rows)) != {list}:
         return None
+    if b"\\" not in joined:  # one memchr: no escape sequence, so no value needing a COPY escape
+        rows = EscapeFreeRows(rows)
     return stream, instance, tokens, rows
 
 

@@ -51,6 +51,20 @@ ReplicatedValues = tuple[Any, ...]
 # gives the one-entry-per-token form).
 ReceivedRows = tuple[int | list[int], str, list[list[Any]]]
 
+
+class EscapeFreeRows(list[list[Any]]):
+    """Received rows parsed from JSON text that held no backslash (``parse_rdata_block``).
+
+    A JSON string holds no raw control character (a conforming parser, as
+    orjson, refuses one), so without any escape sequence no text value in
+    these rows holds a backslash, tab, newline, carriage return or NUL: their
+    ``COPY`` text needs no escape and no check for one (``PgWorkerStore``).
+    A slice or copy is a plain list (the mark is not carried over).
+    """
+
+    __slots__ = ()
+
+
 # The master's wake-up (WakeQuery): per stream read, the token fanned out so far and the
 # variants (with ``ts`` or not) its live subscriptions take.
 WakeReads = Mapping[str, tuple[int, tuple[bool, ...]]]

@@ -16,7 +16,7 @@ import psycopg2
 import psycopg2.errors
 import psycopg2.extensions
 
-from storage.contracts import Effects, ReceivedRows, ReplicatedValues, SnapshotView
+from storage.contracts import Effects, EscapeFreeRows, ReceivedRows, ReplicatedValues, SnapshotView
 from storage.pg_copy import (
     _COPY_FORMATS,
     NULL_COPY,
@@ -532,7 +532,7 @@ class PgWorkerStore:
             quick, nulls = chunk(received)
             if quick:
                 joined = "\n".join(quick)
-                if not lines_need_escapes(joined, len(quick), len(schema.columns) + 3, nulls):
+                if _escape_free(received) or not lines_need_escapes(joined, len(quick), len(schema.columns) + 3, nulls):
                     try:
                         return (joined + "\n").encode()
                     except UnicodeEncodeError:  # a lone surrogate: refused row by row
@@ -554,6 +554,20 @@ class PgWorkerStore:
         return "\n".join(lines).encode()
 
 
+def _escape_free(received: Sequence[ReceivedRows]) -> bool:
+    """Whether no value of ``received`` needs a ``COPY`` escape, known without looking at the values.
+
+    Rows parsed from JSON text without a backslash (:class:`EscapeFreeRows`)
+    hold none in their text values; the instance names are checked here. The
+    rest of a line is integers and the ``\\N`` of a NULL. Saves
+    :func:`lines_need_escapes`' passes over the text (about 0.13 µs per row).
+    """
+    return all(
+        type(rows) is EscapeFreeRows and not _NEEDS_ESCAPE.intersection(instance) for _, instance, rows in received
+    )
+
+
+_NEEDS_ESCAPE = frozenset("\\\t\n\r\x00")
 BEGIN = "BEGIN ISOLATION LEVEL READ COMMITTED; "
 _MOVE_SQL = move_applied_token_sql("%s")  # prepared: its parameters typed by the insert's columns
 # The same move failing when it does not move (1 / 0): sent with the COPY, its answer not awaited alone.
