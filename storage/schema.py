@@ -190,6 +190,16 @@ class Column:
         )
 
 
+def replicated_token_index(dialect: str) -> str:
+    """The index clause of a replicated table's ``token`` index (what follows ``ON <table>``).
+
+    PostgreSQL: BRIN (see :meth:`StreamSchema.create_replicated_table_sql`), with
+    ``autosummarize``: a block range filled is summarized soon (autovacuum's work item),
+    not only at the table's next vacuum, so a range read scans few unsummarized pages.
+    """
+    return "USING brin (token) WITH (autosummarize = on)" if dialect == "postgresql" else "(token)"
+
+
 @attr.s(slots=True, frozen=True, auto_attribs=True, cache_hash=True)
 class StreamSchema:
     name: str
@@ -323,14 +333,10 @@ class StreamSchema:
         B-tree (same name: not created again).
         """
         table = self.replicated_table
-        # autosummarize: a block range filled is summarized soon (autovacuum's work item), not
-        # only at the table's next vacuum, so a range read scans few unsummarized pages.
-        brin = dialect == "postgresql"
-        using, storage = (" USING brin", " WITH (autosummarize = on)") if brin else ("", "")
         return [
             f"CREATE TABLE IF NOT EXISTS {table} (\n    token BIGINT NOT NULL,\n"
             f"    instance_name TEXT NOT NULL,\n    ts BIGINT NOT NULL,\n    {self._column_ddl(dialect)}\n)",
-            f"CREATE INDEX IF NOT EXISTS {table}_token ON {table}{using} (token){storage}",
+            f"CREATE INDEX IF NOT EXISTS {table}_token ON {table} {replicated_token_index(dialect)}",
         ]
 
     def insert_replicated_sql(self, placeholder: str) -> str:
