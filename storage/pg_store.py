@@ -43,7 +43,7 @@ from storage.limits import DEFAULT_MAX_LINE_BYTES, RowChecker, check_batch_rows,
 from storage.pg_columns_out import read_lines
 from storage.pg_copy import _COPY_FORMATS, NULL_COPY, _copy_text, chunk_formatter, formatter, lines_need_escapes
 from storage.pg_db import Cursor, PgDatabase, execute_literals, prepared, rollback_explicit
-from storage.pg_lines import value_json_sql
+from storage.pg_lines import row_json_sql
 from storage.schema import COLUMN_TYPES, INT64_MAX, RowError, StreamSchema, check_instance_name
 from storage.store import FIRST_VALUE, DatabaseUnavailable, StreamCatalog
 from storage.urls import redact_url
@@ -1266,24 +1266,36 @@ class _Statements:
         stream, name = _literal(schema.name), _literal(instance)
         # The notification carries the rows and the claim, so the master can send them without
         # reading them back (CommittedRows); the stream's name alone when that would not fit in
-        # a NOTIFY. One row needs no aggregate (and no sort): the same text, one plan node fewer.
-        row_json = " || ',' || ".join(value_json_sql(c.name, c.type) for c in schema.columns)
-        line = "E'\\n' || ins.token::text || E'\\t' || ins.ts::text || E'\\t' || ins.j"
-        lines, group = (line, "") if count == 1 else (f"string_agg({line}, '' ORDER BY ins.token)", " GROUP BY a.claim")
-        payload = (
-            f"COALESCE((SELECT CASE WHEN octet_length(p) <= {MAX_PAYLOAD_BYTES} THEN p END FROM "
-            f"(SELECT '{ROWS_PAYLOAD}' || E'\\t' || {stream} || E'\\t' || COALESCE(a.claim, -1)::text "
-            f"|| E'\\t' || {name} || {lines} AS p FROM ins, a{group}) AS pl), {stream})"
-        )
-        return (
+        # a NOTIFY. The row's JSON is the master's reads' own SQL (row_json_sql: one call for
+        # an all-text row, not one per value). Constant parts of the payload are one literal.
+        row_json = row_json_sql(schema, False, schema.table)
+        head = _literal(f"{ROWS_PAYLOAD}\t{schema.name}\t")
+        claim = "COALESCE(a.claim, -1)::text"
+        tab_name, tab_name_newline = _literal("\t" + instance), _literal("\t" + instance + "\n")
+        line = "ins.token::text || E'\\t' || ins.ts::text || E'\\t' || ins.j"
+        allocate = (
             f"WITH a AS (SELECT first_token, first_ts, claim FROM {APPEND_FUNCTION}({_literal(_seq(schema))}::regclass, "
             f"{count}, {count}, %s::bigint, {stream}, {_literal(writer_id)}, %s::bigint, %s::bigint)), "
             f"ins AS (INSERT INTO {schema.table} ({names}) "
             f"SELECT a.first_ts + v._i - 1, a.first_token + v._i - 1, {name}, a.first_ts + v._i - 1, {aliases} "
             f"FROM a, (VALUES {rows}) AS v(_i, {', '.join(schema.column_names)}) "
-            f"RETURNING token, ts, '[' || {row_json} || ']' AS j) "
-            f"SELECT a.first_token, a.first_ts, pg_notify({_literal(CHANNEL)}, {payload}) FROM a"
+            f"RETURNING token, ts, {row_json} AS j) "
         )
+        if count == 1:
+            # One row: the payload made in the select list of a join of the two one-row CTEs (no
+            # aggregate, no sort, no subplan to start per append); it is never NULL.
+            return allocate + (
+                f"SELECT pl.first_token, pl.first_ts, pg_notify({_literal(CHANNEL)}, "
+                f"CASE WHEN octet_length(pl.p) <= {MAX_PAYLOAD_BYTES} THEN pl.p ELSE {stream} END) "
+                f"FROM (SELECT a.first_token, a.first_ts, {head} || {claim} || {tab_name_newline} || {line} AS p "
+                "FROM a, ins) AS pl"
+            )
+        payload = (
+            f"COALESCE((SELECT CASE WHEN octet_length(p) <= {MAX_PAYLOAD_BYTES} THEN p END FROM "
+            f"(SELECT {head} || {claim} || {tab_name} || string_agg(E'\\n' || {line}, '' ORDER BY ins.token) AS p "
+            f"FROM ins, a GROUP BY a.claim) AS pl), {stream})"
+        )
+        return allocate + f"SELECT a.first_token, a.first_ts, pg_notify({_literal(CHANNEL)}, {payload}) FROM a"
 
     def _casts(self) -> str:
         # (%s)::type: the value as a literal in parentheses, so that -9223372036854775808 is one
