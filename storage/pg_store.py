@@ -39,11 +39,19 @@ import psycopg2.extensions
 
 from storage import time_index
 from storage.contracts import CommittedRows, JsonRow, Row, StoredRow
-from storage.limits import DEFAULT_MAX_LINE_BYTES, RowChecker, check_batch_rows, check_rows, max_row_json_bytes
+from storage.limits import (
+    DEFAULT_MAX_LINE_BYTES,
+    RowChecker,
+    check_batch_rows,
+    check_rows,
+    max_row_json_bytes,
+    rdata_overhead,
+)
 from storage.pg_columns_out import read_lines
 from storage.pg_copy import _COPY_FORMATS, NULL_COPY, _copy_text, chunk_formatter, formatter, lines_need_escapes
 from storage.pg_db import Cursor, PgDatabase, execute_literals, prepared, rollback_explicit
 from storage.pg_lines import row_json_sql
+from storage.pg_row_literals import row_literals
 from storage.schema import COLUMN_TYPES, INT64_MAX, RowError, StreamSchema, check_instance_name
 from storage.store import FIRST_VALUE, DatabaseUnavailable, StreamCatalog
 from storage.urls import redact_url
@@ -638,14 +646,22 @@ class PgStreamStore:
                 self._row_plans.clear()
             plan = self._row_plans[key] = _RowPlan(schema)
         state = self._register(schema, instance_name)
-        values = plan.checker.one(row, self.max_line_bytes)
-        doubles = plan.doubles
-        if doubles:  # as in WriteTransaction._append_small: a double as its shortest exact text
-            values = tuple(repr(v) if k in doubles and v is not None else v for k, v in enumerate(values))
-        now_ms = self._now_ms()
         conn = getattr(self._side, "conn", None)
         if conn is None or conn.closed:
             conn = self._side.conn = self.database.connect(autocommit=True)
+        # A row of exactly typed values: checked and written as literals in one pass (the same
+        # text execute_literals makes of it); anything else the careful way, which names the fault.
+        literals = plan.literals
+        if literals is not None and conn.get_parameter_status("standard_conforming_strings") == "on":
+            text = literals(row, self.max_line_bytes)
+        else:
+            text = None
+        if text is None:
+            values = plan.checker.one(row, self.max_line_bytes)
+            doubles = plan.doubles
+            if doubles:  # as in WriteTransaction._append_small: a double as its shortest exact text
+                values = tuple(repr(v) if k in doubles and v is not None else v for k, v in enumerate(values))
+        now_ms = self._now_ms()
         lock = self._lock
         with lock:
             self._next_txn += 1
@@ -654,20 +670,23 @@ class PgStreamStore:
         try:
             with conn.cursor() as cursor:
                 # One tuple, read and replaced whole: threads with connections of their own share the plan.
-                prepared_on, writer_id, execute = plan.prepared
+                prepared_on, writer_id, execute, head = plan.prepared
                 if prepared_on is not conn or writer_id != state.writer_id:
                     execute = plan.statements.claiming(1, state.writer_id, instance_name, cursor)
-                    plan.prepared = (conn, state.writer_id, execute)
+                    head = execute[: execute.index(" (") + 2]
+                    plan.prepared = (conn, state.writer_id, execute, head)
                 # Allocation and registration as in flight under the lock, as in _append_small.
                 with lock:
                     cap = min(inflight.values()) - 1 if inflight else MAX_TOKEN  # this one is not in yet
-                    params = [now_ms, state.epoch, cap, *values]
-                    text = execute_literals(cursor, execute, params)
+                    if text is not None:
+                        statement = f"{head}{now_ms}, {state.epoch}, {cap}, {text})"
+                        params = None
+                    else:
+                        params = [now_ms, state.epoch, cap, *values]
+                        literal = execute_literals(cursor, execute, params)
+                        statement, params = (execute, params) if literal is None else (literal, None)
                     try:
-                        if text is not None:
-                            cursor.execute(text, None)
-                        else:
-                            cursor.execute(execute, params)
+                        cursor.execute(statement, params)
                     except psycopg2.Error as e:
                         if e.pgcode == FENCED_CODE:
                             raise Fenced(instance_name) from None
@@ -1497,15 +1516,17 @@ def _remember(
 class _RowPlan:
     """What a writer's single-row appends to one stream look up once (PgStreamStore._append_row)."""
 
-    __slots__ = ("checker", "doubles", "prepared", "schema", "statements")
+    __slots__ = ("checker", "doubles", "literals", "prepared", "schema", "statements")
 
     def __init__(self, schema: StreamSchema) -> None:
         self.schema = schema
         self.checker = RowChecker(schema)
+        self.literals = row_literals(schema, rdata_overhead(schema.name))
         self.statements = _statements(schema)
         self.doubles = self.statements.doubles
-        # (connection, writer id, the statement's EXECUTE text prepared on that connection).
-        self.prepared: tuple[Any, str, str] = (None, "", "")
+        # (connection, writer id, the statement's EXECUTE text prepared on that connection, that
+        # text up to its parameters: "EXECUTE tickline_N (").
+        self.prepared: tuple[Any, str, str, str] = (None, "", "", "")
 
 
 PREPARED_ROWS = 8  # appends of up to this many rows use prepared statements
