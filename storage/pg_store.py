@@ -1296,9 +1296,14 @@ class _Statements:
             f"WITH a AS (SELECT first_token, first_ts, claim FROM {APPEND_FUNCTION}({_literal(_seq(schema))}::regclass, "
             f"{count}, {count}, %s::bigint, {stream}, {_literal(writer_id)}, %s::bigint, %s::bigint)), "
             f"ins AS (INSERT INTO {schema.table} ({names}) "
-            f"SELECT a.first_ts + v._i - 1, a.first_token + v._i - 1, {name}, a.first_ts + v._i - 1, {aliases} "
-            f"FROM a, (VALUES {rows}) AS v(_i, {', '.join(schema.column_names)}) "
-            f"RETURNING token, ts, {row_json} AS j) "
+            + (
+                # One row: its values in the select list (no VALUES scan, no join to start per append).
+                f"SELECT a.first_ts, a.first_token, {name}, a.first_ts, {casts} FROM a "
+                if count == 1
+                else f"SELECT a.first_ts + v._i - 1, a.first_token + v._i - 1, {name}, a.first_ts + v._i - 1, "
+                f"{aliases} FROM a, (VALUES {rows}) AS v(_i, {', '.join(schema.column_names)}) "
+            )
+            + f"RETURNING token, ts, {row_json} AS j) "
         )
         if count == 1:
             # One row: the payload made in the select list of a join of the two one-row CTEs (no
