@@ -645,7 +645,10 @@ class PgStreamStore:
             if len(self._row_plans) >= 256:  # bounded: writers of a long-lived process come and go
                 self._row_plans.clear()
             plan = self._row_plans[key] = _RowPlan(schema)
-        state = self._register(schema, instance_name)
+        # Registered already, as a rule: found without the lock (one dict read; _register takes it).
+        state = self._writers.get(key)
+        if state is None:
+            state = self._register(schema, instance_name)
         conn = getattr(self._side, "conn", None)
         if conn is None or conn.closed:
             conn = self._side.conn = self.database.connect(autocommit=True)
@@ -663,9 +666,6 @@ class PgStreamStore:
                 values = tuple(repr(v) if k in doubles and v is not None else v for k, v in enumerate(values))
         now_ms = self._now_ms()
         lock = self._lock
-        with lock:
-            self._next_txn += 1
-            txn_id = self._next_txn
         inflight = state.inflight
         try:
             with conn.cursor() as cursor:
@@ -675,7 +675,9 @@ class PgStreamStore:
                     execute = plan.statements.claiming(1, state.writer_id, instance_name, cursor)
                     head = execute[: execute.index(" (") + 2]
                     plan.prepared = (conn, state.writer_id, execute, head)
-                # Allocation and registration as in flight under the lock, as in _append_small.
+                # The cap and the allocation under the lock, as in _append_small. The statement has
+                # committed (autocommit) when its answer comes, still under the lock: no other thread
+                # of this writer can see it in flight, so it is not registered as such.
                 with lock:
                     cap = min(inflight.values()) - 1 if inflight else MAX_TOKEN  # this one is not in yet
                     if text is not None:
@@ -692,7 +694,6 @@ class PgStreamStore:
                             raise Fenced(instance_name) from None
                         raise
                     first_token, first_ts, _ = cursor.fetchone()
-                    inflight.setdefault(txn_id, first_token)
                     _remember(state, first_token, 1, first_ts, 1, now_ms)
             # The statement moved the writer's position and notified the master with its
             # commit: a report of the same position need not notify again (report_positions).
@@ -706,9 +707,6 @@ class PgStreamStore:
         except psycopg2.Error as e:
             self._side_failed(conn, e)
             raise
-        finally:
-            with lock:
-                inflight.pop(txn_id, None)
 
     @contextlib.contextmanager
     def writing(self, stream: str, instance_name: str) -> Iterator[WriteTransaction]:
