@@ -42,11 +42,19 @@ import psycopg2.extensions
 
 from storage import time_index
 from storage.contracts import CommittedRows, JsonRow, Row, StoredRow
-from storage.limits import DEFAULT_MAX_LINE_BYTES, RowChecker, check_batch_rows, check_rows, max_row_json_bytes
+from storage.limits import (
+    DEFAULT_MAX_LINE_BYTES,
+    RowChecker,
+    check_batch_rows,
+    check_rows,
+    max_row_json_bytes,
+    rdata_overhead,
+)
 from storage.pg_columns_out import read_lines
 from storage.pg_copy import _COPY_FORMATS, NULL_COPY, _copy_text, chunk_formatter, formatter, lines_need_escapes
 from storage.pg_db import Cursor, PgDatabase, execute_literals, prepared, rollback_explicit
-from storage.pg_lines import value_json_sql
+from storage.pg_lines import row_json_sql
+from storage.pg_row_literals import row_literals
 from storage.schema import COLUMN_TYPES, INT64_MAX, RowError, StreamSchema, check_instance_name
 from storage.store import FIRST_VALUE, CommitUnknown, DatabaseUnavailable, StreamCatalog, error_line
 from storage.urls import redact_url
@@ -658,43 +666,55 @@ class PgStreamStore:
             if len(self._row_plans) >= 256:  # bounded: writers of a long-lived process come and go
                 self._row_plans.clear()
             plan = self._row_plans[key] = _RowPlan(schema)
-        state = self._register(schema, instance_name)
-        values = plan.checker.one(row, self.max_line_bytes)
-        doubles = plan.doubles
-        if doubles:  # as in WriteTransaction._append_small: a double as its shortest exact text
-            values = tuple(repr(v) if k in doubles and v is not None else v for k, v in enumerate(values))
-        now_ms = self._now_ms()
+        # Registered already, as a rule: found without the lock (one dict read; _register takes it).
+        state = self._writers.get(key)
+        if state is None:
+            state = self._register(schema, instance_name)
         conn = getattr(self._side, "conn", None)
         if conn is None or conn.closed:
             conn = self._side.conn = self.database.connect(autocommit=True)
+        # A row of exactly typed values: checked and written as literals in one pass (the same
+        # text execute_literals makes of it); anything else the careful way, which names the fault.
+        literals = plan.literals
+        if literals is not None and conn.get_parameter_status("standard_conforming_strings") == "on":
+            text = literals(row, self.max_line_bytes)
+        else:
+            text = None
+        if text is None:
+            values = plan.checker.one(row, self.max_line_bytes)
+            doubles = plan.doubles
+            if doubles:  # as in WriteTransaction._append_small: a double as its shortest exact text
+                values = tuple(repr(v) if k in doubles and v is not None else v for k, v in enumerate(values))
+        now_ms = self._now_ms()
         lock = self._lock
-        with lock:
-            self._next_txn += 1
-            txn_id = self._next_txn
         inflight = state.inflight
         try:
             with conn.cursor() as cursor:
                 # One tuple, read and replaced whole: threads with connections of their own share the plan.
-                prepared_on, writer_id, execute = plan.prepared
+                prepared_on, writer_id, execute, head = plan.prepared
                 if prepared_on is not conn or writer_id != state.writer_id:
                     execute = plan.statements.claiming(1, state.writer_id, instance_name, cursor)
-                    plan.prepared = (conn, state.writer_id, execute)
-                # Allocation and registration as in flight under the lock, as in _append_small.
+                    head = execute[: execute.index(" (") + 2]
+                    plan.prepared = (conn, state.writer_id, execute, head)
+                # The cap and the allocation under the lock, as in _append_small. The statement has
+                # committed (autocommit) when its answer comes, still under the lock: no other thread
+                # of this writer can see it in flight, so it is not registered as such.
                 with lock:
                     cap = min(inflight.values()) - 1 if inflight else MAX_TOKEN  # this one is not in yet
-                    params = [now_ms, state.epoch, cap, *values]
-                    text = execute_literals(cursor, execute, params)
+                    if text is not None:
+                        statement = f"{head}{now_ms}, {state.epoch}, {cap}, {text})"
+                        params = None
+                    else:
+                        params = [now_ms, state.epoch, cap, *values]
+                        literal = execute_literals(cursor, execute, params)
+                        statement, params = (execute, params) if literal is None else (literal, None)
                     try:
-                        if text is not None:
-                            cursor.execute(text, None)
-                        else:
-                            cursor.execute(execute, params)
+                        cursor.execute(statement, params)
                     except psycopg2.Error as e:
                         if e.pgcode == FENCED_CODE:
                             raise Fenced(instance_name) from None
                         raise
                     first_token, first_ts, _ = cursor.fetchone()
-                    inflight.setdefault(txn_id, first_token)
                     _remember(state, first_token, 1, first_ts, 1, now_ms)
             # The statement moved the writer's position and notified the master with its
             # commit: a report of the same position need not notify again (report_positions).
@@ -708,9 +728,6 @@ class PgStreamStore:
         except psycopg2.Error as e:
             self._side_failed(conn, e, commits=True)  # the statement commits on its own
             raise
-        finally:
-            with lock:
-                inflight.pop(txn_id, None)
 
     @contextlib.contextmanager
     def writing(self, stream: str, instance_name: str) -> Iterator[WriteTransaction]:
@@ -1305,24 +1322,41 @@ class _Statements:
         stream, name = _literal(schema.name), _literal(instance)
         # The notification carries the rows and the claim, so the master can send them without
         # reading them back (CommittedRows); the stream's name alone when that would not fit in
-        # a NOTIFY. One row needs no aggregate (and no sort): the same text, one plan node fewer.
-        row_json = " || ',' || ".join(value_json_sql(c.name, c.type) for c in schema.columns)
-        line = "E'\\n' || ins.token::text || E'\\t' || ins.ts::text || E'\\t' || ins.j"
-        lines, group = (line, "") if count == 1 else (f"string_agg({line}, '' ORDER BY ins.token)", " GROUP BY a.claim")
-        payload = (
-            f"COALESCE((SELECT CASE WHEN octet_length(p) <= {MAX_PAYLOAD_BYTES} THEN p END FROM "
-            f"(SELECT '{ROWS_PAYLOAD}' || E'\\t' || {stream} || E'\\t' || COALESCE(a.claim, -1)::text "
-            f"|| E'\\t' || {name} || {lines} AS p FROM ins, a{group}) AS pl), {stream})"
-        )
-        return (
+        # a NOTIFY. The row's JSON is the master's reads' own SQL (row_json_sql: one call for
+        # an all-text row, not one per value). Constant parts of the payload are one literal.
+        row_json = row_json_sql(schema, False, schema.table)
+        head = _literal(f"{ROWS_PAYLOAD}\t{schema.name}\t")
+        claim = "COALESCE(a.claim, -1)::text"
+        tab_name, tab_name_newline = _literal("\t" + instance), _literal("\t" + instance + "\n")
+        line = "ins.token::text || E'\\t' || ins.ts::text || E'\\t' || ins.j"
+        allocate = (
             f"WITH a AS (SELECT first_token, first_ts, claim FROM {APPEND_FUNCTION}({_literal(_seq(schema))}::regclass, "
             f"{count}, {count}, %s::bigint, {stream}, {_literal(writer_id)}, %s::bigint, %s::bigint)), "
             f"ins AS (INSERT INTO {schema.table} ({names}) "
-            f"SELECT a.first_ts + v._i - 1, a.first_token + v._i - 1, {name}, a.first_ts + v._i - 1, {aliases} "
-            f"FROM a, (VALUES {rows}) AS v(_i, {', '.join(schema.column_names)}) "
-            f"RETURNING token, ts, '[' || {row_json} || ']' AS j) "
-            f"SELECT a.first_token, a.first_ts, pg_notify({_literal(CHANNEL)}, {payload}) FROM a"
+            + (
+                # One row: its values in the select list (no VALUES scan, no join to start per append).
+                f"SELECT a.first_ts, a.first_token, {name}, a.first_ts, {casts} FROM a "
+                if count == 1
+                else f"SELECT a.first_ts + v._i - 1, a.first_token + v._i - 1, {name}, a.first_ts + v._i - 1, "
+                f"{aliases} FROM a, (VALUES {rows}) AS v(_i, {', '.join(schema.column_names)}) "
+            )
+            + f"RETURNING token, ts, {row_json} AS j) "
         )
+        if count == 1:
+            # One row: the payload made in the select list of a join of the two one-row CTEs (no
+            # aggregate, no sort, no subplan to start per append); it is never NULL.
+            return allocate + (
+                f"SELECT pl.first_token, pl.first_ts, pg_notify({_literal(CHANNEL)}, "
+                f"CASE WHEN octet_length(pl.p) <= {MAX_PAYLOAD_BYTES} THEN pl.p ELSE {stream} END) "
+                f"FROM (SELECT a.first_token, a.first_ts, {head} || {claim} || {tab_name_newline} || {line} AS p "
+                "FROM a, ins) AS pl"
+            )
+        payload = (
+            f"COALESCE((SELECT CASE WHEN octet_length(p) <= {MAX_PAYLOAD_BYTES} THEN p END FROM "
+            f"(SELECT {head} || {claim} || {tab_name} || string_agg(E'\\n' || {line}, '' ORDER BY ins.token) AS p "
+            f"FROM ins, a GROUP BY a.claim) AS pl), {stream})"
+        )
+        return allocate + f"SELECT a.first_token, a.first_ts, pg_notify({_literal(CHANNEL)}, {payload}) FROM a"
 
     def _casts(self) -> str:
         # (%s)::type: the value as a literal in parentheses, so that -9223372036854775808 is one
@@ -1524,15 +1558,17 @@ def _remember(
 class _RowPlan:
     """What a writer's single-row appends to one stream look up once (PgStreamStore._append_row)."""
 
-    __slots__ = ("checker", "doubles", "prepared", "schema", "statements")
+    __slots__ = ("checker", "doubles", "literals", "prepared", "schema", "statements")
 
     def __init__(self, schema: StreamSchema) -> None:
         self.schema = schema
         self.checker = RowChecker(schema)
+        self.literals = row_literals(schema, rdata_overhead(schema.name))
         self.statements = _statements(schema)
         self.doubles = self.statements.doubles
-        # (connection, writer id, the statement's EXECUTE text prepared on that connection).
-        self.prepared: tuple[Any, str, str] = (None, "", "")
+        # (connection, writer id, the statement's EXECUTE text prepared on that connection, that
+        # text up to its parameters: "EXECUTE tickline_N (").
+        self.prepared: tuple[Any, str, str, str] = (None, "", "", "")
 
 
 PREPARED_ROWS = 8  # appends of up to this many rows use prepared statements
