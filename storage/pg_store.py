@@ -712,6 +712,10 @@ class PgStreamStore:
                 txn = WriteTransaction(self, schema, instance_name, state, txn_id, Cursor(raw), explicit=True)
                 yield txn
                 txn.commit()
+            # The commit moved the writer's position and notified the master: a report of the
+            # same position need not notify again (report_positions), as after a small append.
+            if txn.position_written is not None:
+                state.reported = txn.position_written
         except psycopg2.OperationalError as e:
             self._writes.conn = None
             try:
@@ -1150,6 +1154,8 @@ class WriteTransaction:
         try:
             self._copy(source, sql)
             self._committed = self._alone
+            if self._alone:
+                self.position_written = finish[0]
         except RowError:
             # The COPY had started: the call took the proposal. Those tokens and timestamps are
             # skipped with the rollback; the next proposal starts after them.
@@ -1205,6 +1211,7 @@ class WriteTransaction:
             if e.pgcode == FENCED_CODE:
                 raise Fenced(self._instance) from None
             raise
+        self.position_written = position
 
 
 class _Statements:
