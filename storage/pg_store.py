@@ -175,11 +175,14 @@ ALTER TABLE tickline_tso ENABLE ALWAYS TRIGGER {FLOOR_TRIGGER}
 # A large append's allocation when the writer can tell what it will be (``WriteTransaction._append_copy_proposed``):
 # the tokens and timestamps it proposes are taken if they are exactly the next tokens of the
 # stream's sequence and timestamps the oracle may hand out now (at least ``max(last + 1, now_ms
-# << 18, floor)``, at most ``max(last + 1, (now_ms << 18) + PROPOSAL_LEAD)``: the current
+# << 18)``, above the floor, at most ``max(last + 1, (now_ms << 18) + PROPOSAL_LEAD)``: the current
 # millisecond with its counter lifted by at most PROPOSAL_LEAD); else nothing is taken and the
 # call raises PROPOSAL_CODE. Under the oracle's lock, as ``ORACLE_FUNCTION``, tokens first.
-# The rows' COPY can then travel with it (and with BEGIN) in one round trip.
-PROPOSAL_FUNCTION = "tickline_allocate_as_v1"  # written as ORACLE_FUNCTION is: simple expressions
+# The rows' COPY can then travel with it (and with BEGIN) in one round trip. v2 does not read the
+# floor (v1 did, a query per call): as for ORACLE_FUNCTION, the floor's trigger keeps the sequence
+# at or above it, so ``last + 1`` is above the floor already. v1 stays for processes of earlier
+# versions (which also read the floor themselves).
+PROPOSAL_FUNCTION = "tickline_allocate_as_v2"  # written as ORACLE_FUNCTION is: simple expressions
 PROPOSAL_CODE = "TK002"
 PROPOSAL_LEAD = 1 << 17
 _PROPOSAL_SQL = f"""
@@ -200,7 +203,7 @@ BEGIN
     IF last IS NULL THEN
         SELECT last_value - 1 INTO last FROM {ORACLE_SEQUENCE};
     END IF;
-    IF want_ts < GREATEST(last + 1, now_ms << 18, (SELECT last_ts + 1 FROM tickline_tso WHERE id = 1))
+    IF want_ts < GREATEST(last + 1, now_ms << 18)
             OR want_ts > GREATEST(last + 1, (now_ms << 18) + {PROPOSAL_LEAD}) THEN
         IF pg_advisory_unlock({ORACLE_LOCK}) IS NOT NULL THEN  -- always: unlocked, then raise
             RAISE EXCEPTION 'the proposed timestamps are not the oracle''s' USING ERRCODE = '{PROPOSAL_CODE}';
