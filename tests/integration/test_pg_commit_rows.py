@@ -7,6 +7,7 @@ by a pass once it commits), so order and exactly-once hold.
 
 from __future__ import annotations
 
+import functools
 import select
 import time
 
@@ -201,7 +202,7 @@ def test_a_report_after_a_bulk_append_does_not_notify_again(store, pg_url) -> No
                 with quiet.writing("events", "w1") as txn:
                     tokens = txn.append(rows) + txn.append(rows)  # the position moves with the COMMIT
             plain: set[str] = set()
-            wait_for(lambda plain=plain: notified(plain), 10, f"the {write} append's notification")
+            wait_for(functools.partial(notified, plain), 10, f"the {write} append's notification")
             assert plain == {"events"}
             assert quiet.safe_positions()["events"] == tokens[-1]
             quiet.report_positions()  # the same position: nothing to tell
