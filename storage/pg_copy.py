@@ -263,3 +263,22 @@ def lines_need_escapes(text: str, lines: int, columns: int, backslashes: int) ->
         or text.count("\n") != lines - 1
         or text.count("\\") != backslashes
     )
+
+
+# What a value must not hold in the quick COPY text: each is a separator, an escape's start, or
+# (carriage return, NUL) something COPY or the stream refuses. In UTF-8 none of these bytes is part
+# of another character, so the encoded text has them exactly where the characters are.
+_SPECIAL_BYTES = b"\t\n\\\r\x00"
+
+
+def data_needs_escapes(data: bytes, separators: int, backslashes: int) -> bool:
+    """Whether encoded ``COPY`` lines hold a special byte a value put there.
+
+    ``separators``: the tabs and newlines the lines hold by themselves (per
+    line, one fewer tab than columns and a newline); ``backslashes``: the
+    backslashes they hold by themselves (one per NULL, those of the instance
+    name). Those are always there, so any more special bytes came from a
+    value. One pass in C (``bytes.translate`` deleting them): about half the
+    CPU of :func:`lines_need_escapes`' three counts.
+    """
+    return len(data) - len(data.translate(None, _SPECIAL_BYTES)) != separators + backslashes

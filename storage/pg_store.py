@@ -51,7 +51,7 @@ from storage.limits import (
     rdata_overhead,
 )
 from storage.pg_columns_out import read_lines
-from storage.pg_copy import _COPY_FORMATS, NULL_COPY, _copy_text, chunk_formatter, formatter, lines_need_escapes
+from storage.pg_copy import _COPY_FORMATS, NULL_COPY, _copy_text, chunk_formatter, data_needs_escapes, formatter
 from storage.pg_db import Cursor, PgDatabase, execute_literals, prepared, rollback_explicit
 from storage.pg_lines import row_json_sql
 from storage.pg_row_literals import row_literals
@@ -186,11 +186,14 @@ ALTER TABLE tickline_tso ENABLE ALWAYS TRIGGER {FLOOR_TRIGGER}
 # A large append's allocation when the writer can tell what it will be (``WriteTransaction._append_copy_proposed``):
 # the tokens and timestamps it proposes are taken if they are exactly the next tokens of the
 # stream's sequence and timestamps the oracle may hand out now (at least ``max(last + 1, now_ms
-# << 18, floor)``, at most ``max(last + 1, (now_ms << 18) + PROPOSAL_LEAD)``: the current
+# << 18)``, above the floor, at most ``max(last + 1, (now_ms << 18) + PROPOSAL_LEAD)``: the current
 # millisecond with its counter lifted by at most PROPOSAL_LEAD); else nothing is taken and the
 # call raises PROPOSAL_CODE. Under the oracle's lock, as ``ORACLE_FUNCTION``, tokens first.
-# The rows' COPY can then travel with it (and with BEGIN) in one round trip.
-PROPOSAL_FUNCTION = "tickline_allocate_as_v1"  # written as ORACLE_FUNCTION is: simple expressions
+# The rows' COPY can then travel with it (and with BEGIN) in one round trip. v2 does not read the
+# floor (v1 did, a query per call): as for ORACLE_FUNCTION, the floor's trigger keeps the sequence
+# at or above it, so ``last + 1`` is above the floor already. v1 stays for processes of earlier
+# versions (which also read the floor themselves).
+PROPOSAL_FUNCTION = "tickline_allocate_as_v2"  # written as ORACLE_FUNCTION is: simple expressions
 PROPOSAL_CODE = "TK002"
 PROPOSAL_LEAD = 1 << 17
 _PROPOSAL_SQL = f"""
@@ -211,7 +214,7 @@ BEGIN
     IF last IS NULL THEN
         SELECT last_value - 1 INTO last FROM {ORACLE_SEQUENCE};
     END IF;
-    IF want_ts < GREATEST(last + 1, now_ms << 18, (SELECT last_ts + 1 FROM tickline_tso WHERE id = 1))
+    IF want_ts < GREATEST(last + 1, now_ms << 18)
             OR want_ts > GREATEST(last + 1, (now_ms << 18) + {PROPOSAL_LEAD}) THEN
         IF pg_advisory_unlock({ORACLE_LOCK}) IS NOT NULL THEN  -- always: unlocked, then raise
             RAISE EXCEPTION 'the proposed timestamps are not the oracle''s' USING ERRCODE = '{PROPOSAL_CODE}';
@@ -751,6 +754,10 @@ class PgStreamStore:
                 txn = WriteTransaction(self, schema, instance_name, state, txn_id, Cursor(raw), explicit=True)
                 yield txn
                 txn.commit()
+            # The commit moved the writer's position and notified the master: a report of the
+            # same position need not notify again (report_positions), as after a small append.
+            if txn.position_written is not None:
+                state.reported = txn.position_written
         except psycopg2.OperationalError as e:
             self._writes.conn = None
             try:
@@ -1205,6 +1212,8 @@ class WriteTransaction:
         try:
             self._copy(source, sql)
             self._committed = self._alone
+            if self._alone:
+                self.position_written = finish[0]
         except RowError:
             # The COPY had started: the call took the proposal. Those tokens and timestamps are
             # skipped with the rollback; the next proposal starts after them.
@@ -1261,6 +1270,7 @@ class WriteTransaction:
             if e.pgcode == FENCED_CODE:
                 raise Fenced(self._instance) from None
             raise
+        self.position_written = position
 
 
 class _Statements:
@@ -1406,16 +1416,23 @@ class _Statements:
         name = _copy_text(instance)
         lines, nulls = (None, 0) if self._chunk is None else self._chunk(rows, first_ts, first_token, step, name)
         if lines is not None and lines:
-            text = "\n".join(lines)
             room = None if max_line_bytes is None else max_row_json_bytes(self.schema.name, max_line_bytes)
-            width = 4 + len(self.schema.columns)
-            if not lines_need_escapes(text, len(lines), width, nulls + len(lines) * name.count("\\")) and (
-                room is None or 6 * max(map(len, lines)) + self._fixed_json_bytes <= room
+            text = "\n".join(lines)
+            # The whole piece's length bounds its longest line: usually enough, without a pass per line.
+            if (
+                room is None
+                or 6 * len(text) + self._fixed_json_bytes <= room
+                or 6 * max(map(len, lines)) + self._fixed_json_bytes <= room
             ):
                 try:
-                    return (text + "\n").encode()
+                    data = (text + "\n").encode()
                 except UnicodeEncodeError:  # a lone surrogate: named by the careful way
-                    pass
+                    data = None
+                # Checked on the encoded bytes, which are sent anyway: one pass instead of three.
+                if data is not None and not data_needs_escapes(
+                    data, len(lines) * (4 + len(self.schema.columns)), nulls + len(lines) * name.count("\\")
+                ):
+                    return data
         columns = self.columns_text(rows, max_line_bytes)
         return self.copy_text(columns, instance, first_token, step, first_ts).encode()
 

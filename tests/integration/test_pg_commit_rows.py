@@ -7,6 +7,7 @@ by a pass once it commits), so order and exactly-once hold.
 
 from __future__ import annotations
 
+import functools
 import select
 import time
 
@@ -178,4 +179,35 @@ def test_a_report_of_the_position_an_append_notified_does_not_notify_again(store
     finally:
         quiet.close()
         other.close()
+        notifier.close()
+
+
+def test_a_report_after_a_bulk_append_does_not_notify_again(store, pg_url) -> None:
+    """A ``COPY`` append's commit moved the position and notified (the stream's name): a report of
+    that position tells nothing new, alone in its transaction or in one of several appends."""
+    quiet = open_store(pg_url, report_interval=3600)
+    assert isinstance(quiet, PgStreamStore)
+    notifier = store.notifier()
+    rows = [[f"$e{n}", "!r", "m.room.message", None, None] for n in range(1000)]
+    try:
+
+        def notified(plain: set[str]) -> bool:
+            plain.update(notifier.drain_committed()[0])
+            return bool(plain)
+
+        for write in ("alone", "in a transaction"):
+            if write == "alone":
+                tokens = quiet.append("events", rows, "w1")
+            else:
+                with quiet.writing("events", "w1") as txn:
+                    tokens = txn.append(rows) + txn.append(rows)  # the position moves with the COMMIT
+            plain: set[str] = set()
+            wait_for(functools.partial(notified, plain), 10, f"the {write} append's notification")
+            assert plain == {"events"}
+            assert quiet.safe_positions()["events"] == tokens[-1]
+            quiet.report_positions()  # the same position: nothing to tell
+            select.select([notifier.fileno()], [], [], 0.2)
+            assert notifier.drain_committed() == (set(), []), write
+    finally:
+        quiet.close()
         notifier.close()

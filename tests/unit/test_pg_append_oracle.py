@@ -64,6 +64,28 @@ def test_the_floor_moved_by_an_operator_is_respected_by_the_next_append(store, p
     assert store.allocate_timestamps(1)[0] > stamps[-1]
 
 
+def test_a_large_append_s_proposal_below_a_new_floor_is_refused(store, pg_url) -> None:
+    """The proposal's function does not read the floor either: a floor raised between two large
+    appends lifts the sequence, so the writer's proposal (below it) is refused, and the rows are
+    stamped above the floor by the usual allocation; later proposals are taken again."""
+    rows = [ROW] * 150
+    store.append("events", rows, "w")
+    store.append("events", rows, "w")
+    (state,) = store._writers.values()
+    assert state.propose  # alone: the second append's proposal was taken
+    floor = _far_floor()
+    query(pg_url, "UPDATE tickline_tso SET last_ts = %s WHERE id = 1", (floor,))
+    store.append("events", rows, "w")
+    assert not state.propose  # refused, allocated as usual
+    store.append("events", rows, "w")
+    assert state.propose  # the usual allocation gave what a proposal would have: propose again
+    store.append("events", rows, "w")
+    assert state.propose  # proposed above the floor, and taken
+    stamps = _stored_ts(store)
+    assert max(stamps[:300]) < floor < min(stamps[300:])
+    assert stamps == sorted(stamps) and len(set(stamps)) == len(stamps) == 750
+
+
 def test_a_floor_rolled_back_still_leaves_the_oracle_above_what_it_handed_out(store, pg_url) -> None:
     """setval is not transactional: the sequence stays lifted (timestamps skipped, never repeated)."""
     before = store.allocate_timestamps(1)[0]

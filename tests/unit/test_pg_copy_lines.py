@@ -5,10 +5,12 @@ refused by name with nothing stored."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from storage.contracts import Row
 from storage.limits import DEFAULT_MAX_LINE_BYTES
-from storage.pg_copy import chunk_formatter, lines_need_escapes
+from storage.pg_copy import chunk_formatter, data_needs_escapes, lines_need_escapes
 from storage.pg_store import _statements
 from storage.schema import Column, RowError, StreamSchema
 from storage.store import open_store
@@ -88,6 +90,44 @@ def test_a_bad_row_is_named(bad: object, reason: str) -> None:
         quick(MIXED, rows)
     assert e.value.index == 2 * len(GOOD) and reason in str(e.value), e.value
     assert str(e.value).startswith(f"row {2 * len(GOOD) + 1}: ")
+
+
+# Text with every character a COPY line treats specially (and NUL, which the careful path refuses).
+_TEXT = st.lists(st.sampled_from(["a", "é", "☃", "\t", "\n", "\\", "\r", "\x00", "N", "\\N"]), max_size=6).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(_TEXT, st.none() | st.integers(-(2**63), 2**63 - 1), st.none(), st.booleans(), _TEXT | st.none()),
+        min_size=1,
+        max_size=6,
+    ),
+    instance=st.sampled_from(["w", "in\\st", "a\\\\b"]),
+    step=st.sampled_from([0, 1]),
+)
+def test_the_quick_path_is_the_careful_one_for_any_text(rows: list, instance: str, step: int) -> None:
+    """The one-pass check of the encoded bytes finds what the three counts found: the quick data is
+    the careful path's bytes, and a row the careful path refuses is refused by name."""
+    chunk = chunk_formatter(MIXED)
+    assert chunk is not None
+    lines, nulls = chunk(rows, 1000, 10, step, instance.replace("\\", "\\\\"))
+    assert lines is not None
+    text = "\n".join(lines)
+    backslashes = nulls + len(lines) * instance.replace("\\", "\\\\").count("\\")
+    assert data_needs_escapes((text + "\n").encode(), len(lines) * 9, backslashes) == lines_need_escapes(
+        text, len(lines), 9, backslashes
+    )
+    statements = _statements(MIXED)
+    try:
+        columns = statements.columns_text(rows, DEFAULT_MAX_LINE_BYTES)
+    except RowError as refused:
+        with pytest.raises(RowError) as e:
+            statements.copy_lines(rows, instance, 10, step, 1000, DEFAULT_MAX_LINE_BYTES)
+        assert (e.value.index, e.value.reason) == (refused.index, refused.reason)
+        return
+    expected = statements.copy_text(columns, instance, 10, step, 1000).encode()
+    assert statements.copy_lines(rows, instance, 10, step, 1000, DEFAULT_MAX_LINE_BYTES) == expected
 
 
 def test_ints_for_doubles_and_objects_take_the_careful_path() -> None:
