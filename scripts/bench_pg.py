@@ -74,6 +74,7 @@ from scripts.pg_local import PostgresServer
 from storage.schema import replicated_token_index
 
 TXN_ROWS = 1000
+DONE_TABLE = "bench_done"  # the baseline's "whole write applied" row (Baseline.applied)
 BASE_COLUMNS = "token BIGINT NOT NULL, instance_name TEXT NOT NULL, ts BIGINT NOT NULL, event_id TEXT NOT NULL, "
 BASE_COLUMNS += "room_id TEXT NOT NULL, type TEXT NOT NULL, state_key TEXT, redacts TEXT"
 NAMES = "token, instance_name, ts, event_id, room_id, type, state_key, redacts"
@@ -145,7 +146,8 @@ class Baseline:
         with src.cursor() as cur:
             cur.execute(f"CREATE TABLE events ({BASE_COLUMNS})")
             cur.execute("CREATE INDEX events_token ON events (token)")
-            cur.execute("CREATE PUBLICATION p FOR TABLE events")
+            cur.execute(f"CREATE TABLE {DONE_TABLE} (id INT PRIMARY KEY, token BIGINT NOT NULL)")
+            cur.execute(f"CREATE PUBLICATION p FOR TABLE events, {DONE_TABLE}")
         src.close()
         dst = _connect(self.dst_url)
         with dst.cursor() as cur:
@@ -153,6 +155,7 @@ class Baseline:
             # The replica indexed as tickline's worker indexes its replicated table (the same
             # statement's index clause), so neither side's apply pays for a different index.
             cur.execute(f"CREATE INDEX events_token ON events {replicated_token_index('postgresql')}")
+            cur.execute(f"CREATE TABLE {DONE_TABLE} (id INT PRIMARY KEY, token BIGINT NOT NULL)")
             if applied_trigger:
                 _add_applied_trigger(cur, "events", always=True)
             port = clusters.source.port
@@ -171,7 +174,10 @@ class Baseline:
         return bool(states) and set(states) == {"r"}
 
     def applied(self) -> int:
-        return int(_scalar(self.dst, "SELECT COALESCE(max(token), 0) FROM events"))
+        """The last token of a write once its last transaction is applied (``_baseline_write``'s
+        ``done`` row: a key lookup, as tickline's applied token is; ``max(token)`` of the replica
+        would scan it under its BRIN index), else 0."""
+        return int(_scalar(self.dst, f"SELECT COALESCE(max(token), 0) FROM {DONE_TABLE} WHERE id = 1"))
 
     def enable(self, on: bool) -> None:
         with self.dst.cursor() as cur:
@@ -295,8 +301,12 @@ def _tickline() -> list[str]:
 # -- writers ------------------------------------------------------------------------------
 
 
-def _baseline_write(url: str, rows: int, method: str, first_token: int = 1) -> int:
-    """Insert ``rows`` rows into ``events`` in 1000-row transactions; the last token."""
+def _baseline_write(url: str, rows: int, method: str, first_token: int = 1, done: bool = False) -> int:
+    """Insert ``rows`` rows into ``events`` in 1000-row transactions; the last token.
+
+    ``done``: the last transaction also inserts the last token into ``DONE_TABLE`` (one row,
+    published with ``events``), so the subscriber's side can tell the whole write applied.
+    """
     from psycopg2.extras import execute_values
 
     conn = _connect(url, autocommit=False)
@@ -316,8 +326,10 @@ def _baseline_write(url: str, rows: int, method: str, first_token: int = 1) -> i
                     [(token + i, "base", now + i, *row) for i, row in enumerate(chunk)],
                     page_size=TXN_ROWS,
                 )
-            conn.commit()
             token += len(chunk)
+            if done and start + TXN_ROWS >= rows:
+                cur.execute(f"INSERT INTO {DONE_TABLE} (id, token) VALUES (1, %s)", (token - 1,))
+            conn.commit()
     conn.close()
     return token - 1
 
@@ -347,7 +359,7 @@ def end_to_end_once(clusters: Clusters, workdir: str, rows: int, which: str) -> 
     b = Baseline(clusters)
     try:
         started = time.perf_counter()
-        last = _baseline_write(b.src_url, rows, which)
+        last = _baseline_write(b.src_url, rows, which, done=True)
         _wait(lambda: b.applied() >= last, f"logical replication to apply {rows:,} rows")
         return rows / (time.perf_counter() - started)
     finally:
@@ -374,7 +386,7 @@ def catch_up_once(clusters: Clusters, workdir: str, rows: int, which: str) -> fl
     b = Baseline(clusters)
     try:
         b.enable(False)
-        last = _baseline_write(b.src_url, rows, "copy")
+        last = _baseline_write(b.src_url, rows, "copy", done=True)
         # PostgreSQL 15's launcher starts apply workers at most once per
         # wal_retrieve_retry_interval (5 s): enabled right away, the new
         # subscription's worker would wait out the rest of that since its
