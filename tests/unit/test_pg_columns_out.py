@@ -85,43 +85,20 @@ def _both(store: PgStreamStore, schema: StreamSchema, after: int, upto: int, lim
     with_ts=st.booleans(),
     limit=st.integers(1, 8),
     max_bytes=st.sampled_from([None, 65536, 60, 90]),
-    group=st.sampled_from([pg_columns_out.GROUP_ROWS, 1, 2, 3]),
 )
-def test_lines_from_columns_are_the_servers_lines(
-    store: PgStreamStore, appends, with_ts, limit, max_bytes, group
-) -> None:
-    """``group``: the rows whose lines are made in one go (small ones cut every read into groups)."""
+def test_lines_from_columns_are_the_servers_lines(store: PgStreamStore, appends, with_ts, limit, max_bytes) -> None:
     columns, writes = appends
     schema = StreamSchema(next(_names), columns)
     store.register_stream(schema)
     last = 0
     for rows, instance, batch in writes:
         last = max(store.append(schema.name, rows, instance, batch=batch))
-    default, pg_columns_out.GROUP_ROWS = pg_columns_out.GROUP_ROWS, group
-    try:
-        for after in range(last):
-            server, built, fast = _both(store, schema, after, last, limit, with_ts, max_bytes)
-            assert built == server
-            if fast is not None:  # taken whenever the values allow it: then the same lines (long ones included)
-                assert server is None or fast == server
-                assert (server is None) == (max_bytes is not None and not longest_within(fast[0], max_bytes))
-    finally:
-        pg_columns_out.GROUP_ROWS = default
-
-
-def test_a_control_character_in_a_later_group_falls_back_for_the_whole_read(
-    store: PgStreamStore, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    schema = StreamSchema("groups", TEXTS)
-    store.register_stream(schema)
-    for i in range(7):
-        store.append("groups", [[f"v{i}", None, 'x \\ "y"' if i == 5 else "c"]], "w")
-    store.append("groups", [["a", "\x0b", None]], "w")
-    monkeypatch.setattr(pg_columns_out, "GROUP_ROWS", 3)
-    server, built, fast = _both(store, schema, 0, 7, 100, False, None)
-    assert fast is not None and fast == server == built and fast[1:] == (7, 7)
-    server, built, fast = _both(store, schema, 0, 8, 100, False, None)  # the 8th row, in the third group
-    assert fast is None and built == server is not None and server[1:] == (8, 8)
+    for after in range(last):
+        server, built, fast = _both(store, schema, after, last, limit, with_ts, max_bytes)
+        assert built == server
+        if fast is not None:  # taken whenever the values allow it: then the same lines (long ones included)
+            assert server is None or fast == server
+            assert (server is None) == (max_bytes is not None and not longest_within(fast[0], max_bytes))
 
 
 def test_values_that_json_escapes_as_csv_does_take_the_fast_path(store: PgStreamStore) -> None:
