@@ -95,7 +95,7 @@ class Subscription:
         # REPLICATE <stream> @<unix_ms>: the replay drops rows older than this.
         self.since_ts = since_ts
         self.filled_at = -1  # the position at which it last waited for the window to be filled
-        # Its storage reads asked ahead (Subscriptions.reads_for): made on its first storage read.
+        # Its storage reads asked ahead (Subscriptions._reads_for): made on its first storage read.
         self.reads: ReadAhead[Read] | None = None
 
     @property
