@@ -320,6 +320,11 @@ class Master:
     def instance_name(self) -> str:
         return self.config.instance_name
 
+    @property
+    def parallel_reads(self) -> int:
+        """Storage reads of one stream that run at once (the store's; replays read ahead as many)."""
+        return self.store.parallel_reads
+
     def refresh_heads(self) -> defer.Deferred[None]:
         """Read the highest allocated token of every stream (for :meth:`stats`), off the reactor."""
         d: defer.Deferred[dict[str, int]] = self.db.run(self.store.heads)

@@ -25,6 +25,12 @@ same variants): :meth:`ReadAhead.take`. A read that ended before its range
 starting where nothing will; they are dropped, and the loop reads from where
 it is. Nothing is sent but in token order and from whole reads: the reads
 only change which database thread builds which chunk.
+
+A replay that reads storage (``replication.subscriptions``) reads ahead the
+same way, in chunks of ``catchup_rows``: with depth 1 (SQLite) one chunk
+while the client drains the last, with a larger depth that many ranges at
+once (pgread4: replay-storage-1 on PostgreSQL read one chunk at a time, the
+server idle while the master made a chunk's lines).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from twisted.internet import defer
 
@@ -41,15 +47,23 @@ logger = logging.getLogger(__name__)
 # A pass's first ranges span fanout_rows / FIRST_SPAN_DIVISOR tokens (see ReadAhead.__init__).
 FIRST_SPAN_DIVISOR = 4
 
-Encoded = tuple[dict[bool, bytes], int, int]
-# (stream, after, upto, limit, variants) -> the chunk, read on a database thread.
-ReadChunk = Callable[[str, int, int, int, tuple[bool, ...]], "defer.Deferred[Encoded]"]
+# What a read gives: the live fan-out's encoded variants, or a replay's bytes (replication.window.Read).
+Chunk = TypeVar("Chunk")
 
 
-class ReadAhead:
-    """Reads ahead of one stream's live fan-out, at most ``depth`` at once (see the module doc)."""
+class ReadAhead(Generic[Chunk]):
+    """Reads ahead of one stream's live fan-out or replay, at most ``depth`` at once (see the module doc).
 
-    def __init__(self, read: ReadChunk, stream: str, rows: int, depth: int) -> None:
+    ``read(stream, after, upto, limit, variants)``: the chunk, read on a database thread.
+    """
+
+    def __init__(
+        self,
+        read: Callable[[str, int, int, int, tuple[bool, ...]], defer.Deferred[Chunk]],
+        stream: str,
+        rows: int,
+        depth: int,
+    ) -> None:
         self._read = read
         self._stream = stream
         self._rows = rows
@@ -58,9 +72,17 @@ class ReadAhead:
         # ranges after it take the span the chunks show (chunk_read).
         self._span = max(1, rows // FIRST_SPAN_DIVISOR)
         # (start, end of the range asked, variants, the read)
-        self._reads: deque[tuple[int, int, tuple[bool, ...], defer.Deferred[Encoded]]] = deque()
+        self._reads: deque[tuple[int, int, tuple[bool, ...], defer.Deferred[Chunk]]] = deque()
 
-    def take(self, start: int, variants: tuple[bool, ...]) -> tuple[int, defer.Deferred[Encoded]] | None:
+    @property
+    def depth(self) -> int:
+        return self._depth
+
+    def __len__(self) -> int:
+        """Reads asked and not taken."""
+        return len(self._reads)
+
+    def take(self, start: int, variants: tuple[bool, ...]) -> tuple[int, defer.Deferred[Chunk]] | None:
         """``(end, read)`` of the chunk that starts at ``start``, if one was asked: it reads ``(start, end]``.
 
         None if none was: every read is dropped.

@@ -3,12 +3,15 @@
 A :class:`Subscription` is one stream on one connection. It is in one of two
 states:
 
-- *catching up*: its own cursor reads rows from storage, one chunk at a time
+- *catching up*: its own cursor reads rows from storage in chunks
   (``catchup_rows``), paced by the client: when the write of a chunk pauses
   the connection, the next chunk is read while the client drains it (one
   read ahead, held until the connection resumes), and nothing more is read
-  until then. When the cursor reaches the master's live token the
-  subscription goes *live*.
+  until then. Where the store runs reads beside each other (PostgreSQL's
+  ``parallel_reads``), that many ranges of tokens are read at once, as the
+  live fan-out's reads ahead (``replication.read_ahead``), and written in
+  order. When the cursor reaches the master's live token the subscription
+  goes *live*.
 - *live*: it is in the master's fan-out and receives the same encoded bytes
   as every live connection. When it cannot take them (its connection is
   paused, or it joined at a token the fan-out has passed) it is *lagging*:
@@ -47,6 +50,7 @@ from twisted.internet import defer
 from twisted.python.failure import Failure
 
 from replication.commands import Command, PositionCommand
+from replication.read_ahead import ReadAhead
 from replication.stats import STATS
 from replication.window import Read
 
@@ -57,7 +61,6 @@ class Subscription:
     """One stream on one connection (its state is changed only by :class:`Subscriptions`)."""
 
     __slots__ = (
-        "ahead",
         "announce_live",
         "filled_at",
         "generation",
@@ -65,6 +68,7 @@ class Subscription:
         "lagging",
         "live",
         "reading",
+        "reads",
         "sent_token",
         "since_ts",
         "stream",
@@ -91,8 +95,8 @@ class Subscription:
         # REPLICATE <stream> @<unix_ms>: the replay drops rows older than this.
         self.since_ts = since_ts
         self.filled_at = -1  # the position at which it last waited for the window to be filled
-        # The next storage read, asked while the connection drains the last one: (start, head, read).
-        self.ahead: tuple[int, int, defer.Deferred[Read]] | None = None
+        # Its storage reads asked ahead (Subscriptions._reads_for): made on its first storage read.
+        self.reads: ReadAhead[Read] | None = None
 
     @property
     def state(self) -> str:
@@ -113,6 +117,11 @@ class StreamSource(Protocol):
 
     @property
     def instance_name(self) -> str: ...
+
+    @property
+    def parallel_reads(self) -> int:
+        """Storage reads of one replay that may run at once (the store's ``parallel_reads``)."""
+        ...
 
     def live_token(self, stream: str) -> int:
         """The token up to which rows have been fanned out to live subscriptions."""
@@ -333,40 +342,62 @@ class Subscriptions:
                         return
             sub.reading = True
             generation = sub.generation
-            ahead, sub.ahead = sub.ahead, None
-            if ahead is not None and ahead[0] == sub.sent_token:
-                _start, head, d = ahead  # read while the connection drained the last chunk
-            else:
-                if ahead is not None:
-                    _let_go(ahead[2])
-                d = self._storage_read(sub, head)
+            reads = self._reads_for(sub)
+            variants = (self._with_ts,)
+            read = reads.take(sub.sent_token, variants)  # read while the last chunk was written
+            if read is None:
+                reads.fill(sub.sent_token, head, variants)
+                read = reads.take(sub.sent_token, variants)
+                assert read is not None
+            end, d = read
             d.addCallbacks(
-                self._read, self._read_failed, callbackArgs=(sub, generation, head), errbackArgs=(sub, generation)
+                self._read, self._read_failed, callbackArgs=(sub, generation, end), errbackArgs=(sub, generation)
             )
             return
 
-    def _storage_read(self, sub: Subscription, head: int) -> defer.Deferred[Read]:
-        """The next chunk of a catching-up subscription from storage: ``(sent_token, head]``."""
-        source = self._source
-        if sub.since_ts is not None:
-            return source.read_encoded_since(
-                sub.stream, sub.sent_token, head, self._catchup_rows, self._with_ts, sub.since_ts
-            )
-        return source.read_encoded(sub.stream, sub.sent_token, head, self._catchup_rows, self._with_ts)
+    def _reads_for(self, sub: Subscription) -> ReadAhead[Read]:
+        """The subscription's storage reads ahead (``replication.read_ahead``), made on its first.
 
-    def _read_ahead(self, sub: Subscription) -> None:
-        """After a storage read's chunk paused the connection: read the next one while the client drains it.
-
-        One read ahead at most (its chunk is held until the connection
-        resumes: a paused connection costs at most the write that paused it
-        and this chunk); used by :meth:`_pump` only if the subscription still
-        reads storage from where it starts, else let go.
+        Depth 1 (SQLite, or a replay from a time): the next chunk ``(sent_token,
+        head]`` is read once the last one is in, while the connection writes
+        it or the client drains it. Deeper (PostgreSQL: the store's
+        ``parallel_reads``): ranges of tokens read at once, each on its own
+        database thread and connection, so the server makes the next chunk's
+        columns while the master makes this one's lines.
         """
-        if sub.ahead is not None or not self.paused or self._outlet.closing or sub.live:
+        if sub.reads is None:
+            depth = self._source.parallel_reads if sub.since_ts is None else 1
+
+            def storage_read(
+                stream: str, after: int, upto: int, limit: int, variants: tuple[bool, ...]
+            ) -> defer.Deferred[Read]:
+                if sub.since_ts is not None:
+                    return self._source.read_encoded_since(stream, after, upto, limit, variants[0], sub.since_ts)
+                return self._source.read_encoded(stream, after, upto, limit, variants[0])
+
+            sub.reads = ReadAhead(storage_read, sub.stream, self._catchup_rows, depth)
+        return sub.reads
+
+    def _read_ahead(self, sub: Subscription, after: int, result: Read) -> None:
+        """After a storage read's chunk was written: ask the next ones, up to the reads' depth.
+
+        Depth 1: only while the connection is paused (the client drains the
+        chunk); otherwise :meth:`_pump` asks the next read, after looking in
+        the window. At most ``depth`` chunks are asked or held (a paused
+        connection holds them until it resumes: it costs the master at most
+        the write that paused it and these); used by :meth:`_pump` only if the
+        subscription still reads storage from where they start, else let go
+        (the reads ahead of a replay that reached the window).
+        """
+        reads = sub.reads
+        if reads is None or self._outlet.closing or sub.live:
+            return
+        reads.chunk_read(after, result[1], result[2])
+        if reads.depth == 1 and not self.paused:
             return
         head = self._source.live_token(sub.stream)
         if sub.sent_token < head:
-            sub.ahead = (sub.sent_token, head, self._storage_read(sub, head))
+            reads.fill(sub.sent_token, head, (self._with_ts,))
 
     def _deliver(self, sub: Subscription, result: Read, head: int) -> None:
         data, last_token, count = result
@@ -396,8 +427,9 @@ class Subscriptions:
         sub.reading = False
         if self._outlet.closing:
             return
+        after = sub.sent_token
         self._deliver(sub, result, head)
-        self._read_ahead(sub)
+        self._read_ahead(sub, after, result)
         self._pump(sub)
 
     def _read_failed(self, failure: Failure, sub: Subscription, generation: int) -> None:
@@ -411,11 +443,6 @@ class Subscriptions:
 
 
 def _drop_ahead(sub: Subscription) -> None:
-    """Let the subscription's read ahead go (not used): its answer or failure is ignored."""
-    if sub.ahead is not None:
-        _let_go(sub.ahead[2])
-        sub.ahead = None
-
-
-def _let_go(d: defer.Deferred[Read]) -> None:
-    d.addErrback(lambda f: logger.debug("a catch-up read ahead was not used: %s", f.getErrorMessage()))
+    """Let the subscription's reads ahead go (not used): their answers or failures are ignored."""
+    if sub.reads is not None:
+        sub.reads.drop()
