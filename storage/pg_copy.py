@@ -218,8 +218,8 @@ def chunk_formatter(schema: StreamSchema) -> Callable[..., tuple[list[str] | Non
     that is not exactly typed (a list or tuple of ``str`` / ``int`` in 64
     bits / finite ``float`` / ``bool`` / None where nullable). One generated
     loop, one f-string per row, no call per value. Text values are put in
-    as they are: the caller checks the whole text once
-    (:func:`lines_need_escapes`) and makes the lines the careful way when a
+    as they are: the caller checks the whole data once
+    (:func:`data_needs_escapes`, on the encoded bytes) and makes the lines the careful way when a
     value would need an escape (or holds NUL, or is not valid Unicode).
     """
     if schema.json_columns:

@@ -157,6 +157,17 @@ def prepared(cursor: Any, sql: str) -> str:
     return execute
 
 
+def lost_error(message: str, conn: Any, e: BaseException, commit_sent: bool) -> DatabaseUnavailable:
+    """The error for ``e`` on ``conn`` (call it before closing ``conn``): :class:`CommitUnknown` when
+    a ``COMMIT`` (or a statement that commits on its own) was sent and no answer came (the
+    connection closed, or an error without a SQLSTATE: the server went away); else
+    :class:`DatabaseUnavailable`. An error the server reported (a lock or statement timeout,
+    a full disk) ended the statement: nothing of it committed, and a worker retries it with
+    its backoff, not at once."""
+    gone = bool(conn.closed) or getattr(e, "pgcode", None) is None
+    return CommitUnknown(message) if commit_sent and gone else DatabaseUnavailable(message)
+
+
 class PgDatabase:
     dialect = "postgresql"
     placeholder = "%s"
@@ -204,7 +215,7 @@ class PgDatabase:
                 pass
         self._local = threading.local()
 
-    def _run(self, fn: Callable[[Cursor], Any], isolation: int) -> Any:
+    def _run(self, fn: Callable[[Cursor], Any], isolation: int, writes: bool = False) -> Any:
         conn = self.connection()
         committing = False
         try:
@@ -215,11 +226,11 @@ class PgDatabase:
             conn.commit()
             return result
         except psycopg2.OperationalError as e:
+            # Lost once a write's COMMIT was sent: the transaction may have committed (a worker's
+            # apply must then be settled by applying it again, not retried as if it had not).
+            lost = lost_error(redact_url(f"PostgreSQL at {self.dsn}: {error_line(e)}"), conn, e, writes and committing)
             self.drop_broken(conn)
-            message = redact_url(f"PostgreSQL at {self.dsn}: {error_line(e)}")
-            # Lost once COMMIT was sent: the transaction may have committed (a worker's apply
-            # must then be settled by applying it again, not retried as if it had not).
-            raise (CommitUnknown(message) if committing else DatabaseUnavailable(message)) from None
+            raise lost from None
         except BaseException:
             if not conn.closed:
                 conn.rollback()
@@ -240,7 +251,8 @@ class PgDatabase:
         without ``BEGIN`` and ``COMMIT`` round trips. With ``prepare``, the
         statement is prepared once per connection (see :func:`prepared`).
         ``writes``: the statement writes, so a connection lost once it was
-        sent raises :class:`CommitUnknown` (it commits on its own).
+        sent raises :class:`CommitUnknown` (it commits on its own; see
+        :func:`lost_error`).
         """
         conn = self.autocommit_connection()
         try:
@@ -249,8 +261,9 @@ class PgDatabase:
                 rows: list[Any] = cur.fetchall()
                 return rows
         except psycopg2.OperationalError as e:
-            lost = self.lost_autocommit(conn, e)
-            raise (CommitUnknown(str(lost)) if writes else lost) from None
+            lost = lost_error(redact_url(f"PostgreSQL at {self.dsn}: {error_line(e)}"), conn, e, writes)
+            self.lost_autocommit(conn, e)
+            raise lost from None
 
     def autocommit_connection(self) -> Any:
         """This thread's autocommit connection (:meth:`query`'s; created on first use)."""
@@ -269,7 +282,7 @@ class PgDatabase:
         return DatabaseUnavailable(redact_url(f"PostgreSQL at {self.dsn}: {error_line(e)}"))
 
     def write(self, fn: Callable[[Cursor], Any]) -> Any:
-        return self._run(fn, psycopg2.extensions.ISOLATION_LEVEL_READ_COMMITTED)
+        return self._run(fn, psycopg2.extensions.ISOLATION_LEVEL_READ_COMMITTED, writes=True)
 
     def read(self, fn: Callable[[Cursor], Any]) -> Any:
         return self._run(fn, psycopg2.extensions.ISOLATION_LEVEL_REPEATABLE_READ)

@@ -52,11 +52,11 @@ from storage.limits import (
 )
 from storage.pg_columns_out import read_lines
 from storage.pg_copy import _COPY_FORMATS, NULL_COPY, _copy_text, chunk_formatter, data_needs_escapes, formatter
-from storage.pg_db import Cursor, PgDatabase, execute_literals, prepared, rollback_explicit
+from storage.pg_db import Cursor, PgDatabase, execute_literals, lost_error, prepared, rollback_explicit
 from storage.pg_lines import row_json_sql
 from storage.pg_row_literals import row_literals
 from storage.schema import COLUMN_TYPES, INT64_MAX, RowError, StreamSchema, check_instance_name
-from storage.store import FIRST_VALUE, CommitUnknown, DatabaseUnavailable, StreamCatalog, error_line
+from storage.store import FIRST_VALUE, DatabaseUnavailable, StreamCatalog, error_line
 from storage.urls import redact_url
 
 if TYPE_CHECKING:
@@ -243,6 +243,9 @@ EPOCH_BASE = 1 << 40
 
 
 def _create_writer_epochs(cur: Cursor) -> None:
+    # Under the oracle's lock, as the oracle's own objects: IF NOT EXISTS alone does not keep two
+    # processes opening a new database at once from both creating it (a unique violation).
+    cur.execute("SELECT pg_advisory_xact_lock(%s)", (ORACLE_LOCK,))
     cur.execute(f"CREATE SEQUENCE IF NOT EXISTS {WRITER_EPOCHS} MINVALUE {EPOCH_BASE} START {EPOCH_BASE}")
 
 
@@ -521,9 +524,11 @@ class PgStreamStore:
         been sent: ``commits``); otherwise the session may hold the oracle's lock, which is released
         (the caller raises ``error`` again)."""
         if isinstance(error, psycopg2.OperationalError):
+            lost = lost_error(
+                redact_url(f"PostgreSQL at {self.database.dsn}: {error_line(error)}"), conn, error, commits
+            )
             self._drop_side(conn)
-            message = redact_url(f"PostgreSQL at {self.database.dsn}: {error_line(error)}")
-            raise (CommitUnknown(message) if commits else DatabaseUnavailable(message)) from None
+            raise lost from None
         _release_oracle_lock(conn)
 
     def _drop_side(self, conn: Any) -> None:
@@ -759,16 +764,16 @@ class PgStreamStore:
             if txn.position_written is not None:
                 state.reported = txn.position_written
         except psycopg2.OperationalError as e:
+            # Lost once a COMMIT was sent: the rows may be in (a caller that writes them again
+            # would repeat them), which the error must not hide.
+            message = redact_url(f"PostgreSQL at {self.database.dsn}: {error_line(e)}")
+            lost = lost_error(message, conn, e, txn is not None and txn.commit_sent)
             self._writes.conn = None
             try:
                 conn.close()
             except psycopg2.Error:
                 pass
-            message = redact_url(f"PostgreSQL at {self.database.dsn}: {error_line(e)}")
-            # Lost once a COMMIT was sent: the rows may be in (a caller that writes them again
-            # would repeat them), which the error must not hide.
-            lost = CommitUnknown if txn is not None and txn.commit_sent else DatabaseUnavailable
-            raise lost(message) from None
+            raise lost from None
         except Fenced:
             rollback_explicit(conn)
             with self._lock:
@@ -830,13 +835,18 @@ class PgStreamStore:
             writers = list(self._writers.items())
             self._writers.clear()
         for (stream, _instance), state in writers:
-            with self._side_cursor() as cur:
-                # Its epoch came from WRITER_EPOCHS: the row can go (a late statement of it is fenced).
-                cur.execute(
-                    "DELETE FROM tickline_writers WHERE stream = %s AND instance_name = %s AND epoch = %s",
-                    (stream, state.writer_id, state.epoch),
-                )
-                cur.execute("SELECT pg_notify(%s, %s)", (CHANNEL, stream))
+            try:
+                with self._side_cursor() as cur:
+                    # Its epoch came from WRITER_EPOCHS: the row can go (a late statement of it is fenced).
+                    cur.execute(
+                        "DELETE FROM tickline_writers WHERE stream = %s AND instance_name = %s AND epoch = %s",
+                        (stream, state.writer_id, state.epoch),
+                    )
+                    cur.execute("SELECT pg_notify(%s, %s)", (CHANNEL, stream))
+            except DatabaseUnavailable as e:
+                # Best effort: the master drops a silent writer after writer_timeout, as after a
+                # crash; an error here must not hide the caller's own (a write that may have committed).
+                logger.warning("writer %s of stream %s not retired: %s", state.writer_id, stream, e)
 
     def close(self) -> None:
         self.retire_writers()
@@ -847,8 +857,9 @@ class PgStreamStore:
     def safe_positions(self, expire_writers: bool = True) -> dict[str, int]:
         """Per stream, the token up to which every row has committed.
 
-        With ``expire_writers``, first marks writers silent for longer than
-        ``writer_timeout`` as dead.
+        With ``expire_writers``, first drops writers silent for longer than
+        ``writer_timeout``: their rows deleted (epochs from ``WRITER_EPOCHS``)
+        or, rows of earlier versions, marked dead.
         """
         timeout_ms = int(self.writer_timeout * 1000)
         known = self._catalog.known()
@@ -1227,6 +1238,7 @@ class WriteTransaction:
                 raise
             self._cur.execute("ROLLBACK")
             self._begun = False
+            self.commit_sent = False  # the proposal was refused before its COMMIT: nothing committed
             with store._lock:
                 state.propose = False
                 self._state.inflight.pop(self._id, None)

@@ -26,10 +26,10 @@ from storage.pg_copy import (
     lines_need_escapes,
     received_chunk_formatter,
 )
-from storage.pg_db import Cursor, PgDatabase, prepared, rollback_explicit, sql_literals
+from storage.pg_db import Cursor, PgDatabase, lost_error, prepared, rollback_explicit, sql_literals
 from storage.pg_wake import close_quietly, lost_connection, open_nonblocking, poll_word
 from storage.schema import COLUMN_TYPES, INT64_MAX, INT64_MIN, StreamSchema
-from storage.store import ApplyRefused, CommitUnknown, DatabaseUnavailable, StaleApply, error_line
+from storage.store import ApplyRefused, DatabaseUnavailable, StaleApply, error_line
 from storage.urls import redact_url
 from storage.worker_store import expand_received, move_applied_token, move_applied_token_sql, token_bounds
 
@@ -513,9 +513,11 @@ class PgWorkerStore:
         return True
 
     def _lost(self, conn: Any, e: BaseException, committing: bool) -> DatabaseUnavailable:
-        """The thread's autocommit connection is gone; after a ``COMMIT`` was sent, its outcome is unknown."""
-        lost = self.database.lost_autocommit(conn, e)
-        return CommitUnknown(str(lost)) if committing else lost
+        """The thread's autocommit connection failed; after a ``COMMIT`` was sent with no answer, its
+        outcome is unknown (:func:`storage.pg_db.lost_error`)."""
+        lost = lost_error(redact_url(f"PostgreSQL at {self.database.dsn}: {error_line(e)}"), conn, e, committing)
+        self.database.lost_autocommit(conn, e)
+        return lost
 
     @staticmethod
     def _copy_text(schema: StreamSchema, received: Sequence[ReceivedRows]) -> bytes | None:

@@ -89,3 +89,23 @@ def test_a_general_apply_lost_before_its_commit_is_not_commit_unknown(store, pg_
         store.apply("events", 4, effects)
     assert not isinstance(raised.value, CommitUnknown)
     assert store.applied_tokens() == {"events": 3}
+
+
+def test_an_error_the_server_reports_is_not_commit_unknown(store, pg_url) -> None:
+    """A lock timeout ends the statement with the server's own error: nothing committed, so the plain
+    error (the consumer's retry with backoff), not an immediate apply again."""
+    holder = psycopg2.connect(pg_url)
+    try:
+        with holder.cursor() as cur:
+            cur.execute("SELECT token FROM tickline_applied WHERE stream = 'events' FOR UPDATE")
+        with store.database.autocommit_connection().cursor() as cur:
+            cur.execute("SET lock_timeout = '50ms'")
+        with pytest.raises(DatabaseUnavailable) as raised:
+            store.apply_replicated("events", 5, EVENTS, received(4, 5), _no_effects)
+        assert not isinstance(raised.value, CommitUnknown)
+        assert "lock timeout" in str(raised.value)
+    finally:
+        holder.close()
+    assert store.applied_tokens() == {"events": 3}
+    store.apply_replicated("events", 5, EVENTS, received(4, 5), _no_effects)
+    assert replicated_tokens(pg_url) == [1, 2, 3, 4, 5]

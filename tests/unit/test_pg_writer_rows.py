@@ -85,3 +85,39 @@ def test_rows_of_earlier_versions_are_marked_dead_not_deleted(url) -> None:
     # A deleted row of an earlier version could be registered again at epoch 1, which a
     # stalled transaction of it may still carry; so it stays, dead, its epoch moved on.
     assert _writer_rows(url) == [("old/h:1:x", 2, False), ("old/h:2:y", 3, False)]
+
+
+def test_processes_opening_a_new_database_at_once_all_start(pg_url) -> None:
+    """The epoch sequence is created under the oracle's lock: IF NOT EXISTS alone lets two sessions
+    both create it (a unique violation in one of them)."""
+    import threading
+
+    errors: list[BaseException] = []
+    stores: list = []
+    barrier = threading.Barrier(4)
+
+    def start() -> None:
+        try:
+            barrier.wait(10)
+            stores.append(open_store(pg_url))
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=start) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for store in stores:
+        store.close()
+    assert errors == [] and len(stores) == 4
+
+
+def test_a_writer_that_cannot_retire_closes_without_an_error(url, caplog) -> None:
+    """Retiring is best effort (the master drops a silent writer after writer_timeout): a close with
+    the server gone must not replace the error of the write that failed before it."""
+    store = pg_store(open_store(url, report_interval=3600.0))
+    store.append("events", [ROW], "w")
+    query(url, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'tickline'")
+    store.close()
+    assert "not retired" in caplog.text
