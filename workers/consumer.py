@@ -398,8 +398,7 @@ class StreamConsumer:
             return
         if self._retry_call is not None and self._retry_call.active():
             return
-        while self._queue and self._queue[0].token <= self.applied:
-            self.queued_rows -= self._queue.popleft().count
+        self._drop_through(self.applied)
         if not self._queue:
             return
         limit = None
@@ -541,14 +540,35 @@ class StreamConsumer:
         self._failures = 0
         # Whatever is queued up to the token is applied (the group's items, unless the
         # connection was lost since: then rows received again up to it).
-        queue = self._queue
-        while queue and queue[0].token <= token:
-            self.queued_rows -= queue.popleft().count
+        self._drop_through(token)
         if self._on_progress is not None:
             self._on_progress(self)
         self.kick()
         if self.gate is not None:
             self.gate.applied(self)
+
+    def _drop_through(self, token: int) -> None:
+        """Drop what is queued up to ``token`` (applied); a run that it cuts keeps only its later tokens."""
+        queue = self._queue
+        while queue and queue[0].token <= token:
+            self.queued_rows -= queue.popleft().count
+        head = queue[0] if queue else None
+        if head is not None and head.tokens is not None and head.tokens[0] <= token:
+            # Rows received again after a reconnect may come as a run across the applied token.
+            queue.popleft()
+            rest = [item for item in head.split() if item.token > token]
+            queue.extendleft(reversed(rest))
+            self.queued_rows -= head.count - sum(item.count for item in rest)
+
+    def found_applied(self, token: int) -> None:
+        """The worker's database holds ``token`` as applied, beyond what this consumer knew (an apply
+        whose commit answer was lost had committed): take it as applied, drop what is queued up to it.
+        Without this, the next group could start below it and its rows be applied twice."""
+        if token <= self.applied:
+            return
+        self.applied = token
+        self.known = max(self.known, token)
+        self._drop_through(token)
 
     def _failed(self, failure: Failure, entry: _Entry) -> None:
         group = entry[0]

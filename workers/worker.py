@@ -58,6 +58,9 @@ logger = logging.getLogger(__name__)
 # How long a group copied at the same time as the one before it waits for that one's commit
 # before it gives up (rolled back, applied again later): longer than any one apply takes.
 CHAIN_WAIT = 60.0
+# Consecutive applies of a stream whose COMMIT answer was lost that are applied again at once;
+# after that the consumer's retries with backoff take over (a connection lost at every commit).
+UNKNOWN_RETRIES = 3
 
 
 @attr.s(slots=True, frozen=True, auto_attribs=True)
@@ -136,6 +139,7 @@ class Worker(ReplicationHandler):
         # Per stream, the token of an apply in flight when its connection was lost:
         # committed or not is unknown until a retry (a StaleApply then means it was).
         self._uncertain: dict[str, int] = {}
+        self._unknown_retries: dict[str, int] = {}  # CommitUnknown applied again at once, per stream
 
     # -- set-up --------------------------------------------------------------------
 
@@ -371,7 +375,17 @@ class Worker(ReplicationHandler):
         retry. A connection that cannot be made again fails the retry as usual (the consumer's backoff)."""
         if not failure.check(CommitUnknown):
             return defer.fail(failure)
-        logger.warning("%s: the connection was lost while token %s committed; applying it again", stream, token)
+        retries = self._unknown_retries[stream] = self._unknown_retries.get(stream, 0) + 1
+        if retries > UNKNOWN_RETRIES:
+            # Bounded: from here the consumer retries with its backoff; the stream stays uncertain,
+            # so a stale token is still checked against the database (_maybe_applied).
+            return defer.fail(failure)
+        logger.warning(
+            "%s: the connection was lost while token %s committed (%s); applying it again",
+            stream,
+            token,
+            failure.getErrorMessage(),
+        )
         return apply_again()
 
     def _apply_uncertain(
@@ -411,6 +425,7 @@ class Worker(ReplicationHandler):
     def _certain(self, result: None, stream: str, token: int) -> None:
         if token >= self._uncertain.get(stream, token + 1):
             del self._uncertain[stream]
+            self._unknown_retries.pop(stream, None)
 
     def _maybe_applied(self, failure: Failure, stream: str, token: int) -> defer.Deferred[None] | Failure:
         """A retry after a lost connection found the token applied: the lost statement had committed."""
@@ -418,9 +433,13 @@ class Worker(ReplicationHandler):
             return failure  # still unknown: the next retry checks again
 
         def check(applied: dict[str, int]) -> None:
-            if applied.get(stream, 0) < token:
+            held = applied.get(stream, 0)
+            if held < token:
                 failure.raiseException()
-            self._certain(None, stream, token)
+            # The database may hold more than this retry's token (a group retried token by token
+            # after the lost one committed): the consumer takes all of it as applied.
+            self.consumers[stream].found_applied(held)
+            self._certain(None, stream, held)
             logger.info("%s: token %s was applied before its connection was lost", stream, token)
 
         d: defer.Deferred[dict[str, int]] = self.db.run(self.store.applied_tokens)

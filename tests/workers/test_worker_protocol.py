@@ -744,3 +744,69 @@ def test_a_handled_apply_whose_commit_answer_was_lost_is_settled_not_retried_tok
     assert h.applied() == 5
     assert [r[0] for r in h.rows()] == [1, 2, 3, 4, 5]
     assert seen == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("path", ["handled", "replicated"])
+def test_a_lost_commit_then_an_unreachable_database_applies_every_row_once(url, path) -> None:
+    """The group 1..3 commits but its answer is lost; applied again at once, the database cannot be
+    reached; the consumer then retries token by token: token 1 meets the stale token 3, which the
+    consumer takes as applied whole (rows 2 and 3 are not applied again by the next group)."""
+    from storage.store import CommitUnknown, DatabaseUnavailable
+
+    handlers = HandlerRegistry()
+    seen: list[int] = []
+    if path == "handled":
+
+        @handlers.handler("events")
+        def record(ctx, rows) -> None:
+            seen.extend(row.token for row in rows)
+
+    h = Harness(url, handlers=handlers)
+    name = "apply" if path == "handled" else "apply_replicated"
+    real = getattr(h.store, name)
+    calls: list[int] = []
+
+    def apply(*args: Any) -> None:
+        calls.append(args[1])
+        if len(calls) == 1:
+            real(*args)
+            raise CommitUnknown("the server closed the connection unexpectedly")
+        if len(calls) == 2:
+            raise DatabaseUnavailable("cannot connect to PostgreSQL")
+        real(*args)
+
+    setattr(h.store, name, apply)
+    h.send("SERVER s", "POSITION events m 0 0", *[f"RDATA events m {n} {ev(n)}" for n in range(1, 4)])
+    h.send(*[f"RDATA events m {n} {ev(n)}" for n in range(4, 6)])
+    for _ in range(10):
+        h.clock.advance(5)
+    assert calls[:2] == [3, 3]
+    assert h.applied() == 5
+    assert [r[0] for r in h.rows()] == [1, 2, 3, 4, 5]
+    if path == "handled":
+        assert seen == [1, 2, 3, 4, 5]
+
+
+def test_commits_lost_again_and_again_are_applied_again_at_once_only_a_few_times(url, caplog) -> None:
+    """A connection lost at every commit: three applies again at once, then the consumer's backoff
+    (no loop without end); once commits get through, every row once."""
+    from storage.store import CommitUnknown
+
+    h = Harness(url)
+    real = h.store.apply_replicated
+    calls: list[int] = []
+
+    def apply_replicated(*args: Any) -> None:
+        calls.append(args[1])
+        if len(calls) <= 6:
+            raise CommitUnknown("the server closed the connection unexpectedly")
+        real(*args)
+
+    h.store.apply_replicated = apply_replicated  # type: ignore[method-assign,assignment]
+    with caplog.at_level(logging.WARNING):
+        h.send("SERVER s", "POSITION events m 0 0", *[f"RDATA events m {n} {ev(n)}" for n in range(1, 4)])
+    assert len(calls) == 4  # the first and three at once; then the backoff's timer
+    for _ in range(20):
+        h.clock.advance(5)
+    assert h.applied() == 3
+    assert [r[0] for r in h.rows()] == [1, 2, 3]
