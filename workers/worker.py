@@ -267,8 +267,13 @@ class Worker(ReplicationHandler):
 
     def _apply_uncertain_effects(self, stream: str, token: int, effects: Effects) -> defer.Deferred[None]:
         """Apply again, the general way, a group that may have committed (``_settle_uncertain``)."""
-        self._uncertain[stream] = max(token, self._uncertain.get(stream, 0))
+        self._mark_uncertain(stream, token)
         return self._apply_in_db(stream, token, effects)
+
+    def _mark_uncertain(self, stream: str, token: int) -> None:
+        """An apply up to ``token`` may have committed: until one up to it succeeds, a stale token is
+        checked against the database (``_maybe_applied``)."""
+        self._uncertain[stream] = max(token, self._uncertain.get(stream, 0))
 
     def _replicate_in_db(
         self, stream: str, token: int, schema: StreamSchema, received: list[ReceivedRows], effects: Effects
@@ -392,7 +397,7 @@ class Worker(ReplicationHandler):
         self, stream: str, token: int, schema: StreamSchema, received: list[ReceivedRows], effects: Effects
     ) -> defer.Deferred[None]:
         """Apply again on the database thread a group that may have committed (``_settle_uncertain``)."""
-        self._uncertain[stream] = max(token, self._uncertain.get(stream, 0))
+        self._mark_uncertain(stream, token)
         return self._replicate_threaded(stream, token, schema, received, effects)
 
     def _async_apply_failed(
