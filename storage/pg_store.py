@@ -676,13 +676,11 @@ class PgStreamStore:
         conn = getattr(self._side, "conn", None)
         if conn is None or conn.closed:
             conn = self._side.conn = self.database.connect(autocommit=True)
-        # A row of exactly typed values: checked and written as literals in one pass (the same
-        # text execute_literals makes of it); anything else the careful way, which names the fault.
+        # A row of exactly typed values: checked and written as literals in one pass (E'...', read
+        # the same whatever the session's standard_conforming_strings); anything else the careful
+        # way, which names the fault.
         literals = plan.literals
-        if literals is not None and conn.get_parameter_status("standard_conforming_strings") == "on":
-            text = literals(row, self.max_line_bytes)
-        else:
-            text = None
+        text = None if literals is None else literals(row, self.max_line_bytes)
         if text is None:
             values = plan.checker.one(row, self.max_line_bytes)
             doubles = plan.doubles
@@ -692,33 +690,34 @@ class PgStreamStore:
         lock = self._lock
         inflight = state.inflight
         try:
-            with conn.cursor() as cursor:
-                # One tuple, read and replaced whole: threads with connections of their own share the plan.
-                prepared_on, writer_id, execute, head = plan.prepared
-                if prepared_on is not conn or writer_id != state.writer_id:
-                    execute = plan.statements.claiming(1, state.writer_id, instance_name, cursor)
-                    head = execute[: execute.index(" (") + 2]
-                    plan.prepared = (conn, state.writer_id, execute, head)
-                # The cap and the allocation under the lock, as in _append_small. The statement has
-                # committed (autocommit) when its answer comes, still under the lock: no other thread
-                # of this writer can see it in flight, so it is not registered as such.
-                with lock:
-                    cap = min(inflight.values()) - 1 if inflight else MAX_TOKEN  # this one is not in yet
-                    if text is not None:
-                        statement = f"{head}{now_ms}, {state.epoch}, {cap}, {text})"
-                        params = None
-                    else:
-                        params = [now_ms, state.epoch, cap, *values]
-                        literal = execute_literals(cursor, execute, params)
-                        statement, params = (execute, params) if literal is None else (literal, None)
-                    try:
-                        cursor.execute(statement, params)
-                    except psycopg2.Error as e:
-                        if e.pgcode == FENCED_CODE:
-                            raise Fenced(instance_name) from None
-                        raise
-                    first_token, first_ts, _ = cursor.fetchone()
-                    _remember(state, first_token, 1, first_ts, 1, now_ms)
+            # One tuple, read and replaced whole: threads with connections of their own share the plan.
+            # The cursor is kept with it (one per connection, not one made and closed per append).
+            prepared_on, cursor, writer_id, execute, head = plan.prepared
+            if prepared_on is not conn or writer_id != state.writer_id:
+                cursor = conn.cursor()
+                execute = plan.statements.claiming(1, state.writer_id, instance_name, cursor)
+                head = execute[: execute.index(" (") + 2]
+                plan.prepared = (conn, cursor, state.writer_id, execute, head)
+            # The cap and the allocation under the lock, as in _append_small. The statement has
+            # committed (autocommit) when its answer comes, still under the lock: no other thread
+            # of this writer can see it in flight, so it is not registered as such.
+            with lock:
+                cap = min(inflight.values()) - 1 if inflight else MAX_TOKEN  # this one is not in yet
+                if text is not None:
+                    statement = f"{head}{now_ms}, {state.epoch}, {cap}, {text})"
+                    params = None
+                else:
+                    params = [now_ms, state.epoch, cap, *values]
+                    literal = execute_literals(cursor, execute, params)
+                    statement, params = (execute, params) if literal is None else (literal, None)
+                try:
+                    cursor.execute(statement, params)
+                except psycopg2.Error as e:
+                    if e.pgcode == FENCED_CODE:
+                        raise Fenced(instance_name) from None
+                    raise
+                first_token, first_ts = cursor.fetchone()
+                _remember(state, first_token, 1, first_ts, 1, now_ms)
             # The statement moved the writer's position and notified the master with its
             # commit: a report of the same position need not notify again (report_positions).
             state.reported = min(first_token, cap)
@@ -1126,10 +1125,11 @@ class WriteTransaction:
             # the same text psycopg2 would send, for a third of its CPU.
             text = execute_literals(self._cur.cursor, sql, params) if count <= PREPARED_ROWS else None
             try:
+                # (first token, first ts) and, but for a one-row claiming statement, the NOTIFY's void
                 if text is not None:
-                    first_token, first_ts, _ = self._cur.execute(self._first(text), None).fetchone()
+                    first_token, first_ts = self._cur.execute(self._first(text), None).fetchone()[:2]
                 else:
-                    first_token, first_ts, _ = self._cur.execute(self._first(sql), params).fetchone()
+                    first_token, first_ts = self._cur.execute(self._first(sql), params).fetchone()[:2]
             except psycopg2.Error as e:
                 if e.pgcode == FENCED_CODE:
                     raise Fenced(self._instance) from None
@@ -1355,11 +1355,14 @@ class _Statements:
         if count == 1:
             # One row: the payload made in the select list of a join of the two one-row CTEs (no
             # aggregate, no sort, no subplan to start per append); it is never NULL.
+            # Two columns, the NOTIFY in the (one-row) filter: psycopg2 decodes each column's name
+            # through a Python-level codec, and a void column is one more to fetch (pg_notify
+            # returns void, which is never NULL).
             return allocate + (
-                f"SELECT pl.first_token, pl.first_ts, pg_notify({_literal(CHANNEL)}, "
-                f"CASE WHEN octet_length(pl.p) <= {MAX_PAYLOAD_BYTES} THEN pl.p ELSE {stream} END) "
+                "SELECT pl.first_token, pl.first_ts "
                 f"FROM (SELECT a.first_token, a.first_ts, {head} || {claim} || {tab_name_newline} || {line} AS p "
-                "FROM a, ins) AS pl"
+                f"FROM a, ins) AS pl WHERE pg_notify({_literal(CHANNEL)}, "
+                f"CASE WHEN octet_length(pl.p) <= {MAX_PAYLOAD_BYTES} THEN pl.p ELSE {stream} END) IS NOT NULL"
             )
         payload = (
             f"COALESCE((SELECT CASE WHEN octet_length(p) <= {MAX_PAYLOAD_BYTES} THEN p END FROM "
@@ -1583,9 +1586,9 @@ class _RowPlan:
         self.literals = row_literals(schema, rdata_overhead(schema.name))
         self.statements = _statements(schema)
         self.doubles = self.statements.doubles
-        # (connection, writer id, the statement's EXECUTE text prepared on that connection, that
-        # text up to its parameters: "EXECUTE tickline_N (").
-        self.prepared: tuple[Any, str, str, str] = (None, "", "", "")
+        # (connection, a cursor on it, writer id, the statement's EXECUTE text prepared on that
+        # connection, that text up to its parameters: "EXECUTE tickline_N (").
+        self.prepared: tuple[Any, Any, str, str, str] = (None, None, "", "", "")
 
 
 PREPARED_ROWS = 8  # appends of up to this many rows use prepared statements
