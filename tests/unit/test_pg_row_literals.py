@@ -33,11 +33,7 @@ def _careful(schema: StreamSchema, row: Any, limit: int | None) -> str | None:
     # whatever standard_conforming_strings), a number without sql_literals's leading space (a
     # number there always follows "(" or ", ").
     return ", ".join(
-        "NULL"
-        if v is None
-        else str(v)
-        if type(v) is int
-        else "E'" + v.replace("\\", "\\\\").replace("'", "''") + "'"
+        "NULL" if v is None else str(v) if type(v) is int else "E'" + v.replace("\\", "\\\\").replace("'", "''") + "'"
         for v in values
     )
 
