@@ -15,6 +15,7 @@ from replication.streams import EVENTS
 from storage.limits import RowChecker, rdata_overhead
 from storage.pg_db import sql_literals
 from storage.pg_row_literals import row_literals
+from storage.pg_store import PgStreamStore
 from storage.schema import Column, RowError, StreamSchema
 from storage.store import FIRST_VALUE, open_store
 from tests.unit.test_apply_replicated import MIXED, TEXTS
@@ -111,6 +112,7 @@ def test_the_literals_read_as_the_values_whatever_standard_conforming_strings(pg
     try:
         store.register_stream(EVENTS)
         store.append("events", [GOOD_EVENTS[0]], "w")  # the writer's connection is open
+        assert isinstance(store, PgStreamStore)
         with store._side.conn.cursor() as cur:
             cur.execute(f"SET standard_conforming_strings = {conforming}")
             for row in GOOD_EVENTS:
