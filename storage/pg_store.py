@@ -272,19 +272,49 @@ $fn$
 # transaction's: no claim (NULL). One PL/pgSQL call instead of the allocation's call, an
 # UPDATE, the claim's call (``tickline_claim_v1``, which earlier versions still create and
 # use) and the fenced check as parts of the statement (fewer plan nodes to start per append).
-APPEND_FUNCTION = "tickline_append_v1"
+APPEND_FUNCTION = "tickline_append_v2"
+# The server's clock in milliseconds as double precision: the same heartbeat as NOW_MS (to the
+# millisecond; double precision holds today's epoch to well under a microsecond) without
+# numeric arithmetic, about 5 us less of the append's backend CPU with a durable commit (paired
+# rounds, 16 of 300 appends). Only here: the function runs on every append.
+_NOW_MS_FLOAT = "(date_part('epoch', clock_timestamp()) * 1000)::bigint"
+# v2 is v1 (which processes of earlier versions still create and use) with the allocation's steps
+# for a claiming statement: it always takes tokens (n_tokens >= 1, no test for none), and tells a
+# sequence never called apart from the rest with one test; and _NOW_MS_FLOAT. Every step that runs
+# per append is a PL/pgSQL simple expression less or cheaper; the order of the steps (the lock,
+# tokens, then timestamps, the unlock, the UPDATE and its claim) is ORACLE_FUNCTION's and v1's.
 _APPEND_SQL = f"""
 CREATE FUNCTION {APPEND_FUNCTION}(seq regclass, n_ts integer, n_tokens integer, now_ms bigint,
     s text, writer text, ep bigint, cap bigint,
     OUT first_token bigint, OUT first_ts bigint, OUT claim bigint) LANGUAGE plpgsql VOLATILE AS $fn$
 DECLARE
     last bigint;
-    called boolean;
     own bigint;
+    unlocked boolean;
 BEGIN
-{_ALLOCATION_BODY}
+    IF pg_advisory_lock({ORACLE_LOCK}) IS NULL THEN
+        RETURN;
+    END IF;
+    first_token := nextval(seq);
+    IF n_tokens > 1 THEN
+        last := setval(seq, first_token + n_tokens - 1, true);
+    END IF;
+    last := pg_sequence_last_value('{ORACLE_SEQUENCE}'::regclass);
+    IF last IS NULL THEN  -- never called (a new sequence): its value is the next one
+        SELECT last_value - 1 INTO last FROM {ORACLE_SEQUENCE};
+        first_ts := GREATEST(last + 1, now_ms << 18);
+        last := setval('{ORACLE_SEQUENCE}'::regclass, first_ts + n_ts - 1, true);
+    ELSE
+        first_ts := GREATEST(last + 1, now_ms << 18);
+        IF n_ts = 1 AND first_ts = last + 1 THEN
+            first_ts := nextval('{ORACLE_SEQUENCE}'::regclass);
+        ELSE
+            last := setval('{ORACLE_SEQUENCE}'::regclass, first_ts + n_ts - 1, true);
+        END IF;
+    END IF;
+    unlocked := pg_advisory_unlock({ORACLE_LOCK});
     UPDATE tickline_writers SET position = GREATEST(position, LEAST(first_token + n_tokens - 1, cap)),
-        heartbeat_ms = {NOW_MS} WHERE stream = s AND instance_name = writer AND epoch = ep AND alive
+        heartbeat_ms = {_NOW_MS_FLOAT} WHERE stream = s AND instance_name = writer AND epoch = ep AND alive
         RETURNING position, CASE WHEN current_setting('transaction_isolation') = 'read committed' THEN
             LEAST(position, (SELECT MIN(w.position) FROM tickline_writers w
                 WHERE w.alive AND w.stream = s AND w.instance_name <> writer)) END
