@@ -15,8 +15,8 @@ RowLiterals = Callable[[Any, "int | None"], "str | None"]
 def row_literals(schema: StreamSchema, overhead: int) -> RowLiterals | None:
     """A function giving a row's values as the literals of an ``EXECUTE``, or None to go the careful way.
 
-    ``literals(row, max_line_bytes)`` is what ``RowChecker.one`` and
-    ``storage.pg_db.sql_literals`` together make of a row that passes, in one
+    ``literals(row, max_line_bytes)`` reads as the values ``RowChecker.one``
+    makes of a row that passes (as ``storage.pg_db.sql_literals`` writes them), in one
     generated pass with no call per value: for a list or tuple of exactly the
     column count whose values are ``str`` (no NUL, valid Unicode) in text
     columns, ``int`` in 64 bits (not ``bool``) in bigint columns, None where
@@ -24,9 +24,11 @@ def row_literals(schema: StreamSchema, overhead: int) -> RowLiterals | None:
     its JSON, measured as ``_RowSizer`` does). Anything else (a mapping, another
     type, a bad value, a row over the limit) gives None: the caller then checks
     the row the careful way, which names what is wrong. None (no function) for
-    a stream with a column of another type. For a connection with
-    ``standard_conforming_strings`` on only (a backslash is then an ordinary
-    character in a literal).
+    a stream with a column of another type. A string is written as
+    ``E'...'`` with its backslashes and quotes doubled, which every session
+    reads as the same text whatever its ``standard_conforming_strings`` (the
+    append need not ask the connection for it: psycopg2 decodes the answer
+    through a Python-level codec, about a µs per append).
     """
     columns = schema.columns
     if not columns or any(c.type not in ("text", "bigint") for c in columns):
@@ -38,7 +40,7 @@ def row_literals(schema: StreamSchema, overhead: int) -> RowLiterals | None:
         v = f"v{i}"
         if c.type == "text":
             test = f'type({v}) is not str or "\\x00" in {v} or not ({v}.isascii() or valid({v}))'
-            literal = f'"\'" + {v}.replace("\'", "\'\'") + "\'"'
+            literal = f'"E\'" + {v}.replace("\\\\", "\\\\\\\\").replace("\'", "\'\'") + "\'"'
         else:
             test = f"type({v}) is not int or not MIN <= {v} <= MAX"
             literal = f"str({v})"  # after "(" or ", ": a minus sign never makes "--"

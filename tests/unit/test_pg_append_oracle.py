@@ -51,6 +51,18 @@ def _stored_ts(store: PgStreamStore) -> list[int]:
     return [row[3] for row in store.read_rows("events", 0, 10**9, 10**6)]
 
 
+@pytest.mark.parametrize("count", [1, 3])
+def test_an_oracle_sequence_never_called_hands_out_its_next_value_first(store, pg_url, count) -> None:
+    """``setval(..., false)``: the sequence's value is the next one (pg_sequence_last_value is NULL)."""
+    ahead = _far_floor()
+    with _admin(pg_url) as conn, conn.cursor() as cur:
+        cur.execute("SELECT setval(%s, %s, false)", (ORACLE_SEQUENCE, ahead))
+    rows = [ROW] * count
+    store.append("events", rows, "w")
+    store.append("events", rows, "w")
+    assert _stored_ts(store) == list(range(ahead, ahead + 2 * count))
+
+
 def test_the_floor_moved_by_an_operator_is_respected_by_the_next_append(store, pg_url) -> None:
     store.append("events", [ROW], "w")
     floor = _far_floor()

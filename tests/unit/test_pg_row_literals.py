@@ -15,6 +15,7 @@ from replication.streams import EVENTS
 from storage.limits import RowChecker, rdata_overhead
 from storage.pg_db import sql_literals
 from storage.pg_row_literals import row_literals
+from storage.pg_store import PgStreamStore
 from storage.schema import Column, RowError, StreamSchema
 from storage.store import FIRST_VALUE, open_store
 from tests.unit.test_apply_replicated import MIXED, TEXTS
@@ -26,15 +27,16 @@ LIMIT = 400
 def _careful(schema: StreamSchema, row: Any, limit: int | None) -> str | None:
     try:
         values = RowChecker(schema).one(row, limit)
-        return sql_literals(values)
+        sql_literals(values)  # refuses what no literal holds
     except (RowError, ValueError):
         return None
-
-
-def _same_sql(text: str) -> str:
-    # sql_literals writes a negative number after a space, as psycopg2 does; the one-pass text
-    # does not need it (a number there always follows "(" or ", ").
-    return text.replace(",  -", ", -").lstrip()
+    # The one-pass text: each string as E'...' with backslashes and quotes doubled (the same text
+    # whatever standard_conforming_strings), a number without sql_literals's leading space (a
+    # number there always follows "(" or ", ").
+    return ", ".join(
+        "NULL" if v is None else str(v) if type(v) is int else "E'" + v.replace("\\", "\\\\").replace("'", "''") + "'"
+        for v in values
+    )
 
 
 GOOD_EVENTS = [[text, "!r:x", "m.type", text, None] for text in [*TEXTS, "it's", "a\\b\\'c", "''", "--x", "E'x'"]]
@@ -58,8 +60,8 @@ def test_a_row_it_writes_is_written_as_the_careful_way_writes_it(schema: StreamS
     assert literals is not None
     careful = _careful(schema, row, LIMIT)
     assert careful is not None
-    assert literals(row, LIMIT) == _same_sql(careful)
-    assert literals(row, None) == _same_sql(careful)
+    assert literals(row, LIMIT) == careful
+    assert literals(row, None) == careful
 
 
 @pytest.mark.parametrize(("schema", "row"), [(EVENTS, r) for r in BAD_EVENTS] + [(NUMBERS, r) for r in BAD_NUMBERS])
@@ -97,5 +99,27 @@ def test_single_row_appends_of_texts_and_numbers_store_every_value_as_written(pg
         with pytest.raises(RowError, match=r"row 1: .*may not be null"):
             store.append("numbers", [["a", None, None]], "w")
         assert store.read_rows("numbers", tokens[-1], tokens[-1] + 10, 10) == []
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("conforming", ["on", "off"])
+def test_the_literals_read_as_the_values_whatever_standard_conforming_strings(pg_url: str, conforming: str) -> None:
+    """The append no longer asks the session for the setting: its literals must not depend on it."""
+    literals = row_literals(EVENTS, rdata_overhead(EVENTS.name))
+    assert literals is not None
+    store = open_store(pg_url)
+    try:
+        store.register_stream(EVENTS)
+        store.append("events", [GOOD_EVENTS[0]], "w")  # the writer's connection is open
+        assert isinstance(store, PgStreamStore)
+        with store._side.conn.cursor() as cur:
+            cur.execute(f"SET standard_conforming_strings = {conforming}")
+            for row in GOOD_EVENTS:
+                cur.execute(f"SELECT {literals(row, None)}")
+                assert list(cur.fetchone()) == row
+        first = store.append("events", [GOOD_EVENTS[0]], "w")[0]
+        last = [store.append("events", [row], "w")[0] for row in GOOD_EVENTS][-1]
+        assert [list(r[FIRST_VALUE:]) for r in store.read_rows("events", first, last, 100)] == GOOD_EVENTS
     finally:
         store.close()
