@@ -810,3 +810,35 @@ def test_commits_lost_again_and_again_are_applied_again_at_once_only_a_few_times
         h.clock.advance(5)
     assert h.applied() == 3
     assert [r[0] for r in h.rows()] == [1, 2, 3]
+
+
+def test_a_lost_commit_then_a_reconnect_to_the_master_applies_every_row_once(url) -> None:
+    """As above, and the master's connection drops too: the worker asks again from its own applied
+    token (behind the database's), the rows come again as one run across the database's token; the
+    retry meets the stale token, the consumer takes the database's token and drops the run up to it."""
+    from storage.store import CommitUnknown, DatabaseUnavailable
+
+    h = Harness(url)
+    real = h.store.apply_replicated
+    calls: list[int] = []
+
+    def apply_replicated(*args: Any) -> None:
+        calls.append(args[1])
+        if len(calls) == 1:
+            real(*args)
+            raise CommitUnknown("the server closed the connection unexpectedly")
+        if len(calls) == 2:
+            raise DatabaseUnavailable("cannot connect to PostgreSQL")
+        real(*args)
+
+    h.store.apply_replicated = apply_replicated  # type: ignore[method-assign,assignment]
+    h.send("SERVER s", "POSITION events m 0 0", *[f"RDATA events m {n} {ev(n)}" for n in range(1, 4)])
+    h.disconnect()
+    h.connect()
+    h.send("SERVER s")
+    assert "REPLICATE events 0" in h.sent()
+    h.send("POSITION events m 0 0", *[f"RDATA events m {n} {ev(n)}" for n in range(1, 6)])
+    for _ in range(10):
+        h.clock.advance(5)
+    assert h.applied() == 5
+    assert [r[0] for r in h.rows()] == [1, 2, 3, 4, 5]
