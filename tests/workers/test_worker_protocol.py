@@ -746,23 +746,11 @@ def test_a_handled_apply_whose_commit_answer_was_lost_is_settled_not_retried_tok
     assert seen == [1, 2, 3, 4, 5]
 
 
-@pytest.mark.parametrize("path", ["handled", "replicated"])
-def test_a_lost_commit_then_an_unreachable_database_applies_every_row_once(url, path) -> None:
-    """The group 1..3 commits but its answer is lost; applied again at once, the database cannot be
-    reached; the consumer then retries token by token: token 1 meets the stale token 3, which the
-    consumer takes as applied whole (rows 2 and 3 are not applied again by the next group)."""
+def _commit_lost_then_unreachable(h: Harness, name: str) -> list[int]:
+    """The store's ``name`` apply: the first call commits and loses its answer (CommitUnknown), the
+    second finds the database unreachable, the rest apply; the tokens of the calls."""
     from storage.store import CommitUnknown, DatabaseUnavailable
 
-    handlers = HandlerRegistry()
-    seen: list[int] = []
-    if path == "handled":
-
-        @handlers.handler("events")
-        def record(ctx, rows) -> None:
-            seen.extend(row.token for row in rows)
-
-    h = Harness(url, handlers=handlers)
-    name = "apply" if path == "handled" else "apply_replicated"
     real = getattr(h.store, name)
     calls: list[int] = []
 
@@ -776,6 +764,25 @@ def test_a_lost_commit_then_an_unreachable_database_applies_every_row_once(url, 
         real(*args)
 
     setattr(h.store, name, apply)
+    return calls
+
+
+@pytest.mark.parametrize("path", ["handled", "replicated"])
+def test_a_lost_commit_then_an_unreachable_database_applies_every_row_once(url, path) -> None:
+    """The group 1..3 commits but its answer is lost; applied again at once, the database cannot be
+    reached; the consumer then retries token by token: token 1 meets the stale token 3, which the
+    consumer takes as applied whole (rows 2 and 3 are not applied again by the next group)."""
+
+    handlers = HandlerRegistry()
+    seen: list[int] = []
+    if path == "handled":
+
+        @handlers.handler("events")
+        def record(ctx, rows) -> None:
+            seen.extend(row.token for row in rows)
+
+    h = Harness(url, handlers=handlers)
+    calls = _commit_lost_then_unreachable(h, "apply" if path == "handled" else "apply_replicated")
     h.send("SERVER s", "POSITION events m 0 0", *[f"RDATA events m {n} {ev(n)}" for n in range(1, 4)])
     h.send(*[f"RDATA events m {n} {ev(n)}" for n in range(4, 6)])
     for _ in range(10):
@@ -816,22 +823,9 @@ def test_a_lost_commit_then_a_reconnect_to_the_master_applies_every_row_once(url
     """As above, and the master's connection drops too: the worker asks again from its own applied
     token (behind the database's), the rows come again as one run across the database's token; the
     retry meets the stale token, the consumer takes the database's token and drops the run up to it."""
-    from storage.store import CommitUnknown, DatabaseUnavailable
 
     h = Harness(url)
-    real = h.store.apply_replicated
-    calls: list[int] = []
-
-    def apply_replicated(*args: Any) -> None:
-        calls.append(args[1])
-        if len(calls) == 1:
-            real(*args)
-            raise CommitUnknown("the server closed the connection unexpectedly")
-        if len(calls) == 2:
-            raise DatabaseUnavailable("cannot connect to PostgreSQL")
-        real(*args)
-
-    h.store.apply_replicated = apply_replicated  # type: ignore[method-assign,assignment]
+    _commit_lost_then_unreachable(h, "apply_replicated")
     h.send("SERVER s", "POSITION events m 0 0", *[f"RDATA events m {n} {ev(n)}" for n in range(1, 4)])
     h.disconnect()
     h.connect()
