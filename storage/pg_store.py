@@ -52,7 +52,16 @@ from storage.limits import (
 )
 from storage.pg_columns_out import read_lines
 from storage.pg_copy import _COPY_FORMATS, NULL_COPY, _copy_text, chunk_formatter, data_needs_escapes, formatter
-from storage.pg_db import Cursor, PgDatabase, execute_literals, lost_error, prepared, rollback_explicit
+from storage.pg_db import (
+    Cursor,
+    PgDatabase,
+    closed_while_idle,
+    execute_literals,
+    lost_error,
+    prepared,
+    quietly_close,
+    rollback_explicit,
+)
 from storage.pg_lines import row_json_sql
 from storage.pg_row_literals import row_literals
 from storage.schema import COLUMN_TYPES, INT64_MAX, RowError, StreamSchema, check_instance_name
@@ -538,9 +547,7 @@ class PgStreamStore:
     def _side_cursor(self, commits: bool = False) -> Iterator[Any]:
         """A cursor on this thread's autocommit connection; a lost server is DatabaseUnavailable
         (``commits``: the statements commit, so :class:`CommitUnknown` once the connection was made)."""
-        conn = getattr(self._side, "conn", None)
-        if conn is None or conn.closed:
-            conn = self._side.conn = self.database.connect(autocommit=True)
+        conn = self._side_connection()
         try:
             with conn.cursor() as cur:
                 yield cur
@@ -562,11 +569,18 @@ class PgStreamStore:
         _release_oracle_lock(conn)
 
     def _drop_side(self, conn: Any) -> None:
-        try:
-            conn.close()
-        except psycopg2.Error:
-            pass
+        quietly_close(conn)
         self._side.conn = None
+
+    def _side_connection(self) -> Any:
+        """This thread's autocommit connection; a new one if the last was closed, or found closed while
+        idle (``pg_db.closed_while_idle``: a write sent on it would be lost with its outcome unknown)."""
+        conn = getattr(self._side, "conn", None)
+        if conn is None or closed_while_idle(conn):
+            if conn is not None:
+                quietly_close(conn)
+            conn = self._side.conn = self.database.connect(autocommit=True)
+        return conn
 
     def _head_sql(self, schema: StreamSchema) -> str:
         return f"SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {_seq(schema)}"
@@ -711,9 +725,7 @@ class PgStreamStore:
         state = self._writers.get(key)
         if state is None:
             state = self._register(schema, instance_name)
-        conn = getattr(self._side, "conn", None)
-        if conn is None or conn.closed:
-            conn = self._side.conn = self.database.connect(autocommit=True)
+        conn = self._side_connection()
         # A row of exactly typed values: checked and written as literals in one pass (E'...', read
         # the same whatever the session's standard_conforming_strings); anything else the careful
         # way, which names the fault.
@@ -783,7 +795,9 @@ class PgStreamStore:
             self._next_txn += 1
             txn_id = self._next_txn
         conn = getattr(self._writes, "conn", None)
-        if conn is None or conn.closed:
+        if conn is None or closed_while_idle(conn):  # see _side_connection
+            if conn is not None:
+                quietly_close(conn)
             conn = self._writes.conn = self.database.connect(autocommit=True)
         txn: WriteTransaction | None = None
         try:
@@ -801,10 +815,7 @@ class PgStreamStore:
             message = redact_url(f"PostgreSQL at {self.database.dsn}: {error_line(e)}")
             lost = lost_error(message, conn, e, txn is not None and txn.commit_sent)
             self._writes.conn = None
-            try:
-                conn.close()
-            except psycopg2.Error:
-                pass
+            quietly_close(conn)
             raise lost from None
         except Fenced:
             rollback_explicit(conn)

@@ -13,8 +13,11 @@ arrived, so nothing committed; the next write reconnects.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
+import psycopg2
 import pytest
 
 from replication.streams import EVENTS
@@ -62,13 +65,64 @@ def test_a_transaction_lost_before_its_commit_is_not_commit_unknown(store, pg_ur
 
 @pytest.mark.parametrize("count", [1, 3])
 def test_a_single_statement_append_whose_connection_is_lost_is_commit_unknown(store, pg_url, count) -> None:
-    """A small append is one autocommit statement: sent, it commits on its own."""
-    first = store.append("events", [ROW], "w")
-    _terminate(pg_url, store._side.conn.get_backend_pid())
-    with pytest.raises(CommitUnknown):
-        store.append("events", [ROW] * count, "w")
+    """A small append is one autocommit statement: sent, it commits on its own.
+
+    The statement is held at the stream's table (locked by another session)
+    until its backend is terminated: lost after it was sent. Both appends run
+    on one thread, so on one connection (the store's are per thread).
+    """
+    with ThreadPoolExecutor(max_workers=1) as thread:
+        first = thread.submit(store.append, "events", [ROW] * count, "w").result()  # statements prepared
+        backend = thread.submit(lambda: store._side.conn.get_backend_pid()).result()
+        locker = psycopg2.connect(pg_url)
+        try:
+            with locker.cursor() as cur:
+                cur.execute("LOCK TABLE stream_events IN ACCESS EXCLUSIVE MODE")
+            lost = thread.submit(store.append, "events", [ROW] * count, "w")
+            _until_waiting_on_a_lock(pg_url, backend)
+            _terminate(pg_url, backend)
+            with pytest.raises(CommitUnknown) as raised:
+                lost.result(30)
+            assert "\n" not in str(raised.value) and "PostgreSQL at" in str(raised.value)
+        finally:
+            locker.rollback()
+            locker.close()
     assert _tokens(store) == first
     again = store.append("events", [ROW] * count, "w")
+    assert _tokens(store) == first + again
+
+
+def _until_waiting_on_a_lock(url: str, pid: int, bound: float = 30.0) -> None:
+    """Until backend ``pid`` waits for a lock (its statement arrived); at most ``bound`` seconds."""
+    deadline = time.monotonic() + bound
+    sql = "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s"
+    while query(url, sql, (pid,)) != [("Lock",)]:
+        assert time.monotonic() < deadline, "the append's statement never reached the lock"
+        time.sleep(0.01)  # polling the server's view: no event to await across processes
+
+
+@pytest.mark.parametrize("count", [1, 3, CHUNK_ROWS])
+def test_an_append_after_its_idle_connection_was_terminated_is_written_on_a_new_one(store, pg_url, count) -> None:
+    """Terminated while idle, the connection is found closed before the next append is sent: no error at all.
+
+    Before, the append was sent on the dead connection, and its loss read as a
+    commit whose answer was lost ("may have committed"), though nothing had
+    been sent.
+    """
+    first = store.append("events", [ROW] * count, "w")
+    for conn in (store._side.conn, getattr(store._writes, "conn", None)):
+        if conn is not None:
+            _terminate(pg_url, conn.get_backend_pid())
+    again = store.append("events", [ROW] * count, "w")
+    assert _tokens(store) == first + again
+
+
+def test_a_transaction_after_its_idle_connection_was_terminated_is_written_on_a_new_one(store, pg_url) -> None:
+    with store.writing("events", "w") as txn:
+        first = txn.append([ROW, ROW])
+    _terminate(pg_url, store._writes.conn.get_backend_pid())
+    with store.writing("events", "w") as txn:
+        again = txn.append([ROW, ROW])
     assert _tokens(store) == first + again
 
 

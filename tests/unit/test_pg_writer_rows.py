@@ -127,6 +127,17 @@ def test_a_writer_that_cannot_retire_closes_without_an_error(url, caplog) -> Non
     the server gone must not replace the error of the write that failed before it."""
     store = pg_store(open_store(url, report_interval=3600.0))
     store.append("events", [ROW], "w")
-    query(url, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'tickline'")
-    store.close()
+    # The server gone for this database: its sessions ended, no new one accepted (a closed idle
+    # connection alone is replaced before the retirement is sent: pg_db.closed_while_idle).
+    admin = url.rsplit("/", 1)[0] + "/postgres"
+    name = url.rsplit("/", 1)[1].split("?")[0]
+    query(admin, f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS false')
+    try:
+        query(
+            admin,
+            "SELECT pg_terminate_backend(pid, 10000) FROM pg_stat_activity WHERE application_name = 'tickline'",
+        )
+        store.close()
+    finally:
+        query(admin, f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS true')
     assert "not retired" in caplog.text
