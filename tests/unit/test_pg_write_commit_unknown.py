@@ -22,6 +22,7 @@ import pytest
 
 from replication.streams import EVENTS
 from storage.bulk import CHUNK_ROWS, write_rows
+from storage.pg_db import PgDatabase
 from storage.store import CommitUnknown, DatabaseUnavailable, StorageError, open_store
 from tests.pg_sql import query
 from tests.stores import pg_store
@@ -151,3 +152,15 @@ def test_tickline_write_lost_before_its_commit_says_nothing_was_committed(store,
         write_rows(store, "events", rows(), "w", chunk_rows=1)
     assert str(raised.value).startswith("the write failed, nothing was committed: PostgreSQL at ")
     assert _tokens(store) == []
+
+
+def test_connections_closed_are_let_go(pg_url) -> None:
+    """A process that reconnects again and again holds only its open connections (``PgDatabase._all``)."""
+    database = PgDatabase(pg_url)
+    try:
+        for _ in range(20):
+            database.connect(autocommit=True).close()
+        kept = database.connect(autocommit=True)
+        assert database._all == [kept]
+    finally:
+        database.close()
