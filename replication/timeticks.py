@@ -8,7 +8,9 @@ above ``L``. It then sends ``TICK <stream> <L> <t>`` to every connection that
 asked for ``OPTIONS tick``, for every stream live on it, after the rows the
 pass fanned out; and it makes the master pass at least every
 ``tick_interval`` seconds so that the safe time advances while streams are
-idle.
+idle. That pass takes a fresh timestamp (a durable commit) only when reading
+the oracle's mark would not move some stream's safe time: while writes flow,
+they move the mark (see :meth:`TimeTicker._fresh_time_needed`).
 
 :func:`replicate_at` answers ``REPLICATE <stream> @<unix_ms>``: it finds the
 first token at or after the instant in the stream's ``ts`` index, answers
@@ -47,12 +49,20 @@ class TimeTicker:
         self.master = master
         self.interval = interval
         self.safe_ts: dict[str, int] = {}  # per stream: the latest safe time (metrics)
-        self._allocated_at = float("-inf")  # reactor time of the last timestamp allocated
+        # Reactor time of the last fresh time: a timestamp allocated, or the decision that
+        # the oracle's mark would do as well (_fresh_time_needed).
+        self._allocated_at = float("-inf")
         # Per connection (its subscriptions) and stream: (safe time, token) of the last TICK sent.
         self._sent: dict[tuple[FanOutTarget, str], tuple[int, int]] = {}
         self._loop: task.LoopingCall | None = None
         self._allocating = False  # a timestamp is being allocated apart from the passes
         self._read_next = False  # the next pass reads the oracle's mark (one was just allocated)
+        # Writes seen since the timer last decided how to take its time (streams), the
+        # largest timestamp of a write seen, and the safe positions of the last pass
+        # that took a time (one that moved saw a write): _fresh_time_needed.
+        self._written: set[str] = set()
+        self._written_ts: int | None = None
+        self._positions: dict[str, int] = {}
 
     def start(self) -> None:
         self._loop = task.LoopingCall(self._pass)
@@ -70,6 +80,12 @@ class TimeTicker:
         master = self.master
         due = master.reactor.seconds() - self._allocated_at >= self.interval * 0.9
         if due and not self._allocating and master.wakes_on_reactor():
+            if not self._fresh_time_needed():
+                # Writes move the oracle's mark: this interval's pass reads it, no commit.
+                self._allocated_at = master.reactor.seconds()
+                self._read_next = True
+                master.followed()
+                return
             # PostgreSQL: the fresh timestamp (a durable commit, milliseconds)
             # is taken on a database thread beside the fan-out, and the pass
             # after it reads the oracle's mark, at least that timestamp (the
@@ -81,6 +97,32 @@ class TimeTicker:
             d.addCallbacks(self._allocated, self._not_allocated)
             return  # the pass follows the allocation (either way it ends)
         master.followed()
+
+    def _fresh_time_needed(self) -> bool:
+        """Whether the timer's pass must allocate a fresh timestamp, or the oracle's mark will do.
+
+        A pass that reads the mark gives every stream without rows in flight
+        a safe time at or above the largest timestamp written before the read
+        (docs/time.md, "How the master gets it"). So when a write newer than
+        the safe time of every stream not written since the last decision has
+        been seen (a commit's own rows, or a pass that found a stream's
+        position moved), reading the mark moves each of them on, as an
+        allocation would, and the durable commit (a WAL flush on the master's
+        database, which every writer's allocation waits behind) is skipped.
+        Streams written since then have safe times from their own writes. With
+        no such write (all idle), a fresh timestamp: idle streams' safe time
+        follows the clock. Starts a new round of writes seen.
+        """
+        written, self._written = self._written, set()
+        if self._written_ts is None:
+            return True
+        written_ts = self._written_ts
+        return any(ts >= written_ts for stream, ts in self.safe_ts.items() if stream not in written)
+
+    def _wrote(self, stream: str, ts: int) -> None:
+        self._written.add(stream)
+        if self._written_ts is None or ts > self._written_ts:
+            self._written_ts = ts
 
     def _allocated(self, _: object) -> None:
         self._allocating = False
@@ -116,7 +158,8 @@ class TimeTicker:
             return "read" if due or any(conn.subscriptions.ticks for conn in self.master.connections) else None
         if now - self._allocated_at >= self.interval * 0.9:
             self._allocated_at = now
-            return "allocate"
+            # While writes move the oracle's mark, reading it is as fresh (_fresh_time_needed).
+            return "allocate" if self._fresh_time_needed() else "read"
         if any(conn.subscriptions.ticks for conn in self.master.connections):
             return "read"
         return None
@@ -134,6 +177,14 @@ class TimeTicker:
         master = self.master
         for stream, safe_ts in times.items():
             if master.has_stream(stream):
+                position = positions.get(stream)
+                before = self._positions.get(stream)
+                if position is not None:
+                    self._positions[stream] = position
+                    if before is not None and position > before:
+                        # Rows committed since the last pass: their stream's safe time is
+                        # at most the mark read after them, or their last row's timestamp.
+                        self._wrote(stream, safe_ts)
                 # A safe time stays true once it was: never go back.
                 self.safe_ts[stream] = max(safe_ts, self.safe_ts.get(stream, 0))
         live = {stream: master.live_subscriptions(stream) for stream in positions if master.has_stream(stream)}
@@ -157,6 +208,7 @@ class TimeTicker:
         was sent to connections that went away).
         """
         tick_ts = self.safe_ts[stream] = max(safe_ts, self.safe_ts.get(stream, 0))
+        self._wrote(stream, safe_ts)
         for target, sub in self.master.live_subscriptions(stream):
             if target.ticks and sub.sent_token >= token:
                 self._tick(target, sub, stream, tick_ts)

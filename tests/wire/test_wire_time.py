@@ -236,3 +236,53 @@ def test_tick_keeps_moving_after_a_rolled_back_write_once_its_writer_left(master
         client, lambda line: line.startswith("TICK events") and physical_ms(int(line.split()[3])) >= later_ms
     )
     assert [t for t, _ in rdata(lines)] == [1]
+
+
+def test_an_idle_stream_ticks_on_while_another_is_written_with_no_allocation_on_postgresql(master, pg_url) -> None:
+    """While events is written, caches (idle) gets a TICK each interval from the oracle's mark, no durable commit.
+
+    The timer's allocation (a write of ``tickline_tso``) is left out while
+    commits move the mark; once they stop, it resumes (docs/time.md, "How the
+    master gets it").
+    """
+    from storage.store import open_store
+    from tests.integration.procs import query_pg
+
+    def allocated() -> int:
+        return int(query_pg(pg_url, "SELECT last_ts FROM tickline_tso WHERE id = 1")[0][0])
+
+    m = master(TICK_CONFIG, database=pg_url)
+    client = m.connect()
+    client.handshake()
+    client.send("OPTIONS tick", "REPLICATE events 0", "REPLICATE caches 0")
+    assert client.expect("OPTIONS") == "OPTIONS tick"
+    collect(client, lambda line: line.startswith("TICK caches"))
+    store = open_store(pg_url)
+    caches: list[tuple[float, int]] = []  # (arrival, safe time)
+    try:
+        start = time.monotonic()
+        allocated_early = None
+        while (now := time.monotonic()) < start + 2.0:
+            store.append("events", [row(int(now * 1000))], "W")
+            if allocated_early is None and now > start + 0.5:
+                allocated_early = allocated()
+            while (line := client.try_line(0.005)) is not None:
+                if line.startswith("TICK caches"):
+                    caches.append((time.monotonic(), int(line.split()[3])))
+        allocated_late = allocated()
+        (last_ts,) = [ts for _, ts in stored(m)][-1:]
+    finally:
+        store.close()
+    # No fresh timestamp was allocated once the writes flowed (about 15 timer passes) ...
+    assert allocated_early is not None and allocated_late == allocated_early
+    # ... and the idle stream's safe time moved on all along, about every interval.
+    times = [ts for _, ts in caches]
+    assert times == sorted(set(times)) and len(times) >= 8, caches
+    gaps = [b - a for (a, _), (b, _) in zip(caches, caches[1:], strict=False)]
+    assert max(gaps) < 1.0, gaps
+    # Writes stopped: the timer allocates again, and caches ticks past the last row.
+    collect(client, lambda line: line.startswith("TICK caches") and int(line.split()[3]) > last_ts)
+    deadline = time.monotonic() + 5.0
+    while allocated() == allocated_late:
+        assert time.monotonic() < deadline, "no allocation once the writes stopped"
+        client.try_line(0.05)
