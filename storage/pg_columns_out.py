@@ -47,7 +47,10 @@ rows). A stream with a ``json`` column (its text holds quotes, which
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from storage import pg_lines
 from storage.pg_db import rollback_explicit
@@ -55,9 +58,7 @@ from storage.pg_lines import PLAN_SETTINGS, CopyChunks, SessionFunctions, lines_
 from storage.schema import StreamSchema
 
 HEAD_END = b"\x01"
-# Control bytes: a value holding one needs JSON's escape (CSV sends it raw). Each row has two: the
-# head's end and the newline that ends the row.
-_CONTROLS = bytes(range(32))
+_SPACE, _BRACKET, _COMMA = ord(" "), ord("["), ord(",")
 
 
 def handles(schema: StreamSchema) -> bool:
@@ -119,13 +120,17 @@ def range_statement_sql(name: str, schema: StreamSchema, _with_ts: bool) -> str:
 def range_copy_sql(schema: StreamSchema, with_ts: bool) -> str:
     """The ``COPY`` of the rows ``%(after)s < token <= %(last)s`` of a range without batches, for ``mogrify``.
 
+    Its heads lack the lines' prefix (:func:`lines_from_rows` adds it).
+
     A plain query, not a function: ``RETURN QUERY`` puts every row in a
     tuple store first (about 0.15 us per row of the backend's 1.0). Planned
     on each call, with the range as literals (a few tens of microseconds per
     read); its ``ORDER BY`` is the index's, whatever plan the planner picks.
     """
     columns = columns_sql(schema, with_ts, batched=False)
-    columns["o_head"] = columns["o_head"].replace("$4", "%(prefix)s")
+    # The lines' constant prefix is the master's (lines_from_rows): about 0.05 us per row of the
+    # backend's concatenations, free in the newline's replace there.
+    columns["o_head"] = columns["o_head"].removeprefix("$4 || ")
     listed = ", ".join(f"{expression} AS {name}" for name, expression in columns.items())
     return (
         f"COPY (SELECT {listed} FROM {schema.table} t WHERE t.token > %(after)s AND t.token <= %(last)s "
@@ -168,12 +173,36 @@ _RANGE_STATEMENTS = SessionFunctions("tickline_range", range_statement_sql)
 
 def lines_from_columns(data: bytes, rows: int) -> bytes | None:
     """The ``RDATA`` lines of ``rows`` ``COPY`` rows of :func:`columns_sql`; None if they need more escaping."""
-    if len(data) - len(data.translate(None, _CONTROLS)) != 2 * rows:
+    return lines_from_rows([data], rows, b"")
+
+
+def lines_from_rows(chunks: Sequence[bytes], rows: int, prefix: bytes) -> bytes | None:
+    """The ``RDATA`` lines of ``rows`` ``COPY`` rows (``chunks`` joined) whose heads lack ``prefix``; None as above.
+
+    Each row is ``<head>\x01,<values>\n``: its line is ``prefix``, the head,
+    `` [``, the values and ``]\n``. The rows' control bytes are found in one
+    vectorized pass (numpy, without the GIL: the other read's thread runs
+    meanwhile): exactly two per row, the head's end followed by ``,`` (else
+    a value holds a control byte, or CSV quoted the head). The head's end and
+    the comma after it become `` [`` in place (a two-byte pattern's
+    ``bytes.replace`` cost 0.13 us per row, the control count by
+    ``translate`` 0.07: docs/benchmarks.md, pgread5), then one one-byte
+    replace makes each newline ``]\n`` and the next line's prefix.
+    """
+    buf = bytearray().join(chunks)
+    data = np.frombuffer(buf, np.uint8)
+    controls = np.flatnonzero(data < 32)
+    if len(controls) != 2 * rows:
         return None  # a control byte in a value (CSV sends it raw)
-    lines = data.replace(b"\x01,", b" [")
-    if HEAD_END in lines:
+    heads = controls[0::2]
+    if not (np.all(data[heads] == 1) and np.all(data[heads + 1] == _COMMA)):
         return None  # a head CSV quoted (an instance name with a comma or a quote)
-    return lines.replace(b"\n", b"]\n")
+    data[heads] = _SPACE
+    data[heads + 1] = _BRACKET
+    del data
+    lines = buf.replace(b"\n", b"]\n" + prefix)
+    # The replace put a prefix after the last newline: the first line's goes before it instead.
+    return prefix + memoryview(lines)[: len(lines) - len(prefix)]
 
 
 def longest_within(data: bytes, limit: int) -> bool:
@@ -214,11 +243,12 @@ def read_columns(
         cursor.execute(f"{_STEER}EXECUTE {statement}(%s, %s, %s)", (after, upto, limit))
         last, batched = cursor.fetchone()
         if last is not None and batched:
-            query = cursor.mogrify(f"SELECT * FROM pg_temp.{function}(%s, %s, %s)", (after, last, prefix)).decode()
+            # The function's heads without the prefix too (lines_from_rows adds it).
+            query = cursor.mogrify(f"SELECT * FROM pg_temp.{function}(%s, %s, %s)", (after, last, "")).decode()
             cursor.copy_expert(f"COPY ({query}) TO STDOUT WITH {copy_options(schema)}", chunks)
         elif last is not None:
             sql = range_copy_sql(schema, with_ts)
-            cursor.copy_expert(cursor.mogrify(sql, {"after": after, "last": last, "prefix": prefix}).decode(), chunks)
+            cursor.copy_expert(cursor.mogrify(sql, {"after": after, "last": last}).decode(), chunks)
         cursor.execute("COMMIT")
     except BaseException:
         rollback_explicit(cursor.connection)  # closes a connection that cannot even roll back
@@ -226,7 +256,7 @@ def read_columns(
     if not chunks:
         return b"", after, 0
     rows = len(chunks)
-    lines = lines_from_columns(b"".join(chunks), rows)
+    lines = lines_from_rows(chunks, rows, prefix.encode())
     if lines is None:
         return None
     # The last row is its token's last: its line names the token.
