@@ -240,17 +240,12 @@ class _Rows:
         buf = self.buf
         return any(buf[starts[i] : heads[i]] == buf[starts[i + 1] : heads[i + 1]] for i in alike.tolist())
 
-    def lines(self, prefix: bytes, rows: int | None = None) -> bytes:
-        """The lines of the first ``rows`` rows (all: None)."""
-        heads, buf = self.heads, self.buf
-        if rows is not None and rows < len(heads):
-            heads = heads[:rows]
-            del self.data  # no view may hold the buffer while it shrinks
-            del buf[int(self.ends[rows - 1]) + 1 :]
-            self.data = np.frombuffer(buf, np.uint8)
-        self.data[heads] = _SPACE
-        self.data[heads + 1] = _BRACKET
-        lines = buf.replace(b"\n", b"]\n" + prefix)
+    def lines(self, prefix: bytes) -> bytes:
+        """The rows' lines (the buffer is changed in place: once)."""
+        heads, data = self.heads, self.data
+        data[heads] = _SPACE
+        data[heads + 1] = _BRACKET
+        lines = self.buf.replace(b"\n", b"]\n" + prefix)
         # The replace put a prefix after the last newline: the first line's goes before it instead.
         return prefix + memoryview(lines)[: len(lines) - len(prefix)]
 
@@ -337,13 +332,17 @@ def _read_plain(
         raise
     if not chunks:
         return b"", after, 0
+    if len(chunks) > limit:
+        # The row past the limit: kept out, unless it continues the last row's token.
+        past, last = chunks.pop(), chunks[-1]
+        if past[: past.find(HEAD_END)] == last[: last.find(HEAD_END)]:
+            return _Found.BATCH
     rows = _Rows.of(chunks, len(chunks))
     if rows is None:
         return None
     if rows.repeats():
         return _Found.BATCH
-    count = min(len(chunks), limit)
-    return _with_last(rows.lines(prefix.encode(), count), prefix, count)
+    return _with_last(rows.lines(prefix.encode()), prefix, len(chunks))
 
 
 def _with_last(lines: bytes, prefix: str, count: int) -> tuple[bytes, int, int]:
