@@ -6,19 +6,27 @@ which bounded the master's reads on PostgreSQL. Here the server sends each
 row's columns and the master turns a whole ``COPY`` buffer into lines with a
 handful of bytes operations, no Python object per row or value.
 
-**The read** (:func:`read_columns`), in one read-only ``REPEATABLE READ``
-transaction (one snapshot for both steps) on the thread's connection: a prepared statement (:func:`range_statement_sql`) finds the
-range's last token and whether a token of several rows may be in it
-(usually none is); then a plain ``COPY (SELECT ... ORDER BY token, seq)``
-of the range with its bounds as literals (:func:`range_copy_sql`), whose
-plan the transaction's ``SET LOCAL`` statements steer to the ``(token, seq)`` index
+**The read** (:func:`read_columns`) first takes one round trip on the
+thread's connection (:func:`_read_plain`, sixteenth session): a transaction
+whose ``SET LOCAL`` statements steer the plan to the ``(token, seq)`` index
 (``pg_lines.PLAN_SETTINGS``: left alone, the planner sorts a bitmap scan's
-rows). No function: ``RETURN QUERY`` puts every row in a tuple store first.
-Measured (docs/benchmarks.md, pgread3): about 0.8-0.9 µs of the backend per
-row against 1.0-1.1 by the function that did both steps. A range that may
-hold a batch is read by a session function
-(:func:`columns_function_sql`) that joins its rows to the range's
-multi-row tokens (the ``batch`` marks, as ``pg_lines``).
+rows) and a plain ``COPY (SELECT ... ORDER BY token, seq LIMIT <limit + 1>)``
+of the range with its bounds as literals (:func:`range_limit_copy_sql`), in
+one query string. The row past the limit says where the last whole token
+ends (it is dropped unless it continues the last row's token), and two
+consecutive rows with the same head say that a token of several rows (a
+batch) is in the range: then the range is read again the way it was before
+(:func:`_read_ranged`), and so are the stream's next ``BATCH_MEMORY`` reads:
+in a read-only ``REPEATABLE READ`` transaction a prepared statement
+(:func:`range_statement_sql`) finds the range's last token and whether a
+batch may be in it, then the same plain ``COPY`` up to that token
+(:func:`range_copy_sql`), or, with a batch, a session function
+(:func:`columns_function_sql`) that joins the rows to the range's multi-row
+tokens (the ``batch`` marks, as ``pg_lines``). No function for the plain
+reads: ``RETURN QUERY`` puts every row in a tuple store first. Measured
+(docs/benchmarks.md, pgread3 and pgread5): the range statement cost
+0.10-0.15 µs of the backend per row (its scan visits every row's heap tuple
+once more), the whole read with it 0.85-0.95, without it about 0.7.
 
 **The format does the JSON.** ``COPY ... (FORMAT csv, DELIMITER ',', QUOTE
 '"', ESCAPE '\\', NULL 'null', FORCE_QUOTE (<text columns>))`` writes a
@@ -27,13 +35,17 @@ escapes for them), a NULL as ``null`` unquoted, and an unquoted column (a
 bigint, ``ts``, a boolean or double given as its JSON text by SQL, NULL for
 NULL) as its text, unless it holds the delimiter, the quote or a line break.
 Only control characters differ: CSV sends them raw, JSON escapes them. So
-each output row is ``<prefix><instance> <token or batch>\x01,<v1>,...,<vn>\n``
-with the values already JSON, and the lines are that with ``\x01,`` made
-`` [`` and each newline ``]\n``, when the buffer holds no control byte but
-one ``\x01`` per row and one newline per row (``copy_expert`` gives one
-call per row: the count). Non-ASCII text is UTF-8 in both; ``DEL`` is not
-escaped by either. A head that CSV quoted (an instance name with a comma or
-a quote) leaves its ``\x01`` in place, which one byte search finds.
+each output row is ``<instance> <token or batch>\x01,<v1>,...,<vn>\n``
+with the values already JSON (the lines' constant prefix, ``RDATA
+<stream> ``, is the master's: the backend saves its concatenation per row),
+and the lines are the prefix, then that with ``\x01,`` made `` [`` and each
+newline ``]\n`` followed by the next line's prefix, when the rows hold no
+control byte but one ``\x01`` and one newline each (``copy_expert`` gives
+one call per row: the count). :func:`lines_from_rows` finds the control
+bytes and turns the heads' ends in numpy (one vectorized pass, no GIL held),
+then makes the newlines with one one-byte ``replace``. Non-ASCII text is
+UTF-8 in both; ``DEL`` is not escaped by either. A head that CSV quoted (an
+instance name with a comma or a quote) has a ``"`` after its ``\x01``.
 
 A buffer with a control character in a value, or a quoted head (rare), is
 read again by the server-built path (``pg_lines.read_lines``), whose bytes
