@@ -63,8 +63,6 @@ import functools
 from collections.abc import Sequence
 from typing import Any, Literal
 
-import numpy as np
-
 from storage import pg_lines
 from storage.pg_db import rollback_explicit
 from storage.pg_lines import PLAN_SETTINGS, CopyChunks, SessionFunctions, lines_select_sql, value_json_sql
@@ -229,6 +227,10 @@ class _Rows:
     @classmethod
     def of(cls, chunks: Sequence[bytes], rows: int) -> _Rows | None:
         """None if a value holds a control byte or CSV quoted a head."""
+        # Imported here: only a master's reads need it, and it takes ~140 ms and 16 MiB at import
+        # (a worker's start on PostgreSQL imports this module and never reads lines).
+        import numpy as np
+
         buf = bytearray().join(chunks)
         data = np.frombuffer(buf, np.uint8)
         controls = np.flatnonzero(data < 32)
@@ -245,6 +247,8 @@ class _Rows:
         Consecutive tokens differ in their last digit: only rows whose heads
         have the same length and last byte are compared whole (usually none).
         """
+        import numpy as np
+
         heads, data = self.heads, self.data
         starts = np.concatenate(([0], self.ends[:-1] + 1))
         lengths = heads - starts
