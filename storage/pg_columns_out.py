@@ -6,19 +6,27 @@ which bounded the master's reads on PostgreSQL. Here the server sends each
 row's columns and the master turns a whole ``COPY`` buffer into lines with a
 handful of bytes operations, no Python object per row or value.
 
-**The read** (:func:`read_columns`), in one read-only ``REPEATABLE READ``
-transaction (one snapshot for both steps) on the thread's connection: a prepared statement (:func:`range_statement_sql`) finds the
-range's last token and whether a token of several rows may be in it
-(usually none is); then a plain ``COPY (SELECT ... ORDER BY token, seq)``
-of the range with its bounds as literals (:func:`range_copy_sql`), whose
-plan the transaction's ``SET LOCAL`` statements steer to the ``(token, seq)`` index
+**The read** (:func:`read_columns`) first takes one round trip on the
+thread's connection (:func:`_read_plain`, sixteenth session): a transaction
+whose ``SET LOCAL`` statements steer the plan to the ``(token, seq)`` index
 (``pg_lines.PLAN_SETTINGS``: left alone, the planner sorts a bitmap scan's
-rows). No function: ``RETURN QUERY`` puts every row in a tuple store first.
-Measured (docs/benchmarks.md, pgread3): about 0.8-0.9 µs of the backend per
-row against 1.0-1.1 by the function that did both steps. A range that may
-hold a batch is read by a session function
-(:func:`columns_function_sql`) that joins its rows to the range's
-multi-row tokens (the ``batch`` marks, as ``pg_lines``).
+rows) and a plain ``COPY (SELECT ... ORDER BY token, seq LIMIT <limit + 1>)``
+of the range with its bounds as literals (:func:`range_limit_copy_sql`), in
+one query string. The row past the limit says where the last whole token
+ends (it is dropped unless it continues the last row's token), and two
+consecutive rows with the same head say that a token of several rows (a
+batch) is in the range: then the range is read again the way it was before
+(:func:`_read_ranged`), and so are the stream's next ``BATCH_MEMORY`` reads:
+in a read-only ``REPEATABLE READ`` transaction a prepared statement
+(:func:`range_statement_sql`) finds the range's last token and whether a
+batch may be in it, then the same plain ``COPY`` up to that token
+(:func:`range_copy_sql`), or, with a batch, a session function
+(:func:`columns_function_sql`) that joins the rows to the range's multi-row
+tokens (the ``batch`` marks, as ``pg_lines``). No function for the plain
+reads: ``RETURN QUERY`` puts every row in a tuple store first. Measured
+(docs/benchmarks.md, pgread3 and pgread5): the range statement cost
+0.10-0.15 µs of the backend per row (its scan visits every row's heap tuple
+once more), the whole read with it 0.85-0.95, without it about 0.7.
 
 **The format does the JSON.** ``COPY ... (FORMAT csv, DELIMITER ',', QUOTE
 '"', ESCAPE '\\', NULL 'null', FORCE_QUOTE (<text columns>))`` writes a
@@ -27,13 +35,17 @@ escapes for them), a NULL as ``null`` unquoted, and an unquoted column (a
 bigint, ``ts``, a boolean or double given as its JSON text by SQL, NULL for
 NULL) as its text, unless it holds the delimiter, the quote or a line break.
 Only control characters differ: CSV sends them raw, JSON escapes them. So
-each output row is ``<prefix><instance> <token or batch>\x01,<v1>,...,<vn>\n``
-with the values already JSON, and the lines are that with ``\x01,`` made
-`` [`` and each newline ``]\n``, when the buffer holds no control byte but
-one ``\x01`` per row and one newline per row (``copy_expert`` gives one
-call per row: the count). Non-ASCII text is UTF-8 in both; ``DEL`` is not
-escaped by either. A head that CSV quoted (an instance name with a comma or
-a quote) leaves its ``\x01`` in place, which one byte search finds.
+each output row is ``<instance> <token or batch>\x01,<v1>,...,<vn>\n``
+with the values already JSON (the lines' constant prefix, ``RDATA
+<stream> ``, is the master's: the backend saves its concatenation per row),
+and the lines are the prefix, then that with ``\x01,`` made `` [`` and each
+newline ``]\n`` followed by the next line's prefix, when the rows hold no
+control byte but one ``\x01`` and one newline each (``copy_expert`` gives
+one call per row: the count). :func:`lines_from_rows` finds the control
+bytes and turns the heads' ends in numpy (one vectorized pass, no GIL held),
+then makes the newlines with one one-byte ``replace``. Non-ASCII text is
+UTF-8 in both; ``DEL`` is not escaped by either. A head that CSV quoted (an
+instance name with a comma or a quote) has a ``"`` after its ``\x01``.
 
 A buffer with a control character in a value, or a quoted head (rare), is
 read again by the server-built path (``pg_lines.read_lines``), whose bytes
@@ -46,8 +58,10 @@ rows). A stream with a ``json`` column (its text holds quotes, which
 
 from __future__ import annotations
 
+import enum
 import functools
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Literal
 
 from storage import pg_lines
 from storage.pg_db import rollback_explicit
@@ -55,9 +69,7 @@ from storage.pg_lines import PLAN_SETTINGS, CopyChunks, SessionFunctions, lines_
 from storage.schema import StreamSchema
 
 HEAD_END = b"\x01"
-# Control bytes: a value holding one needs JSON's escape (CSV sends it raw). Each row has two: the
-# head's end and the newline that ends the row.
-_CONTROLS = bytes(range(32))
+_SPACE, _BRACKET, _COMMA = ord(" "), ord("["), ord(",")
 
 
 def handles(schema: StreamSchema) -> bool:
@@ -119,18 +131,33 @@ def range_statement_sql(name: str, schema: StreamSchema, _with_ts: bool) -> str:
 def range_copy_sql(schema: StreamSchema, with_ts: bool) -> str:
     """The ``COPY`` of the rows ``%(after)s < token <= %(last)s`` of a range without batches, for ``mogrify``.
 
+    Its heads lack the lines' prefix (:func:`lines_from_rows` adds it).
+
     A plain query, not a function: ``RETURN QUERY`` puts every row in a
     tuple store first (about 0.15 us per row of the backend's 1.0). Planned
     on each call, with the range as literals (a few tens of microseconds per
     read); its ``ORDER BY`` is the index's, whatever plan the planner picks.
     """
     columns = columns_sql(schema, with_ts, batched=False)
-    columns["o_head"] = columns["o_head"].replace("$4", "%(prefix)s")
+    # The lines' constant prefix is the master's (lines_from_rows): about 0.05 us per row of the
+    # backend's concatenations, free in the newline's replace there.
+    columns["o_head"] = columns["o_head"].removeprefix("$4 || ")
     listed = ", ".join(f"{expression} AS {name}" for name, expression in columns.items())
     return (
         f"COPY (SELECT {listed} FROM {schema.table} t WHERE t.token > %(after)s AND t.token <= %(last)s "
         f"ORDER BY t.token, t.seq) TO STDOUT WITH {copy_options(schema)}"
     )
+
+
+@functools.lru_cache(maxsize=256)
+def range_limit_copy_sql(schema: StreamSchema, with_ts: bool) -> str:
+    """:func:`range_copy_sql` of the first ``%(limit)s`` rows ``%(after)s < token <= %(last)s``, for ``mogrify``.
+
+    For a read without the range statement (:func:`read_columns`): the
+    caller asks one row more than it keeps, so it knows where the last
+    whole token ends.
+    """
+    return range_copy_sql(schema, with_ts).replace(") TO STDOUT WITH", " LIMIT %(limit)s) TO STDOUT WITH", 1)
 
 
 def columns_function_sql(function: str, schema: StreamSchema, with_ts: bool) -> str:
@@ -168,12 +195,75 @@ _RANGE_STATEMENTS = SessionFunctions("tickline_range", range_statement_sql)
 
 def lines_from_columns(data: bytes, rows: int) -> bytes | None:
     """The ``RDATA`` lines of ``rows`` ``COPY`` rows of :func:`columns_sql`; None if they need more escaping."""
-    if len(data) - len(data.translate(None, _CONTROLS)) != 2 * rows:
-        return None  # a control byte in a value (CSV sends it raw)
-    lines = data.replace(b"\x01,", b" [")
-    if HEAD_END in lines:
-        return None  # a head CSV quoted (an instance name with a comma or a quote)
-    return lines.replace(b"\n", b"]\n")
+    return lines_from_rows([data], rows, b"")
+
+
+def lines_from_rows(chunks: Sequence[bytes], rows: int, prefix: bytes) -> bytes | None:
+    """The ``RDATA`` lines of ``rows`` ``COPY`` rows (``chunks`` joined) whose heads lack ``prefix``; None as above.
+
+    Each row is ``<head>\x01,<values>\n``: its line is ``prefix``, the head,
+    `` [``, the values and ``]\n``. The rows' control bytes are found in one
+    vectorized pass (numpy, without the GIL: the other read's thread runs
+    meanwhile): exactly two per row, the head's end followed by ``,`` (else
+    a value holds a control byte, or CSV quoted the head). The head's end and
+    the comma after it become `` [`` in place (a two-byte pattern's
+    ``bytes.replace`` cost 0.13 us per row, the control count by
+    ``translate`` 0.07: docs/benchmarks.md, pgread5), then one one-byte
+    replace makes each newline ``]\n`` and the next line's prefix.
+    """
+    rows_read = _Rows.of(chunks, rows)
+    return None if rows_read is None else rows_read.lines(prefix)
+
+
+class _Rows:
+    """``COPY`` rows of :func:`columns_sql` joined, and where each head ends (see :func:`lines_from_rows`)."""
+
+    def __init__(self, buf: bytearray, data: Any, controls: Any) -> None:
+        self.buf = buf
+        self.data = data  # the bytes of buf as a numpy array (a view: edits change buf)
+        self.heads = controls[0::2]
+        self.ends = controls[1::2]
+
+    @classmethod
+    def of(cls, chunks: Sequence[bytes], rows: int) -> _Rows | None:
+        """None if a value holds a control byte or CSV quoted a head."""
+        # Imported here: only a master's reads need it, and it takes ~140 ms and 16 MiB at import
+        # (a worker's start on PostgreSQL imports this module and never reads lines).
+        import numpy as np
+
+        buf = bytearray().join(chunks)
+        data = np.frombuffer(buf, np.uint8)
+        controls = np.flatnonzero(data < 32)
+        if len(controls) != 2 * rows:
+            return None  # a control byte in a value (CSV sends it raw)
+        heads = controls[0::2]
+        if not (np.all(data[heads] == 1) and np.all(data[heads + 1] == _COMMA)):
+            return None  # a head CSV quoted (an instance name with a comma or a quote)
+        return cls(buf, data, controls)
+
+    def repeats(self) -> bool:
+        """Whether two rows in a row have the same head (a token of several rows: a batch).
+
+        Consecutive tokens differ in their last digit: only rows whose heads
+        have the same length and last byte are compared whole (usually none).
+        """
+        import numpy as np
+
+        heads, data = self.heads, self.data
+        starts = np.concatenate(([0], self.ends[:-1] + 1))
+        lengths = heads - starts
+        alike = np.flatnonzero((lengths[1:] == lengths[:-1]) & (data[heads[1:] - 1] == data[heads[:-1] - 1]))
+        buf = self.buf
+        return any(buf[starts[i] : heads[i]] == buf[starts[i + 1] : heads[i + 1]] for i in alike.tolist())
+
+    def lines(self, prefix: bytes) -> bytes:
+        """The rows' lines (the buffer is changed in place: once)."""
+        heads, data = self.heads, self.data
+        data[heads] = _SPACE
+        data[heads + 1] = _BRACKET
+        lines = self.buf.replace(b"\n", b"]\n" + prefix)
+        # The replace put a prefix after the last newline: the first line's goes before it instead.
+        return prefix + memoryview(lines)[: len(lines) - len(prefix)]
 
 
 def longest_within(data: bytes, limit: int) -> bool:
@@ -191,6 +281,17 @@ def longest_within(data: bytes, limit: int) -> bool:
     return True
 
 
+# Streams (by table) whose reads found a batch lately: reads left through the range statement.
+# A read without it that finds a batch is made again with it (about twice the backend's work for
+# that range); after one, the next reads of the stream take the statement at once.
+_BATCHED_READS: dict[str, int] = {}
+BATCH_MEMORY = 16
+
+
+class _Found(enum.Enum):
+    BATCH = "a read without the range statement found a batch"
+
+
 def read_columns(
     cursor: Any,
     schema: StreamSchema,
@@ -202,8 +303,80 @@ def read_columns(
 ) -> tuple[bytes, int, int] | None:
     """``(lines, last token, rows)`` built here from the columns, or None if they need the server's escaping.
 
-    No check of ``max_line_bytes``: :func:`read_lines` makes it.
+    No check of ``max_line_bytes``: :func:`read_lines` makes it. A range is
+    first read without the range statement (:func:`_read_plain`); if it
+    holds a batch, again with it.
     """
+    table = schema.table
+    left = _BATCHED_READS.get(table, 0)
+    if left > 0 or limit < 1:
+        _BATCHED_READS[table] = left - 1
+    else:
+        got = _read_plain(cursor, schema, after, upto, limit, prefix, with_ts)
+        if got is not _Found.BATCH:
+            return got
+        _BATCHED_READS[table] = BATCH_MEMORY
+    return _read_ranged(cursor, schema, after, upto, limit, prefix, with_ts)
+
+
+def _read_plain(
+    cursor: Any,
+    schema: StreamSchema,
+    after: int,
+    upto: int,
+    limit: int,
+    prefix: str,
+    with_ts: bool,
+) -> tuple[bytes, int, int] | Literal[_Found.BATCH] | None:
+    """The range by one ``COPY`` of its first ``limit + 1`` rows, without the range statement; ``BATCH`` if it holds a batch.
+
+    The range statement scans the range's rows once before the ``COPY`` does
+    (0.10-0.15 us of the backend per row, docs/benchmarks.md, pgread3): here
+    the rows say themselves whether a token repeats (two consecutive rows
+    with one head), and the row past the limit where the last whole token
+    ends (the rows before it, if its token is not theirs). One round trip:
+    the transaction's start, its plan settings and the ``COPY`` in one
+    query string.
+    """
+    sql = cursor.mogrify(range_limit_copy_sql(schema, with_ts), {"after": after, "last": upto, "limit": limit + 1})
+    chunks = CopyChunks()
+    try:
+        cursor.copy_expert(_STEER + sql.decode(), chunks)
+        cursor.execute("COMMIT")
+    except BaseException:
+        rollback_explicit(cursor.connection)  # closes a connection that cannot even roll back
+        raise
+    if not chunks:
+        return b"", after, 0
+    if len(chunks) > limit:
+        # The row past the limit: kept out, unless it continues the last row's token.
+        past, last = chunks.pop(), chunks[-1]
+        if past[: past.find(HEAD_END)] == last[: last.find(HEAD_END)]:
+            return _Found.BATCH
+    rows = _Rows.of(chunks, len(chunks))
+    if rows is None:
+        return None
+    if rows.repeats():
+        return _Found.BATCH
+    return _with_last(rows.lines(prefix.encode()), prefix, len(chunks))
+
+
+def _with_last(lines: bytes, prefix: str, count: int) -> tuple[bytes, int, int]:
+    """``(lines, the last line's token, count)``: the last row is its token's last, so its line names the token."""
+    start = lines.rfind(b"\n", 0, len(lines) - 1) + 1 + len(prefix.encode())
+    return lines, int(lines[start:].split(b" ", 2)[1]), count
+
+
+def _read_ranged(
+    cursor: Any,
+    schema: StreamSchema,
+    after: int,
+    upto: int,
+    limit: int,
+    prefix: str,
+    with_ts: bool,
+) -> tuple[bytes, int, int] | None:
+    """The range through the range statement: its last token and whether a batch may be in it, then its ``COPY``."""
     # Both made outside the transaction below (its rollback would take a function made in it).
     statement = _RANGE_STATEMENTS.name(cursor, schema, False)
     function = _COLUMNS_FUNCTIONS.name(cursor, schema, with_ts)
@@ -214,11 +387,12 @@ def read_columns(
         cursor.execute(f"{_STEER}EXECUTE {statement}(%s, %s, %s)", (after, upto, limit))
         last, batched = cursor.fetchone()
         if last is not None and batched:
-            query = cursor.mogrify(f"SELECT * FROM pg_temp.{function}(%s, %s, %s)", (after, last, prefix)).decode()
+            # The function's heads without the prefix too (lines_from_rows adds it).
+            query = cursor.mogrify(f"SELECT * FROM pg_temp.{function}(%s, %s, %s)", (after, last, "")).decode()
             cursor.copy_expert(f"COPY ({query}) TO STDOUT WITH {copy_options(schema)}", chunks)
         elif last is not None:
             sql = range_copy_sql(schema, with_ts)
-            cursor.copy_expert(cursor.mogrify(sql, {"after": after, "last": last, "prefix": prefix}).decode(), chunks)
+            cursor.copy_expert(cursor.mogrify(sql, {"after": after, "last": last}).decode(), chunks)
         cursor.execute("COMMIT")
     except BaseException:
         rollback_explicit(cursor.connection)  # closes a connection that cannot even roll back
@@ -226,12 +400,10 @@ def read_columns(
     if not chunks:
         return b"", after, 0
     rows = len(chunks)
-    lines = lines_from_columns(b"".join(chunks), rows)
+    lines = lines_from_rows(chunks, rows, prefix.encode())
     if lines is None:
         return None
-    # The last row is its token's last: its line names the token.
-    start = lines.rfind(b"\n", 0, len(lines) - 1) + 1 + len(prefix.encode())
-    return lines, int(lines[start:].split(b" ", 2)[1]), rows
+    return _with_last(lines, prefix, rows)
 
 
 def read_lines(

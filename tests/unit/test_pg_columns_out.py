@@ -73,7 +73,12 @@ def _both(store: PgStreamStore, schema: StreamSchema, after: int, upto: int, lim
     with store._side_cursor() as cur:
         server = pg_lines.read_lines(cur, schema, after, upto, limit, prefix, with_ts, max_bytes)
         columns = pg_columns_out.read_lines(cur, schema, after, upto, limit, prefix, with_ts, max_bytes)
+        # Without the range statement first (and with it if the rows hold a batch), then with it.
+        pg_columns_out._BATCHED_READS.clear()
         fast = pg_columns_out.read_columns(cur, schema, after, upto, limit, prefix, with_ts)
+        pg_columns_out._BATCHED_READS[schema.table] = 1
+        ranged = pg_columns_out.read_columns(cur, schema, after, upto, limit, prefix, with_ts)
+        assert ranged == fast
         # Every read ends its own transaction (its SET LOCALs and snapshot go with it).
         assert cur.connection.get_transaction_status() == psycopg2.extensions.TRANSACTION_STATUS_IDLE
     return server, columns, fast
@@ -117,6 +122,45 @@ def test_values_that_json_escapes_as_csv_does_take_the_fast_path(store: PgStream
         server, built, fast = _both(store, schema, 0, 5, 100, with_ts, None)
         assert fast is not None and built == server == fast
         assert fast[0].count(b" batch ") == 1 and fast[1:] == (5, 6)
+
+
+def test_a_read_without_the_range_statement_ends_at_whole_tokens_and_rereads_a_batch(store: PgStreamStore) -> None:
+    """The row past the limit tells where the last whole token ends; two rows of a batch among the rows
+    read (also its second row as the one past the limit) send the read through the range statement,
+    and the stream's next reads with it."""
+    schema = StreamSchema("plain", TEXTS)
+    store.register_stream(schema)
+    for n in range(1, 6):  # tokens 1-5, one row each
+        store.append("plain", [[f"r{n}", None, None]], "w")
+    store.append("plain", [["b1", None, None], ["b2", None, None]], "w", batch=True)  # token 6
+    store.append("plain", [["r7", None, None]], "w")
+    prefix = "RDATA plain "
+    with store._side_cursor() as cur:
+        for after, limit, end, count in (
+            (0, 3, 3, 3),
+            (0, 5, 5, 5),
+            (4, 1, 5, 1),
+            (4, 2, 6, 3),
+            (5, 8, 7, 3),
+            (0, 1, 1, 1),
+        ):
+            pg_columns_out._BATCHED_READS.clear()
+            got = pg_columns_out.read_columns(cur, schema, after, 7, limit, prefix, False)
+            server = pg_lines.read_lines(cur, schema, after, 7, limit, prefix, False, None)
+            assert got == server and got is not None and got[1:] == (end, count)
+            batch_read = after < 6 and 6 - after <= limit  # token 6's second row among the limit + 1 read
+            assert pg_columns_out._BATCHED_READS.get(schema.table, 0) == (
+                pg_columns_out.BATCH_MEMORY if batch_read else 0
+            )
+        # After a batch, the next reads take the range statement (counted down), then read without it again.
+        pg_columns_out._BATCHED_READS["stream_plain"] = 2
+        for left in (1, 0, 0):
+            assert pg_columns_out.read_columns(cur, schema, 0, 2, 5, prefix, False) == (
+                b'RDATA plain w 1 ["r1",null,null]\nRDATA plain w 2 ["r2",null,null]\n',
+                2,
+                2,
+            )
+            assert pg_columns_out._BATCHED_READS[schema.table] == left
 
 
 def test_a_session_without_standard_conforming_strings_reads_the_same(store: PgStreamStore) -> None:
