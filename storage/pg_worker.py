@@ -432,30 +432,36 @@ class PgWorkerStore:
             raise StaleApply(f"stream {stream!r}: token {token} is not above the applied token")
 
     def _copy_apply(self, stream: str, token: int, schema: StreamSchema, text: bytes) -> None:
-        """The applied token and the rows by ``COPY`` in one transaction, in two round trips.
+        """The applied token and the rows by ``COPY`` in one transaction, in one round trip.
 
         On this thread's autocommit connection: ``BEGIN``, the token's move
-        (prepared) and ``COPY ... FROM STDIN`` as one request, then ``COMMIT``
-        (it was three: ``BEGIN`` with the move, the ``COPY``, ``COMMIT``). A move
-        that does not move (a stale token) fails by a division by zero, which
-        stops the request before the ``COPY``: nothing is written and
-        :class:`StaleApply` is raised. Exactly once as before: the token
-        commits with the rows or neither does.
+        (prepared), ``COPY ... FROM STDIN`` and ``COMMIT`` as one request (it
+        was three, then two: ``COMMIT`` on its own). The server runs a
+        request's statements in order and skips the rest at the first error:
+        a move that does not move (a stale token) fails by a division by zero,
+        which stops the request before the ``COPY`` (nothing is written,
+        :class:`StaleApply` is raised); a row the ``COPY`` refuses stops it
+        before the ``COMMIT`` (the transaction is rolled back here). Exactly
+        once as before: the token commits with the rows or neither does. A
+        connection lost during the request may have lost the ``COMMIT``'s
+        answer, not only the ``COPY``'s: its outcome is unknown
+        (:class:`CommitUnknown`, settled by the caller).
         """
         conn = self.database.autocommit_connection()
         committing = False
         try:
             with conn.cursor() as cur:
-                # BEGIN, the move and the COPY in one request: the move is not awaited on its own
-                # (a stale token fails it with a division by zero, so nothing of the COPY runs).
+                # BEGIN, the move, the COPY and the COMMIT in one request: neither the move nor the
+                # COPY is awaited on its own (a stale token fails the move with a division by zero,
+                # so nothing of the COPY runs), and no second request waits for the reactor to let
+                # this thread take the GIL back between the COPY's answer and the COMMIT.
                 move = cur.mogrify(prepared(cur, _MOVE_CHECKED_SQL), (stream, token)).decode()
+                committing = True
                 try:
-                    cur.copy_expert(f"{BEGIN}{move}; {_copy_sql(schema)}", io.BytesIO(text), size=1 << 20)
+                    cur.copy_expert(f"{BEGIN}{move}; {_copy_sql(schema)}; COMMIT", io.BytesIO(text), size=1 << 20)
                 except psycopg2.errors.DivisionByZero:
                     rollback_explicit(conn)
                     raise StaleApply(f"stream {stream!r}: token {token} is not above the applied token") from None
-                committing = True
-                cur.execute("COMMIT")
         except psycopg2.OperationalError as e:
             raise self._lost(conn, e, committing) from None
         except BaseException:
@@ -533,12 +539,21 @@ class PgWorkerStore:
         if chunk is not None:
             quick, nulls = chunk(received)
             if quick:
-                joined = "\n".join(quick)
-                if _escape_free(received) or not lines_need_escapes(joined, len(quick), len(schema.columns) + 3, nulls):
+                if _escape_free(received):
+                    # The last line's newline by the join itself: no copy of the whole text for it
+                    # (about a third of the join and encoding of a group's 0.8 MB).
+                    quick.append("")
                     try:
-                        return (joined + "\n").encode()
+                        return "\n".join(quick).encode()
                     except UnicodeEncodeError:  # a lone surrogate: refused row by row
                         pass
+                else:
+                    joined = "\n".join(quick)
+                    if not lines_need_escapes(joined, len(quick), len(schema.columns) + 3, nulls):
+                        try:
+                            return (joined + "\n").encode()
+                        except UnicodeEncodeError:
+                            pass
         fmt = formatter(schema, with_ts=True)
         width = len(schema.columns)
         lines = []

@@ -1,7 +1,8 @@
 """A worker apply whose connection is lost once its commit may have been sent: ``CommitUnknown``.
 
-On the real PostgreSQL server, for the apply paths other than ``COPY``
-(``test_pg_apply_after.py`` has those): the small apply's one autocommit
+On the real PostgreSQL server: the ``COPY`` apply, whose ``COMMIT`` goes in the
+same request as its rows (``test_pg_apply_after.py`` has the chained
+``COPY``s on two connections); the small apply's one autocommit
 statement (it commits on its own, so a connection lost once it was sent leaves
 the outcome unknown) and the general apply's transaction, whose ``COMMIT`` is
 sent after its backend was terminated. The worker settles a ``CommitUnknown``
@@ -22,7 +23,7 @@ import pytest
 from replication.streams import EVENTS
 from storage.store import CommitUnknown, DatabaseUnavailable
 from storage.worker_store import open_worker_store
-from tests.pg_sql import TS, received, replicated_tokens
+from tests.pg_sql import TS, query, received, replicated_tokens
 from tests.stores import pg_worker_store
 
 
@@ -60,6 +61,37 @@ def test_a_small_apply_whose_connection_is_lost_is_commit_unknown(store, pg_url)
     assert replicated_tokens(pg_url) == [1, 2, 3]
     store.apply_replicated("events", 5, EVENTS, received(4, 5), _no_effects)  # a new connection
     assert replicated_tokens(pg_url) == [1, 2, 3, 4, 5]
+
+
+def test_a_copy_apply_whose_connection_is_lost_is_commit_unknown(store, pg_url) -> None:
+    """A ``COPY``-sized apply sends its ``COMMIT`` in the same request as its rows: a connection lost
+    during that request leaves the outcome unknown, whatever part of it the server had run."""
+    store.apply_replicated("events", 100, EVENTS, received(4, 100), _no_effects)  # the move prepared
+    _terminate(pg_url, store.database.autocommit_connection().get_backend_pid())
+    with pytest.raises(CommitUnknown):
+        store.apply_replicated("events", 200, EVENTS, received(101, 200), _no_effects)
+    assert store.applied_tokens() == {"events": 100}
+    assert replicated_tokens(pg_url) == list(range(1, 101))
+    store.apply_replicated("events", 200, EVENTS, received(101, 200), _no_effects)  # a new connection
+    assert replicated_tokens(pg_url) == list(range(1, 201))
+
+
+def test_a_copy_apply_the_server_refuses_commits_nothing(store, pg_url) -> None:
+    """A row the server's ``COPY`` refuses (here a check constraint on the table) stops the request
+    before its ``COMMIT``: neither the rows nor the token's move commit, the error is the server's
+    (not ``CommitUnknown``), and the same connection applies the next group."""
+    query(pg_url, "ALTER TABLE replicated_events ADD CONSTRAINT not_50 CHECK (token <> 50)")
+    pid = store.database.autocommit_connection().get_backend_pid()
+    with pytest.raises(psycopg2.Error, match="not_50") as raised:
+        store.apply_replicated("events", 100, EVENTS, received(4, 100), _no_effects)
+    assert not isinstance(raised.value, CommitUnknown)
+    assert store.applied_tokens() == {"events": 3}
+    assert replicated_tokens(pg_url) == [1, 2, 3]
+    query(pg_url, "ALTER TABLE replicated_events DROP CONSTRAINT not_50")
+    store.apply_replicated("events", 100, EVENTS, received(4, 100), _no_effects)
+    assert store.database.autocommit_connection().get_backend_pid() == pid
+    assert store.applied_tokens() == {"events": 100}
+    assert replicated_tokens(pg_url) == list(range(1, 101))
 
 
 def test_a_general_apply_whose_commit_finds_its_connection_gone_is_commit_unknown(store, pg_url) -> None:
