@@ -68,11 +68,9 @@ SETUP_SECONDS = 5.0  # connecting and creating the function (off the reactor)
 # After a plain read whose values needed escapes, the stream's next wake-ups build escaped lines
 # (pg_lines' SQL): a stream whose values often hold quotes would otherwise pay a second read each time.
 ESCAPED_WAKES = 100
-# Control bytes: a value holding one needs JSON's escape. A plain answer holds one newline per row
-# and one NULL_MARK per NULL value, nothing else of these.
-_CONTROLS = bytes(range(32))
-NULL_MARK = b"\x01"
-_QUOTED_NULL = b'"' + NULL_MARK + b'"'
+# The bytes a JSON string escapes (quote, backslash, control characters). A plain answer holds
+# only its own: two quotes per non-NULL value and a newline per row.
+_ESCAPED = b'"\\' + bytes(range(32))
 
 
 def _literal(text: str) -> str:
@@ -87,37 +85,59 @@ def plain_text(schema: StreamSchema) -> bool:
 def plain_line_sql(schema: StreamSchema, with_ts: bool) -> str:
     """SQL for a row's line after its ``RDATA <stream> `` prefix, its text values quoted but not escaped.
 
-    Each value between double quotes as it is, a NULL as ``NULL_MARK`` between
-    them (``array_to_string``: one call per row, no JSON escaping). The row
-    is ``t``, the batch marks ``b`` of ``pg_lines.lines_select_sql``; the
-    head is ``pg_lines.line_sql``'s.
+    Each run of ``NOT NULL`` columns by one ``array_to_string`` (one call per
+    run, no JSON escaping; a NULL there, which the table refuses, would be
+    ``\\x01``, which :func:`plain_lines` refuses), each nullable column
+    between quotes or ``null``. The row is ``t``, the batch marks ``b`` of
+    ``pg_lines.lines_select_sql``; the head is ``pg_lines.line_sql``'s.
     """
-    values = ", ".join(f"t.{c.name}" for c in schema.columns)
+    # (literal text, None) or (None, SQL expression), in order; adjacent literals are joined (a
+    # concatenation fewer per row).
+    parts: list[tuple[str | None, str | None]] = [(" [", None)]
+    run: list[str] = []
+
+    def end_run() -> None:
+        if run:
+            joined = run[0] if len(run) == 1 else f"array_to_string(ARRAY[{', '.join(run)}], '\",\"', E'\\x01')"
+            parts.extend([('"', None), (None, joined), ('"', None)])
+            run.clear()
+
+    for i, c in enumerate(schema.columns):
+        if c.nullable:
+            end_run()
+            parts.extend([("," if i else "", None), (None, f"COALESCE('\"' || t.{c.name} || '\"', 'null')")])
+        else:
+            if not run and i:
+                parts.append((",", None))
+            run.append(f"t.{c.name}")
+    end_run()
+    parts.extend([(",", None), (None, "t.ts::text"), ("]", None)] if with_ts else [("]", None)])
     mark = "CASE WHEN t.seq < b.last_seq THEN 'batch' ELSE t.token::text END"
-    end = "'\",' || t.ts::text || ']'" if with_ts else "'\"]'"
-    return f"t.instance_name || ' ' || {mark} || ' [\"' || array_to_string(ARRAY[{values}], '\",\"', E'\\x01') || {end}"
+    pieces = [f"t.instance_name || ' ' || {mark}"]
+    literal = ""
+    for text, expression in parts:
+        if text is not None:
+            literal += text
+            continue
+        if literal:
+            pieces.append(_literal(literal))
+            literal = ""
+        pieces.append(str(expression))
+    pieces.append(_literal(literal))
+    return " || ".join(pieces)
 
 
-def plain_lines(data: bytes, rows: int, columns: int, nulls: int) -> bytes | None:
-    """The JSON lines of a plain answer (:func:`plain_line_sql`), or None if a value needed an escape.
+def plain_lines(data: bytes, rows: int, columns: int, nulls: int) -> bool:
+    """Whether a plain answer (:func:`plain_line_sql`) is the JSON lines: no value needed an escape.
 
     A value's JSON is its text between quotes exactly when it holds no
     ``"``, no backslash and no control character (the escapes of
-    ``array_to_json`` and the Python encoder). The answer's quotes are then
-    exactly two per value, it holds no backslash, and its control bytes are
-    its ``rows`` newlines and one ``NULL_MARK`` per NULL (``nulls``, counted
-    by the server), each quoted alone: a value holding any of these breaks a
-    count. The marks are then made ``null``.
+    ``array_to_json`` and the Python encoder). The answer's own such bytes
+    are two quotes per non-NULL value (``nulls``: the NULL values, counted
+    by the server) and a newline per row; a value (or an instance name)
+    holding one adds to that count.
     """
-    if data.count(b'"') != 2 * columns * rows or b"\\" in data:
-        return None
-    if len(data) - len(data.translate(None, _CONTROLS)) != rows + nulls:
-        return None
-    if nulls:
-        if data.count(_QUOTED_NULL) != nulls:
-            return None
-        data = data.replace(_QUOTED_NULL, b"null")
-    return data
+    return len(data) - len(data.translate(None, _ESCAPED)) == 2 * (columns * rows - nulls) + rows
 
 
 def _lines_cte(index: int, schema: StreamSchema, variants: tuple[bool, ...], plain: bool) -> str:
@@ -334,14 +354,12 @@ class PgWake:
 
         A value that needed an escape has the next ``ESCAPED_WAKES`` wake-ups build the stream's lines escaped.
         """
-        for variant, data in encoded.items():
-            lines = plain_lines(data, rows, columns, nulls)
-            if lines is None:
+        for data in encoded.values():
+            if not plain_lines(data, rows, columns, nulls):
                 self._escaped[name] = ESCAPED_WAKES
                 return False
-            if limit is not None and not longest_within(lines, limit):
+            if limit is not None and not longest_within(data, limit):
                 return False
-            encoded[variant] = lines
         return True
 
     def close(self) -> None:
