@@ -22,6 +22,22 @@ connection's own session, so masters never share or race on it), which runs
    the fan-out starts after the first quarter chunk); a commit of up to
    ``limit`` rows still reaches the master in one round trip.
 
+**Plain lines.** A stream whose columns are all text (the usual case:
+``events``) has its lines read *plain*: each value between double quotes as
+it is, not escaped (:func:`plain_line_sql`: a run of ``NOT NULL`` columns by
+one ``array_to_string``, a nullable one as ``'"' || v || '"'`` or ``null``),
+the ``RDATA <stream> `` prefix put in by the aggregate's separator. That is
+the JSON line exactly when no value holds a quote, a backslash or a control
+character, which the master checks on the whole answer with one byte count
+(:func:`plain_lines`: those bytes are then two per non-NULL value, which the
+server counts, and a newline per row). Measured on 1,000-row ranges of the
+bench's rows (docs/benchmarks.md, wake6): about 1.55-1.6 µs of the backend
+per row with ``ts`` against 2.0 by ``array_to_json``, and 0.1 µs of the
+master's per row for the check. An answer that fails the check is left to
+the master's reads (which escape), and the stream's next ``ESCAPED_WAKES``
+wake-ups build its lines escaped (``pg_lines``' SQL), so a stream whose
+values often need escapes does not pay a second read each time.
+
 **Order.** The proof of the safe time (docs/time.md) needs the mark read
 before the live writers and the positions (a snapshot) and before the
 allocated heads (sequences). One SQL statement does not order its parts, but
@@ -53,6 +69,7 @@ import psycopg2
 import psycopg2.extensions
 
 from storage.contracts import WakeReads, WakeResult
+from storage.pg_columns_out import longest_within
 from storage.pg_db import session_settings
 from storage.pg_lines import PLAN_SETTINGS, line_sql, lines_select_sql
 from storage.pg_store import _ORACLE_LAST_SQL, PgStreamStore, _seq
@@ -64,28 +81,107 @@ from storage.urls import redact_url
 SETUP_SECONDS = 5.0  # connecting and creating the function (off the reactor)
 
 
+# After a plain read whose values needed escapes, the stream's next wake-ups build escaped lines
+# (pg_lines' SQL): a stream whose values often hold quotes would otherwise pay a second read each time.
+ESCAPED_WAKES = 100
+# The bytes a JSON string escapes (quote, backslash, control characters). A plain answer holds
+# only its own: two quotes per non-NULL value and a newline per row.
+_ESCAPED = b'"\\' + bytes(range(32))
+
+
 def _literal(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
-def _lines_cte(index: int, schema: StreamSchema, variants: tuple[bool, ...]) -> str:
+def plain_text(schema: StreamSchema) -> bool:
+    """Whether the wake-up may read the stream's lines plain (every column text; see the module doc)."""
+    return bool(schema.columns) and all(c.type == "text" for c in schema.columns)
+
+
+def plain_line_sql(schema: StreamSchema, with_ts: bool) -> str:
+    """SQL for a row's line after its ``RDATA <stream> `` prefix, its text values quoted but not escaped.
+
+    Each run of ``NOT NULL`` columns by one ``array_to_string`` (one call per
+    run, no JSON escaping; a NULL there, which the table refuses, would be
+    ``\\x01``, which :func:`plain_lines` refuses), each nullable column
+    between quotes or ``null``. The row is ``t``, the batch marks ``b`` of
+    ``pg_lines.lines_select_sql``; the head is ``pg_lines.line_sql``'s.
+    """
+    # (literal text, None) or (None, SQL expression), in order; adjacent literals are joined (a
+    # concatenation fewer per row).
+    parts: list[tuple[str | None, str | None]] = [(" [", None)]
+    run: list[str] = []
+
+    def end_run() -> None:
+        if run:
+            joined = run[0] if len(run) == 1 else f"array_to_string(ARRAY[{', '.join(run)}], '\",\"', E'\\x01')"
+            parts.extend([('"', None), (None, joined), ('"', None)])
+            run.clear()
+
+    for i, c in enumerate(schema.columns):
+        if c.nullable:
+            end_run()
+            parts.extend([("," if i else "", None), (None, f"COALESCE('\"' || t.{c.name} || '\"', 'null')")])
+        else:
+            if not run and i:
+                parts.append((",", None))
+            run.append(f"t.{c.name}")
+    end_run()
+    parts.extend([(",", None), (None, "t.ts::text"), ("]", None)] if with_ts else [("]", None)])
+    mark = "CASE WHEN t.seq < b.last_seq THEN 'batch' ELSE t.token::text END"
+    pieces = [f"t.instance_name || ' ' || {mark}"]
+    literal = ""
+    for text, expression in parts:
+        if text is not None:
+            literal += text
+            continue
+        if literal:
+            pieces.append(_literal(literal))
+            literal = ""
+        pieces.append(str(expression))
+    pieces.append(_literal(literal))
+    return " || ".join(pieces)
+
+
+def plain_lines(data: bytes, rows: int, columns: int, nulls: int) -> bool:
+    """Whether a plain answer (:func:`plain_line_sql`) is the JSON lines: no value needed an escape.
+
+    A value's JSON is its text between quotes exactly when it holds no
+    ``"``, no backslash and no control character (the escapes of
+    ``array_to_json`` and the Python encoder). The answer's own such bytes
+    are two quotes per non-NULL value (``nulls``: the NULL values, counted
+    by the server) and a newline per row; a value (or an instance name)
+    holding one adds to that count.
+    """
+    return len(data) - len(data.translate(None, _ESCAPED)) == 2 * (columns * rows - nulls) + rows
+
+
+def _lines_cte(index: int, schema: StreamSchema, variants: tuple[bool, ...], plain: bool) -> str:
     """The lines of stream ``index`` (1-based in the arrays) up to its position, in each variant asked.
 
     Two CTEs: ``u<index>``, the last token and the count of the first
     ``max_rows + 1`` rows after ``afters[index]``, and ``l<index>``, the
     lines of each variant gathered in order, the last token, the count, the
-    longest line and that first count. Only a range of at most ``max_rows``
+    longest line, that first count and the NULL values. Only a range of at most ``max_rows``
     rows is read (the lines of a larger one are left to the master's reads,
     cheaper per row: see the module doc), whole: every row up to the
-    position. The lines are built by ``storage.pg_lines`` (the same SQL as
-    the master's reads of a ``json`` stream), each variant a column of the same rows.
+    position. Escaped, the lines are built by ``storage.pg_lines`` (the same SQL as
+    the master's reads of a ``json`` stream), each variant a column of the same rows;
+    ``plain``, by :func:`plain_line_sql`, the prefix put in by the aggregate's
+    separator (once per row, not a concatenation more), the longest line
+    left to the caller.
     """
     after = f"afters[{index}]"
     position = f"(SELECT pos.position FROM pos WHERE pos.name = {_literal(schema.name)})"
-    prefix = _literal(f"RDATA {schema.name} ")
+    prefix = f"RDATA {schema.name} "
+    if plain:
+        built = {f"line_{int(v)}": plain_line_sql(schema, v) for v in variants}
+        built["nulls"] = "num_nulls(" + ", ".join(f"t.{c.name}" for c in schema.columns) + ")"
+    else:
+        built = {f"line_{int(v)}": line_sql(schema, v, _literal(prefix)) for v in variants}
     select = lines_select_sql(
         schema,
-        {f"line_{int(v)}": line_sql(schema, v, prefix) for v in variants},
+        built,
         after,
         f"(SELECT CASE WHEN u{index}.found <= max_rows THEN u{index}.upper_token END FROM u{index})",
         f"(SELECT u{index}.repeats FROM u{index})",
@@ -97,25 +193,32 @@ def _lines_cte(index: int, schema: StreamSchema, variants: tuple[bool, ...]) -> 
         # ORDER BY in the aggregate itself: PostgreSQL does not promise that an aggregate takes its
         # input in a subquery's order, and the lines' order is the delivery order. The sort of
         # rows already in order is cheap next to building the lines.
-        return f"string_agg(x.line_{int(variant)}, E'\\n' ORDER BY x.token, x.seq) || E'\\n'"
+        order = "ORDER BY x.token, x.seq"
+        if plain:
+            return f"{_literal(prefix)} || string_agg(x.line_{int(variant)}, {_literal(chr(10) + prefix)} {order}) || E'\\n'"
+        return f"string_agg(x.line_{int(variant)}, E'\\n' {order}) || E'\\n'"
 
     # The longest line: the variant with ts where it is asked (the longer one).
+    longest = "0" if plain else f"COALESCE(max(octet_length(x.line_{int(max(variants))})), 0)::integer"
+    nulls = "sum(x.nulls)::bigint" if plain else "NULL::bigint"
     return (
         f"u{index} AS (SELECT max(x.token) AS upper_token, count(*) AS found, "
         f"count(*) > count(DISTINCT x.token) AS repeats FROM (SELECT r.token FROM {schema.table} r "
         f"WHERE r.token > {after} AND r.token <= {position} ORDER BY r.token LIMIT max_rows + 1) AS x), "
         f"l{index} AS (SELECT {gathered(False)} AS lines, {gathered(True)} AS lines_ts, "
-        f"max(x.token) AS last, count(*) AS cnt, COALESCE(max(octet_length(x.line_{int(max(variants))})), 0)::integer "
-        f"AS longest, (SELECT u{index}.found FROM u{index}) AS found FROM ({select}) AS x)"
+        f"max(x.token) AS last, count(*) AS cnt, {longest} AS longest, {nulls} AS nulls, "
+        f"(SELECT u{index}.found FROM u{index}) AS found FROM ({select}) AS x)"
     )
 
 
-def wake_function_sql(function: str, schemas: list[StreamSchema], reads: list[tuple[int, tuple[bool, ...]]]) -> str:
+def wake_function_sql(
+    function: str, schemas: list[StreamSchema], reads: list[tuple[int, tuple[bool, ...], bool]]
+) -> str:
     """``CREATE FUNCTION`` of the wake-up for these streams (see the module doc).
 
-    ``reads``: the (1-based stream index, variants) of the streams whose
-    lines the function reads; only those are in its plan (a plan's start-up costs in
-    proportion to its nodes, read or not).
+    ``reads``: the (1-based stream index, variants, plain) of the streams whose
+    lines the function reads (``plain``: by :func:`plain_line_sql`); only those are in its plan
+    (a plan's start-up costs in proportion to its nodes, read or not).
     """
     positions = " UNION ALL ".join(
         "SELECT p.name, p.position, p.head, p.live, "
@@ -129,22 +232,22 @@ def wake_function_sql(function: str, schemas: list[StreamSchema], reads: list[tu
     ctes = [f"pos AS MATERIALIZED ({positions})"]
     selects = [
         "SELECT pos.name, pos.position, pos.head, pos.live, pos.last_ts, mark, NULL::text, NULL::text, "
-        "NULL::bigint, NULL::bigint, NULL::integer FROM pos"
+        "NULL::bigint, NULL::bigint, NULL::integer, NULL::bigint FROM pos"
     ]
-    for index, variants in reads:
+    for index, variants, plain in reads:
         schema = schemas[index - 1]
-        ctes.append(_lines_cte(index, schema, variants))
+        ctes.append(_lines_cte(index, schema, variants, plain))
         selects.append(
             f"SELECT {_literal(schema.name)}::text, NULL::bigint, NULL::bigint, NULL::boolean, NULL::bigint, "
             f"NULL::bigint, l{index}.lines, l{index}.lines_ts, l{index}.last, "
-            f"CASE WHEN l{index}.found > max_rows THEN -1 ELSE l{index}.cnt END, l{index}.longest "
+            f"CASE WHEN l{index}.found > max_rows THEN -1 ELSE l{index}.cnt END, l{index}.longest, l{index}.nulls "
             f"FROM l{index} WHERE l{index}.cnt > 0 OR l{index}.found > max_rows"
         )
     query = "WITH " + ", ".join(ctes) + " " + " UNION ALL ".join(selects)
     return (
         f"CREATE FUNCTION pg_temp.{function}(read_mark boolean, max_rows integer, afters bigint[]) "
         "RETURNS TABLE(r_name text, r_position bigint, r_head bigint, r_live boolean, r_last_ts bigint, r_mark bigint, "
-        "r_lines text, r_lines_ts text, r_last bigint, r_count bigint, r_longest integer) "
+        "r_lines text, r_lines_ts text, r_last bigint, r_count bigint, r_longest integer, r_nulls bigint) "
         f"LANGUAGE plpgsql VOLATILE {PLAN_SETTINGS} AS $fn$\nDECLARE\n    mark bigint;\nBEGIN\n"
         f"    IF read_mark THEN\n        {_ORACLE_LAST_SQL} INTO mark;\n    END IF;\n"
         f"    RETURN QUERY {query};\nEND\n$fn$"
@@ -164,9 +267,11 @@ class PgWake:
     def __init__(self, store: PgStreamStore, conn: Any) -> None:
         self._store = store
         self._conn = conn
-        self._functions: dict[tuple[tuple[str, ...], tuple[tuple[int, tuple[bool, ...]], ...]], str] = {}
+        self._functions: dict[tuple[tuple[str, ...], tuple[tuple[int, tuple[bool, ...], bool], ...]], str] = {}
         self._cursor: Any = None
-        self._pending: tuple[bool, WakeReads] | None = None
+        self._pending: tuple[bool, WakeReads, dict[str, int]] | None = None
+        # Per stream: the wake-ups left that build its lines escaped (ESCAPED_WAKES).
+        self._escaped: dict[str, int] = {}
 
     def fileno(self) -> int:
         return int(self._conn.fileno())
@@ -175,12 +280,18 @@ class PgWake:
         """Send the wake-up (never blocks)."""
         schemas = self._store._catalog.known()
         afters: list[int] = []
-        shape: list[tuple[int, tuple[bool, ...]]] = []
+        shape: list[tuple[int, tuple[bool, ...], bool]] = []
+        plain: dict[str, int] = {}  # the streams read plain: their number of columns
         for index, schema in enumerate(schemas, 1):
             after, variants = reads.get(schema.name, (0, ()))
             afters.append(after)
             if variants:
-                shape.append((index, tuple(sorted(set(variants)))))
+                escaped = self._escaped.get(schema.name, 0)
+                if escaped:
+                    self._escaped[schema.name] = escaped - 1
+                elif plain_text(schema):
+                    plain[schema.name] = len(schema.columns)
+                shape.append((index, tuple(sorted(set(variants))), schema.name in plain))
         key = (tuple(s.name for s in schemas), tuple(shape))
         function = self._functions.get(key)
         create = ""
@@ -191,7 +302,7 @@ class PgWake:
                 wake_function_sql(function, schemas, shape).replace("%", "%%")
                 + f";\nPREPARE {function} AS SELECT * FROM pg_temp.{function}($1, $2, $3::bigint[]);\n"
             )
-        self._pending = (read_mark, {name: reads[name] for name in reads if name in key[0]})
+        self._pending = (read_mark, {name: reads[name] for name in reads if name in key[0]}, plain)
         try:
             self._cursor = self._conn.cursor()
             self._cursor.execute(f"{create}EXECUTE {function} (%s, %s, %s)", (read_mark, limit, afters))
@@ -213,7 +324,7 @@ class PgWake:
     def result(self) -> WakeResult:
         """The answer of the call :meth:`start` sent, once :meth:`poll` said ``"done"``."""
         assert self._pending is not None and self._cursor is not None
-        read_mark, reads = self._pending
+        read_mark, reads, plain = self._pending
         rows = self._cursor.fetchall()
         self._cursor.close()
         self._cursor, self._pending = None, None
@@ -222,7 +333,7 @@ class PgWake:
         first: dict[str, tuple[int, tuple[dict[bool, bytes], int, int]]] = {}
         limit = self._store.max_line_bytes
         unread: set[str] = set()
-        for name, position, head, live, last_ts, mark, lines, lines_ts, last, count, longest in rows:
+        for name, position, head, live, last_ts, mark, lines, lines_ts, last, count, longest, nulls in rows:
             if count is None:
                 positions[name] = int(position)
                 if mark is None:
@@ -241,12 +352,31 @@ class PgWake:
                 encoded[False] = lines.encode()
             if lines_ts is not None:
                 encoded[True] = lines_ts.encode()
+            columns = plain.get(name)
+            if columns is not None and not self._plain(name, encoded, int(count), columns, int(nulls), limit):
+                unread.add(name)  # a value needs an escape, or a line is too long: the master reads them
+                continue
             first[name] = (reads[name][0], (encoded, int(last), int(count)))
         # Streams read whose range held no row (tokens rolled back): the master moves them on.
         for name, (after, variants) in reads.items():
             if name not in first and name not in unread and positions.get(name, after) > after:
                 first[name] = (after, ({v: b"" for v in variants}, after, 0))
         return (times if read_mark else None), positions, first
+
+    def _plain(
+        self, name: str, encoded: dict[bool, bytes], rows: int, columns: int, nulls: int, limit: int | None
+    ) -> bool:
+        """Makes a plain answer's lines JSON in ``encoded``; False if they cannot be (the master reads them).
+
+        A value that needed an escape has the next ``ESCAPED_WAKES`` wake-ups build the stream's lines escaped.
+        """
+        for data in encoded.values():
+            if not plain_lines(data, rows, columns, nulls):
+                self._escaped[name] = ESCAPED_WAKES
+                return False
+            if limit is not None and not longest_within(data, limit):
+                return False
+        return True
 
     def close(self) -> None:
         close_quietly(self._conn)

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from replication.streams import CACHES, EVENTS
-from storage import pg_lines
+from storage import pg_lines, pg_wake
 from storage.pg_lines import line_sql
 from storage.pg_store import PgStreamStore
 from storage.pg_wake import PgWake, wake_function_sql
@@ -171,6 +171,11 @@ def test_the_wake_ups_lines_are_the_python_encoders_bytes(stores) -> None:
     reads = {TEXTS.name: (0, (False, True)), MIXED.name: (1, (False, True))}
     wake.start(True, reads, 1000)
     first = drive(wake)[2]
+    # The text stream's values need escapes: read plain, they are left to the master, and its next
+    # wake-ups build them escaped (pg_lines' SQL).
+    assert TEXTS.name not in first and MIXED.name in first
+    wake.start(True, reads, 1000)
+    first = drive(wake)[2]
     for schema, rows in ((TEXTS, TEXT_ROWS), (MIXED, MIXED_ROWS)):
         after = reads[schema.name][0]
         encoded, last, count = first[schema.name][1]
@@ -179,11 +184,18 @@ def test_the_wake_ups_lines_are_the_python_encoders_bytes(stores) -> None:
             assert encoded[variant] == _python(reader, schema, after, last, variant)
         assert encoded[False].count(b" batch ") == 2
     schemas = reader._catalog.known()
-    sql = wake_function_sql("f", schemas, [(schemas.index(TEXTS) + 1, (False, True))])
+    sql = wake_function_sql("f", schemas, [(schemas.index(TEXTS) + 1, (False, True), False)])
     assert line_sql(TEXTS, True, "'RDATA texts '") in sql and "lead(" not in sql
+    sql = wake_function_sql("f", schemas, [(schemas.index(TEXTS) + 1, (False, True), True)])
+    assert pg_wake.plain_line_sql(TEXTS, True) in sql and "array_to_json" not in sql
 
 
 _wake_names = (f"wakeprop{i}" for i in itertools.count())
+
+
+def wake_plain(wake: PgWake, stream: str) -> int | None:
+    """The wake-ups left that build the stream's lines escaped (None: plain, when its columns allow)."""
+    return wake._escaped.get(stream) or None
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -205,7 +217,9 @@ def test_the_wake_ups_lines_are_the_server_built_lines(stores, appends, variants
         last = max(writer.append(schema.name, rows, instance, batch=batch))
     reader.catalog()
     prefix = f"RDATA {schema.name} "
-    for after in range(last):
+
+    def call(after: int) -> tuple[dict, int, dict[bool, tuple[bytes, int, int]]]:
+        """The wake-up's first rows and position, and pg_lines' lines up to that position."""
         wake.start(True, {schema.name: (after, variants)}, limit)
         _times, positions, first = drive(wake)
         position = positions[schema.name]
@@ -215,7 +229,18 @@ def test_the_wake_ups_lines_are_the_server_built_lines(stores, appends, variants
                 got = pg_lines.read_lines(cur, schema, after, position, 10**6, prefix, v, None)
                 assert got is not None  # no limit on a line's bytes
                 built[v] = got
+        return first, position, built
+
+    for after in range(last):
+        plain = wake_plain(wake, schema.name) is None and pg_wake.plain_text(schema)
+        first, position, built = call(after)
         count = built[variants[0]][2]
+        if plain and schema.name not in first and 0 < count <= limit:
+            # Read plain, a value needed an escape: left to the master, and read escaped from then on
+            # (the position may have moved meanwhile: the writers report theirs on their own).
+            assert wake_plain(wake, schema.name) == pg_wake.ESCAPED_WAKES
+            first, position, built = call(after)
+            count = built[variants[0]][2]
         if count > limit:
             assert schema.name not in first  # the master reads them
             continue
@@ -224,3 +249,73 @@ def test_the_wake_ups_lines_are_the_server_built_lines(stores, appends, variants
             continue
         expected = {v: got[0] for v, got in built.items()}
         assert first[schema.name] == (after, (expected, after if count == 0 else built[variants[0]][1], count))
+
+
+PLAIN_TEXT = st.text(st.characters(codec="utf-8", exclude_characters="\x00"), max_size=6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rows=st.lists(
+        st.lists(st.one_of(st.none(), PLAIN_TEXT, st.sampled_from(["null", '"', "a\\", "\n"])), min_size=3, max_size=3),
+        min_size=1,
+        max_size=6,
+    ),
+    instance=st.sampled_from(["w", "w1", 'a"b', "a\\b", "a,b"]),
+    ts=st.one_of(st.none(), st.integers(0, 2**62)),
+)
+def test_plain_lines_are_the_encoders_or_refused(rows, instance, ts) -> None:
+    """What the plain SQL sends (values quoted as they are, NULL as ``null``) is taken exactly when it is
+    the Python encoder's line: when no value (nor the instance name) needed an escape."""
+    import orjson
+
+    def sent(row: list) -> str:
+        values = ",".join("null" if v is None else f'"{v}"' for v in row)
+        return f"RDATA s {instance} 7 [{values}" + ("]" if ts is None else f",{ts}]")
+
+    def encoded(row: list) -> bytes:
+        return b"RDATA s %s 7 %s" % (instance.encode(), orjson.dumps(row if ts is None else [*row, ts]))
+
+    data = "".join(sent(row) + "\n" for row in rows).encode()
+    nulls = sum(v is None for row in rows for v in row)
+    taken = pg_wake.plain_lines(data, len(rows), 3, nulls)
+    needs_escape = any(c in instance for c in '"\\') or any(
+        v is not None and (any(c in v for c in '"\\') or any(ord(c) < 32 for c in v)) for row in rows for v in row
+    )
+    assert taken == (not needs_escape)
+    if taken:
+        assert data == b"".join(encoded(row) + b"\n" for row in rows)
+
+
+def test_plain_lines_from_the_server(stores) -> None:
+    """Values without escapes, NULLs, a batch, both variants: read plain, the Python encoder's bytes; a value
+    with a control character, a quote or a backslash is left to the master, and the stream is read
+    escaped for ``ESCAPED_WAKES`` wake-ups, then plain again."""
+    from tests.unit.test_pg_lines import _python
+
+    writer, reader, wake = stores
+    writer.append("events", [["$a", "!r", "t", None, None], ["$b", "!r", "t", "sk", None]], "w")
+    writer.append("events", [["$c", "!r", "é☃", None, "$x"], ["$d", "!r", "t", "", None]], "w", batch=True)
+    reads = {"events": (0, (False, True))}
+    wake.start(True, reads, 1000)
+    encoded, last, count = drive(wake)[2]["events"][1]
+    assert (last, count) == (3, 4) and wake_plain(wake, "events") is None
+    for variant in (False, True):
+        assert encoded[variant] == _python(reader, EVENTS, 0, 3, variant)
+    assert encoded[False].count(b" batch ") == 1
+    for value in ("\x01", 'say "hi"', "back\\slash"):
+        writer.append("events", [["$e", "!r", "t", value, None]], "w")
+        wake._escaped.clear()
+        wake.start(True, {"events": (3, (True,))}, 1000)
+        first = drive(wake)[2]
+        assert "events" not in first and wake_plain(wake, "events") == pg_wake.ESCAPED_WAKES
+        wake.start(True, {"events": (3, (True,))}, 1000)
+        encoded, last, _count = drive(wake)[2]["events"][1]
+        assert encoded[True] == _python(reader, EVENTS, 3, last, True)
+    wake._escaped["events"] = 1  # the last escaped wake-up
+    wake.start(True, {"events": (last, (False,))}, 1000)
+    drive(wake)
+    assert wake_plain(wake, "events") is None
+    writer.append("events", [["$f", "!r", "t", None, None]], "w")
+    wake.start(True, {"events": (last, (False,))}, 1000)
+    assert drive(wake)[2]["events"][1][0][False] == _python(reader, EVENTS, last, last + 1, False)
