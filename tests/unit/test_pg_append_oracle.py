@@ -20,7 +20,7 @@ from scripts.pg_local import PostgresServer
 from storage import tso
 from storage.pg_store import FLOOR_TRIGGER, ORACLE_SEQUENCE, Fenced, PgStreamStore
 from storage.schema import RowError
-from storage.store import DatabaseUnavailable, open_store
+from storage.store import open_store
 from tests.integration.procs import wait_for
 from tests.pg_sql import query
 from tests.stores import pg_store
