@@ -173,16 +173,16 @@ def closed_while_idle(conn: Any) -> bool:
     one, its loss would read as a ``COMMIT`` whose answer was lost
     (:class:`CommitUnknown`, "may have committed") though the server never saw
     it. A connection readable for another reason (a notice) is replaced all
-    the same: nothing was sent on it, nothing is lost. One ``select`` (about
-    1.5 µs). A server that went silent without closing is only found by the
+    the same: nothing was sent on it, nothing is lost. One ``poll`` (about
+    1 µs). A server that went silent without closing is only found by the
     statement itself.
     """
     if conn.closed:
         return True
-    try:
-        return bool(select.select([conn], [], [], 0)[0])
-    except (OSError, ValueError):  # no descriptor any more
-        return True
+    # poll, not select: select refuses descriptors from 1024 on (a process with many sockets).
+    watch = select.poll()
+    watch.register(conn.fileno(), select.POLLIN)
+    return bool(watch.poll(0))
 
 
 def lost_error(message: str, conn: Any, e: BaseException, commit_sent: bool) -> DatabaseUnavailable:
@@ -301,7 +301,9 @@ class PgDatabase:
     def autocommit_connection(self) -> Any:
         """This thread's autocommit connection (:meth:`query`'s; created on first use)."""
         conn = getattr(self._local, "auto", None)
-        if conn is None or conn.closed:
+        if conn is None or closed_while_idle(conn):  # see connection()
+            if conn is not None:
+                quietly_close(conn)
             conn = self._local.auto = self.connect(autocommit=True)
         return conn
 

@@ -15,6 +15,7 @@ committed, and the next apply reconnects.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import psycopg2
@@ -23,7 +24,7 @@ import pytest
 from replication.streams import EVENTS
 from storage.store import CommitUnknown, DatabaseUnavailable
 from storage.worker_store import open_worker_store
-from tests.pg_sql import TS, query, received, replicated_tokens
+from tests.pg_sql import TS, lost_in_flight, query, received, replicated_tokens
 from tests.stores import pg_worker_store
 
 
@@ -52,10 +53,18 @@ def _terminate(url: str, pid: int) -> None:
         killer.close()
 
 
+def _lost_apply(store: Any, pg_url: str, *args: Any) -> Future:
+    """``apply_replicated(*args)`` on one thread, its connection lost once the request was sent
+    (held at ``replicated_events``, locked by the test). An earlier apply on that thread made the connection."""
+    with ThreadPoolExecutor(max_workers=1) as thread:
+        backend = thread.submit(lambda: store.database.autocommit_connection().get_backend_pid()).result()
+        return lost_in_flight(pg_url, "replicated_events", thread, backend, lambda: store.apply_replicated(*args))
+
+
 def test_a_small_apply_whose_connection_is_lost_is_commit_unknown(store, pg_url) -> None:
-    _terminate(pg_url, store.database.autocommit_connection().get_backend_pid())
+    lost = _lost_apply(store, pg_url, "events", 5, EVENTS, received(4, 5), _no_effects)
     with pytest.raises(CommitUnknown) as raised:
-        store.apply_replicated("events", 5, EVENTS, received(4, 5), _no_effects)
+        lost.result()
     assert str(raised.value).startswith("PostgreSQL at ") and "\n" not in str(raised.value)
     assert store.applied_tokens() == {"events": 3}
     assert replicated_tokens(pg_url) == [1, 2, 3]
@@ -65,15 +74,24 @@ def test_a_small_apply_whose_connection_is_lost_is_commit_unknown(store, pg_url)
 
 def test_a_copy_apply_whose_connection_is_lost_is_commit_unknown(store, pg_url) -> None:
     """A ``COPY``-sized apply sends its ``COMMIT`` in the same request as its rows: a connection lost
-    during that request leaves the outcome unknown, whatever part of it the server had run."""
+    once that request was sent (here while it waits at the table) leaves the outcome unknown."""
     store.apply_replicated("events", 100, EVENTS, received(4, 100), _no_effects)  # the move prepared
-    _terminate(pg_url, store.database.autocommit_connection().get_backend_pid())
+    lost = _lost_apply(store, pg_url, "events", 200, EVENTS, received(101, 200), _no_effects)
     with pytest.raises(CommitUnknown):
-        store.apply_replicated("events", 200, EVENTS, received(101, 200), _no_effects)
+        lost.result()
     assert store.applied_tokens() == {"events": 100}
     assert replicated_tokens(pg_url) == list(range(1, 101))
     store.apply_replicated("events", 200, EVENTS, received(101, 200), _no_effects)  # a new connection
     assert replicated_tokens(pg_url) == list(range(1, 201))
+
+
+def test_an_apply_after_its_idle_connection_was_terminated_is_sent_on_a_new_one(store, pg_url) -> None:
+    """The server closed the idle connection: found before the apply is sent (``pg_db.closed_while_idle``),
+    so no ``CommitUnknown`` for a request the server never saw."""
+    for last, first in ((5, 4), (100, 6)):  # the small apply, then the COPY-sized one
+        _terminate(pg_url, store.database.autocommit_connection().get_backend_pid())
+        store.apply_replicated("events", last, EVENTS, received(first, last), _no_effects)
+        assert replicated_tokens(pg_url) == list(range(1, last + 1))
 
 
 def test_a_copy_apply_the_server_refuses_commits_nothing(store, pg_url) -> None:

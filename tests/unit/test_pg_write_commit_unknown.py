@@ -13,18 +13,18 @@ arrived, so nothing committed; the next write reconnects.
 
 from __future__ import annotations
 
-import time
+import os
+import resource
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-import psycopg2
 import pytest
 
 from replication.streams import EVENTS
 from storage.bulk import CHUNK_ROWS, write_rows
-from storage.pg_db import PgDatabase
+from storage.pg_db import PgDatabase, closed_while_idle
 from storage.store import CommitUnknown, DatabaseUnavailable, StorageError, open_store
-from tests.pg_sql import query
+from tests.pg_sql import lost_in_flight, query
 from tests.stores import pg_store
 
 ROW = ["$a", "!r", "m.room.message", None, None]
@@ -75,31 +75,15 @@ def test_a_single_statement_append_whose_connection_is_lost_is_commit_unknown(st
     with ThreadPoolExecutor(max_workers=1) as thread:
         first = thread.submit(store.append, "events", [ROW] * count, "w").result()  # statements prepared
         backend = thread.submit(lambda: store._side.conn.get_backend_pid()).result()
-        locker = psycopg2.connect(pg_url)
-        try:
-            with locker.cursor() as cur:
-                cur.execute("LOCK TABLE stream_events IN ACCESS EXCLUSIVE MODE")
-            lost = thread.submit(store.append, "events", [ROW] * count, "w")
-            _until_waiting_on_a_lock(pg_url, backend)
-            _terminate(pg_url, backend)
-            with pytest.raises(CommitUnknown) as raised:
-                lost.result(30)
-            assert "\n" not in str(raised.value) and "PostgreSQL at" in str(raised.value)
-        finally:
-            locker.rollback()
-            locker.close()
+        lost = lost_in_flight(
+            pg_url, "stream_events", thread, backend, lambda: store.append("events", [ROW] * count, "w")
+        )
+    with pytest.raises(CommitUnknown) as raised:
+        lost.result()
+    assert "\n" not in str(raised.value) and "PostgreSQL at" in str(raised.value)
     assert _tokens(store) == first
     again = store.append("events", [ROW] * count, "w")
     assert _tokens(store) == first + again
-
-
-def _until_waiting_on_a_lock(url: str, pid: int, bound: float = 30.0) -> None:
-    """Until backend ``pid`` waits for a lock (its statement arrived); at most ``bound`` seconds."""
-    deadline = time.monotonic() + bound
-    sql = "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s"
-    while query(url, sql, (pid,)) != [("Lock",)]:
-        assert time.monotonic() < deadline, "the append's statement never reached the lock"
-        time.sleep(0.01)  # polling the server's view: no event to await across processes
 
 
 @pytest.mark.parametrize("count", [1, 3, CHUNK_ROWS])
@@ -164,3 +148,21 @@ def test_connections_closed_are_let_go(pg_url) -> None:
         assert database._all == [kept]
     finally:
         database.close()
+
+
+def test_an_open_connection_on_a_descriptor_past_1024_is_not_taken_for_closed(pg_url) -> None:
+    """``closed_while_idle`` polls: ``select`` would refuse a descriptor from 1024 on, and every write of
+    a process with many sockets would then open a new connection."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1100:
+        pytest.skip(f"the soft limit of open files is {soft}")
+    spare = [os.open(os.devnull, os.O_RDONLY) for _ in range(1030)]
+    database = PgDatabase(pg_url)
+    try:
+        conn = database.connect(autocommit=True)
+        assert conn.fileno() >= 1024
+        assert not closed_while_idle(conn)
+    finally:
+        database.close()
+        for fd in spare:
+            os.close(fd)
