@@ -6,8 +6,8 @@ which bounded the master's reads on PostgreSQL. Here the server sends each
 row's columns and the master turns a whole ``COPY`` buffer into lines with a
 handful of bytes operations, no Python object per row or value.
 
-**The read** (:func:`read_columns`) first takes one round trip on the
-thread's connection (:func:`_read_plain`, sixteenth session): a transaction
+**The read** (:func:`read_columns`) first takes two round trips on the
+thread's connection (the ``COPY``, then its ``COMMIT``) (:func:`_read_plain`, sixteenth session): a transaction
 whose ``SET LOCAL`` statements steer the plan to the ``(token, seq)`` index
 (``pg_lines.PLAN_SETTINGS``: left alone, the planner sorts a bitmap scan's
 rows) and a plain ``COPY (SELECT ... ORDER BY token, seq LIMIT <limit + 1>)``
@@ -42,7 +42,7 @@ and the lines are the prefix, then that with ``\x01,`` made `` [`` and each
 newline ``]\n`` followed by the next line's prefix, when the rows hold no
 control byte but one ``\x01`` and one newline each (``copy_expert`` gives
 one call per row: the count). :func:`lines_from_rows` finds the control
-bytes and turns the heads' ends in numpy (one vectorized pass, no GIL held),
+bytes and turns the heads' ends in numpy (one vectorized pass; the join before it and the replace after it hold the GIL),
 then makes the newlines with one one-byte ``replace``. Non-ASCII text is
 UTF-8 in both; ``DEL`` is not escaped by either. A head that CSV quoted (an
 instance name with a comma or a quote) has a ``"`` after its ``\x01``.
@@ -308,9 +308,11 @@ def read_columns(
     holds a batch, again with it.
     """
     table = schema.table
+    # Read and written by several database threads without a lock: a lost update only costs a
+    # read more or less by the statement (every plain read finds a batch by itself).
     left = _BATCHED_READS.get(table, 0)
     if left > 0 or limit < 1:
-        _BATCHED_READS[table] = left - 1
+        _BATCHED_READS[table] = max(left - 1, 0)
     else:
         got = _read_plain(cursor, schema, after, upto, limit, prefix, with_ts)
         if got is not _Found.BATCH:

@@ -93,17 +93,24 @@ def _literal(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
+# PostgreSQL's FUNC_MAX_ARGS: num_nulls(), which counts a plain read's NULL values, takes at most this many.
+MAX_PLAIN_COLUMNS = 100
+
+
 def plain_text(schema: StreamSchema) -> bool:
-    """Whether the wake-up may read the stream's lines plain (every column text; see the module doc)."""
-    return bool(schema.columns) and all(c.type == "text" for c in schema.columns)
+    """Whether the wake-up may read the stream's lines plain (every column text, at most
+    ``MAX_PLAIN_COLUMNS`` of them; see the module doc)."""
+    columns = schema.columns
+    return bool(columns) and len(columns) <= MAX_PLAIN_COLUMNS and all(c.type == "text" for c in columns)
 
 
 def plain_line_sql(schema: StreamSchema, with_ts: bool) -> str:
     """SQL for a row's line after its ``RDATA <stream> `` prefix, its text values quoted but not escaped.
 
     Each run of ``NOT NULL`` columns by one ``array_to_string`` (one call per
-    run, no JSON escaping; a NULL there, which the table refuses, would be
-    ``\\x01``, which :func:`plain_lines` refuses), each nullable column
+    run of two or more, no JSON escaping; a NULL there, which the table
+    refuses, would be ``\\x01``, which :func:`plain_lines` refuses; a run of
+    one is the value between quotes), each nullable column
     between quotes or ``null``. The row is ``t``, the batch marks ``b`` of
     ``pg_lines.lines_select_sql``; the head is ``pg_lines.line_sql``'s.
     """
@@ -366,7 +373,7 @@ class PgWake:
     def _plain(
         self, name: str, encoded: dict[bool, bytes], rows: int, columns: int, nulls: int, limit: int | None
     ) -> bool:
-        """Makes a plain answer's lines JSON in ``encoded``; False if they cannot be (the master reads them).
+        """Whether a plain answer's lines in ``encoded`` are the JSON lines; False if not (the master reads them).
 
         A value that needed an escape has the next ``ESCAPED_WAKES`` wake-ups build the stream's lines escaped.
         """

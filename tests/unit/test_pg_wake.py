@@ -319,3 +319,31 @@ def test_plain_lines_from_the_server(stores) -> None:
     writer.append("events", [["$f", "!r", "t", None, None]], "w")
     wake.start(True, {"events": (last, (False,))}, 1000)
     assert drive(wake)[2]["events"][1][0][False] == _python(reader, EVENTS, last, last + 1, False)
+
+
+def test_a_text_stream_of_more_columns_than_a_function_takes_is_read_escaped(pg_url) -> None:
+    """``num_nulls`` (the plain read's NULL count) takes at most 100 arguments: a wider text stream is
+    read escaped, and the one wake-up function that serves every stream keeps working."""
+    from tests.unit.test_pg_lines import _python
+
+    wide = StreamSchema("wide", tuple(Column(f"c{i}", "text", True) for i in range(101)))
+    narrow = StreamSchema("narrow", (Column("a", "text"),))
+    writer = open_store(pg_url)
+    reader = pg_store(open_store(pg_url))
+    try:
+        writer.register_stream(wide)
+        writer.register_stream(narrow)
+        reader.catalog()
+        writer.append("wide", [["x"] * 100 + [None]], "w")
+        writer.append("narrow", [["y"]], "w")
+        wake = reader.open_wake()
+        try:
+            wake.start(True, {"wide": (0, (True,)), "narrow": (0, (True,))}, 1000)
+            first = drive(wake)[2]
+        finally:
+            wake.close()
+        assert first["wide"][1][0][True] == _python(reader, wide, 0, 1, True)
+        assert first["narrow"][1][0][True] == _python(reader, narrow, 0, 2, True)
+    finally:
+        writer.close()
+        reader.close()
