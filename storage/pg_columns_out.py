@@ -336,9 +336,9 @@ def _read_plain(
     (0.10-0.15 us of the backend per row, docs/benchmarks.md, pgread3): here
     the rows say themselves whether a token repeats (two consecutive rows
     with one head), and the row past the limit where the last whole token
-    ends (the rows before it, if its token is not theirs). One round trip:
+    ends (the rows before it, if its token is not theirs). Two round trips:
     the transaction's start, its plan settings and the ``COPY`` in one
-    query string.
+    query string, then the ``COMMIT``.
     """
     sql = cursor.mogrify(range_limit_copy_sql(schema, with_ts), {"after": after, "last": upto, "limit": limit + 1})
     chunks = CopyChunks()
