@@ -242,10 +242,7 @@ class PgDatabase:
         with self._all_lock:
             conns, self._all = self._all, []
         for conn in conns:
-            try:
-                conn.close()
-            except psycopg2.Error:
-                pass
+            quietly_close(conn)
         self._local = threading.local()
 
     def _run(self, fn: Callable[[Cursor], Any], isolation: int, writes: bool = False) -> Any:
@@ -271,10 +268,7 @@ class PgDatabase:
 
     def drop_broken(self, conn: Any) -> None:
         """Forget this thread's connection after the server went away."""
-        try:
-            conn.close()
-        except psycopg2.Error:
-            pass
+        quietly_close(conn)
         self._local.conn = None
 
     def query(self, sql: str, params: Any = (), prepare: bool = False, writes: bool = False) -> list[Any]:
@@ -309,10 +303,7 @@ class PgDatabase:
 
     def lost_autocommit(self, conn: Any, e: BaseException) -> DatabaseUnavailable:
         """Forget this thread's autocommit connection after ``e`` (the server went away); the error to raise."""
-        try:
-            conn.close()
-        except psycopg2.Error:
-            pass
+        quietly_close(conn)
         self._local.auto = None
         return DatabaseUnavailable(redact_url(f"PostgreSQL at {self.dsn}: {error_line(e)}"))
 

@@ -355,10 +355,7 @@ def _release_oracle_lock(conn: Any) -> None:
         if not conn.autocommit:
             conn.commit()
     except psycopg2.Error:
-        try:
-            conn.close()  # closing the session releases its locks
-        except psycopg2.Error:
-            pass
+        quietly_close(conn)  # closing the session releases its locks
 
 
 def _create_oracle(cur: Cursor) -> None:

@@ -70,7 +70,7 @@ import psycopg2.extensions
 
 from storage.contracts import WakeReads, WakeResult
 from storage.pg_columns_out import longest_within
-from storage.pg_db import session_settings
+from storage.pg_db import quietly_close, session_settings
 from storage.pg_lines import PLAN_SETTINGS, line_sql, lines_select_sql
 from storage.pg_store import _ORACLE_LAST_SQL, PgStreamStore, _seq
 from storage.schema import StreamSchema
@@ -386,7 +386,7 @@ class PgWake:
         return True
 
     def close(self) -> None:
-        close_quietly(self._conn)
+        quietly_close(self._conn)
 
     def _lost(self, e: BaseException) -> DatabaseUnavailable:
         return lost_connection(self._conn, self._store.database.dsn, e)
@@ -430,17 +430,9 @@ def poll_word(state: int, lost: Callable[[BaseException], DatabaseUnavailable]) 
     return word
 
 
-def close_quietly(conn: Any) -> None:
-    """Close a connection that may be broken already."""
-    try:
-        conn.close()
-    except psycopg2.Error:
-        pass
-
-
 def lost_connection(conn: Any, dsn: str, e: BaseException) -> DatabaseUnavailable:
     """A non-blocking connection that failed: closed, and the one-line error to raise (password redacted)."""
-    close_quietly(conn)
+    quietly_close(conn)
     return DatabaseUnavailable(redact_url(f"PostgreSQL at {dsn}: {error_line(e)}"))
 
 

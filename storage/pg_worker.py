@@ -26,8 +26,8 @@ from storage.pg_copy import (
     lines_need_escapes,
     received_chunk_formatter,
 )
-from storage.pg_db import Cursor, PgDatabase, lost_error, prepared, rollback_explicit, sql_literals
-from storage.pg_wake import close_quietly, lost_connection, open_nonblocking, poll_word
+from storage.pg_db import Cursor, PgDatabase, lost_error, prepared, quietly_close, rollback_explicit, sql_literals
+from storage.pg_wake import lost_connection, open_nonblocking, poll_word
 from storage.schema import COLUMN_TYPES, INT64_MAX, INT64_MIN, StreamSchema
 from storage.store import ApplyRefused, DatabaseUnavailable, StaleApply, error_line
 from storage.urls import redact_url
@@ -305,7 +305,7 @@ class PgAsyncApply:
             raise StaleApply("the token is not above the applied token")
 
     def close(self) -> None:
-        close_quietly(self._conn)
+        quietly_close(self._conn)
 
     def _lost(self, e: BaseException) -> DatabaseUnavailable:
         return lost_connection(self._conn, self._dsn, e)
