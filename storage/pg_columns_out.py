@@ -193,13 +193,8 @@ _COLUMNS_FUNCTIONS = SessionFunctions("tickline_columns", columns_function_sql)
 _RANGE_STATEMENTS = SessionFunctions("tickline_range", range_statement_sql)
 
 
-def lines_from_columns(data: bytes, rows: int) -> bytes | None:
-    """The ``RDATA`` lines of ``rows`` ``COPY`` rows of :func:`columns_sql`; None if they need more escaping."""
-    return lines_from_rows([data], rows, b"")
-
-
 def lines_from_rows(chunks: Sequence[bytes], rows: int, prefix: bytes) -> bytes | None:
-    """The ``RDATA`` lines of ``rows`` ``COPY`` rows (``chunks`` joined) whose heads lack ``prefix``; None as above.
+    """The ``RDATA`` lines of ``rows`` ``COPY`` rows (``chunks`` joined) whose heads lack ``prefix``; None if they need more escaping.
 
     Each row is ``<head>\x01,<values>\n``: its line is ``prefix``, the head,
     `` [``, the values and ``]\n``. The rows' control bytes are found in one

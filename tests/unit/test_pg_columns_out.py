@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from storage import pg_columns_out, pg_lines
-from storage.pg_columns_out import lines_from_columns, longest_within
+from storage.pg_columns_out import lines_from_rows, longest_within
 from storage.pg_store import PgStreamStore
 from storage.schema import INT64_MAX, INT64_MIN, Column, StreamSchema
 from storage.store import open_store
@@ -189,11 +189,11 @@ def test_control_characters_and_quoted_heads_fall_back_to_the_server(store: PgSt
         assert fast is None and built == server is not None
 
 
-def test_lines_from_columns_refuses_control_bytes_and_quoted_heads() -> None:
-    assert lines_from_columns(b'RDATA s w 1\x01,"a",null\n', 1) == b'RDATA s w 1 ["a",null]\n'
-    assert lines_from_columns(b'RDATA s w 1\x01,"a\x1f"\n', 1) is None
-    assert lines_from_columns(b'RDATA s w 1\x01,"a\nb"\n', 1) is None
-    assert lines_from_columns(b'"RDATA s w,x 1\x01","a"\n', 1) is None
+def test_lines_from_rows_refuses_control_bytes_and_quoted_heads() -> None:
+    assert lines_from_rows([b'RDATA s w 1\x01,"a",null\n'], 1, b"") == b'RDATA s w 1 ["a",null]\n'
+    assert lines_from_rows([b'RDATA s w 1\x01,"a\x1f"\n'], 1, b"") is None
+    assert lines_from_rows([b'RDATA s w 1\x01,"a\nb"\n'], 1, b"") is None
+    assert lines_from_rows([b'"RDATA s w,x 1\x01","a"\n'], 1, b"") is None
 
 
 def test_longest_within_finds_a_long_line_anywhere() -> None:
