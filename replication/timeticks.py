@@ -81,10 +81,9 @@ class TimeTicker:
         due = master.reactor.seconds() - self._allocated_at >= self.interval * 0.9
         if due and not self._allocating and master.wakes_on_reactor():
             if not self._fresh_time_needed():
-                # Writes move the oracle's mark: this interval's pass reads it, no commit.
-                self._allocated_at = master.reactor.seconds()
-                self._read_next = True
-                master.followed()
+                # Writes move the oracle's mark: this interval's pass reads it, no commit
+                # (as after an allocation).
+                self._allocated(None)
                 return
             # PostgreSQL: the fresh timestamp (a durable commit, milliseconds)
             # is taken on a database thread beside the fan-out, and the pass

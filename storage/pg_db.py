@@ -229,14 +229,20 @@ class PgDatabase:
             self._all.append(conn)
         return conn
 
-    def connection(self) -> Any:
-        """This thread's connection, a new one if the last was closed or found closed while idle."""
-        conn = getattr(self._local, "conn", None)
+    def held(self, local: threading.local, name: str, autocommit: bool = False) -> Any:
+        """The connection kept as ``local.<name>`` (one per thread); a new one if it was closed, or found
+        closed while idle (:func:`closed_while_idle`: a statement sent on it would be lost unanswered)."""
+        conn = getattr(local, name, None)
         if conn is None or closed_while_idle(conn):
             if conn is not None:
                 quietly_close(conn)
-            conn = self._local.conn = self.connect()
+            conn = self.connect(autocommit=autocommit)
+            setattr(local, name, conn)
         return conn
+
+    def connection(self) -> Any:
+        """This thread's connection (see :meth:`held`)."""
+        return self.held(self._local, "conn")
 
     def close(self) -> None:
         with self._all_lock:
@@ -293,13 +299,8 @@ class PgDatabase:
             raise lost from None
 
     def autocommit_connection(self) -> Any:
-        """This thread's autocommit connection (:meth:`query`'s; created on first use)."""
-        conn = getattr(self._local, "auto", None)
-        if conn is None or closed_while_idle(conn):  # see connection()
-            if conn is not None:
-                quietly_close(conn)
-            conn = self._local.auto = self.connect(autocommit=True)
-        return conn
+        """This thread's autocommit connection (:meth:`query`'s; see :meth:`held`)."""
+        return self.held(self._local, "auto", autocommit=True)
 
     def lost_autocommit(self, conn: Any, e: BaseException) -> DatabaseUnavailable:
         """Forget this thread's autocommit connection after ``e`` (the server went away); the error to raise."""

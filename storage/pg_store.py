@@ -55,7 +55,6 @@ from storage.pg_copy import _COPY_FORMATS, NULL_COPY, _copy_text, chunk_formatte
 from storage.pg_db import (
     Cursor,
     PgDatabase,
-    closed_while_idle,
     execute_literals,
     lost_error,
     prepared,
@@ -570,14 +569,8 @@ class PgStreamStore:
         self._side.conn = None
 
     def _side_connection(self) -> Any:
-        """This thread's autocommit connection; a new one if the last was closed, or found closed while
-        idle (``pg_db.closed_while_idle``: a write sent on it would be lost with its outcome unknown)."""
-        conn = getattr(self._side, "conn", None)
-        if conn is None or closed_while_idle(conn):
-            if conn is not None:
-                quietly_close(conn)
-            conn = self._side.conn = self.database.connect(autocommit=True)
-        return conn
+        """This thread's autocommit connection (``PgDatabase.held``: a new one if the server closed it)."""
+        return self.database.held(self._side, "conn", autocommit=True)
 
     def _head_sql(self, schema: StreamSchema) -> str:
         return f"SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {_seq(schema)}"
@@ -791,11 +784,7 @@ class PgStreamStore:
         with self._lock:
             self._next_txn += 1
             txn_id = self._next_txn
-        conn = getattr(self._writes, "conn", None)
-        if conn is None or closed_while_idle(conn):  # see _side_connection
-            if conn is not None:
-                quietly_close(conn)
-            conn = self._writes.conn = self.database.connect(autocommit=True)
+        conn = self.database.held(self._writes, "conn", autocommit=True)
         txn: WriteTransaction | None = None
         try:
             with conn.cursor() as raw:
