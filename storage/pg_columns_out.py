@@ -65,7 +65,14 @@ from typing import Any, Literal
 
 from storage import pg_lines
 from storage.pg_db import rollback_explicit
-from storage.pg_lines import PLAN_SETTINGS, CopyChunks, SessionFunctions, lines_select_sql, value_json_sql
+from storage.pg_lines import (
+    PLAN_SETTINGS,
+    CopyChunks,
+    SessionFunctions,
+    last_line_token,
+    lines_select_sql,
+    value_json_sql,
+)
 from storage.schema import StreamSchema
 
 HEAD_END = b"\x01"
@@ -359,9 +366,8 @@ def _read_plain(
 
 
 def _with_last(lines: bytes, prefix: str, count: int) -> tuple[bytes, int, int]:
-    """``(lines, the last line's token, count)``: the last row is its token's last, so its line names the token."""
-    start = lines.rfind(b"\n", 0, len(lines) - 1) + 1 + len(prefix.encode())
-    return lines, int(lines[start:].split(b" ", 2)[1]), count
+    """``(lines, the last line's token, count)``."""
+    return lines, last_line_token(lines, prefix), count
 
 
 def _read_ranged(

@@ -253,6 +253,11 @@ def read_lines(
     data = b"".join(chunks)
     if max_line_bytes is not None and _QUOTE_BYTE in data:
         return None
-    start = data.rfind(b"\n", 0, len(data) - 1) + 1 + len(prefix.encode())
-    token = data[start:].split(b" ", 2)[1]
-    return data, int(token), data.count(b"\n")
+    return data, last_line_token(data, prefix), data.count(b"\n")
+
+
+def last_line_token(lines: bytes, prefix: str) -> int:
+    """The token named by the last of ``lines`` (``<prefix><instance> <token> ...``): a read's last row
+    is its token's last, so its line names the token."""
+    start = lines.rfind(b"\n", 0, len(lines) - 1) + 1 + len(prefix.encode())
+    return int(lines[start:].split(b" ", 2)[1])
