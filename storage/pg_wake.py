@@ -410,12 +410,6 @@ def _wait(conn: Any, timeout: float = SETUP_SECONDS) -> None:
             raise psycopg2.OperationalError(f"no answer within {timeout:g} s")
 
 
-def _run_blocking(conn: Any, sql: str) -> None:
-    with conn.cursor() as cur:
-        cur.execute(sql)
-        _wait(conn)
-
-
 # What a non-blocking connection's poll() says, as NonBlockingCall.poll words it.
 _POLL_WORDS = {
     psycopg2.extensions.POLL_OK: "done",
