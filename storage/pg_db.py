@@ -185,15 +185,24 @@ def closed_while_idle(conn: Any) -> bool:
     return bool(watch.poll(0))
 
 
-def lost_error(message: str, conn: Any, e: BaseException, commit_sent: bool) -> DatabaseUnavailable:
-    """The error for ``e`` on ``conn`` (call it before closing ``conn``): :class:`CommitUnknown` when
+def lost_error(dsn: str, conn: Any, e: BaseException, commit_sent: bool = False) -> DatabaseUnavailable:
+    """The one-line error for ``e`` on ``conn`` to the server at ``dsn`` (password redacted; call it
+    before closing ``conn``, or use :func:`lost_connection`): :class:`CommitUnknown` when
     a ``COMMIT`` (or a statement that commits on its own) was sent and no answer came (the
     connection closed, or an error without a SQLSTATE: the server went away); else
     :class:`DatabaseUnavailable`. An error the server reported (a lock or statement timeout,
     a full disk) ended the statement: nothing of it committed, and a worker retries it with
     its backoff, not at once."""
+    message = redact_url(f"PostgreSQL at {dsn}: {error_line(e)}")
     gone = bool(conn.closed) or getattr(e, "pgcode", None) is None
     return CommitUnknown(message) if commit_sent and gone else DatabaseUnavailable(message)
+
+
+def lost_connection(dsn: str, conn: Any, e: BaseException, commit_sent: bool = False) -> DatabaseUnavailable:
+    """:func:`lost_error` for a connection that failed, which is then closed (the caller forgets it)."""
+    lost = lost_error(dsn, conn, e, commit_sent)
+    quietly_close(conn)
+    return lost
 
 
 class PgDatabase:
@@ -264,18 +273,12 @@ class PgDatabase:
         except psycopg2.OperationalError as e:
             # Lost once a write's COMMIT was sent: the transaction may have committed (a worker's
             # apply must then be settled by applying it again, not retried as if it had not).
-            lost = lost_error(redact_url(f"PostgreSQL at {self.dsn}: {error_line(e)}"), conn, e, writes and committing)
-            self.drop_broken(conn)
-            raise lost from None
+            self._local.conn = None
+            raise lost_connection(self.dsn, conn, e, writes and committing) from None
         except BaseException:
             if not conn.closed:
                 conn.rollback()
             raise
-
-    def drop_broken(self, conn: Any) -> None:
-        """Forget this thread's connection after the server went away."""
-        quietly_close(conn)
-        self._local.conn = None
 
     def query(self, sql: str, params: Any = (), prepare: bool = False, writes: bool = False) -> list[Any]:
         """One statement's rows on this thread's autocommit connection: its own transaction, one round trip.
@@ -294,19 +297,17 @@ class PgDatabase:
                 rows: list[Any] = cur.fetchall()
                 return rows
         except psycopg2.OperationalError as e:
-            lost = lost_error(redact_url(f"PostgreSQL at {self.dsn}: {error_line(e)}"), conn, e, writes)
-            self.lost_autocommit(conn, e)
-            raise lost from None
+            raise self.lost_autocommit(conn, e, writes) from None
 
     def autocommit_connection(self) -> Any:
         """This thread's autocommit connection (:meth:`query`'s; see :meth:`held`)."""
         return self.held(self._local, "auto", autocommit=True)
 
-    def lost_autocommit(self, conn: Any, e: BaseException) -> DatabaseUnavailable:
-        """Forget this thread's autocommit connection after ``e`` (the server went away); the error to raise."""
-        quietly_close(conn)
+    def lost_autocommit(self, conn: Any, e: BaseException, commit_sent: bool = False) -> DatabaseUnavailable:
+        """Forget this thread's autocommit connection after ``e`` (the server went away); the error to
+        raise (:class:`CommitUnknown` if a statement that commits was sent: :func:`lost_error`)."""
         self._local.auto = None
-        return DatabaseUnavailable(redact_url(f"PostgreSQL at {self.dsn}: {error_line(e)}"))
+        return lost_connection(self.dsn, conn, e, commit_sent)
 
     def write(self, fn: Callable[[Cursor], Any]) -> Any:
         return self._run(fn, psycopg2.extensions.ISOLATION_LEVEL_READ_COMMITTED, writes=True)

@@ -56,7 +56,7 @@ from storage.pg_db import (
     Cursor,
     PgDatabase,
     execute_literals,
-    lost_error,
+    lost_connection,
     prepared,
     quietly_close,
     rollback_explicit,
@@ -64,8 +64,7 @@ from storage.pg_db import (
 from storage.pg_lines import row_json_sql
 from storage.pg_row_literals import row_literals
 from storage.schema import COLUMN_TYPES, INT64_MAX, RowError, StreamSchema, check_instance_name
-from storage.store import FIRST_VALUE, DatabaseUnavailable, StreamCatalog, error_line
-from storage.urls import redact_url
+from storage.store import FIRST_VALUE, DatabaseUnavailable, StreamCatalog
 
 if TYPE_CHECKING:
     from storage.pg_wake import PgWake
@@ -557,16 +556,9 @@ class PgStreamStore:
         been sent: ``commits``); otherwise the session may hold the oracle's lock, which is released
         (the caller raises ``error`` again)."""
         if isinstance(error, psycopg2.OperationalError):
-            lost = lost_error(
-                redact_url(f"PostgreSQL at {self.database.dsn}: {error_line(error)}"), conn, error, commits
-            )
-            self._drop_side(conn)
-            raise lost from None
+            self._side.conn = None
+            raise lost_connection(self.database.dsn, conn, error, commits) from None
         _release_oracle_lock(conn)
-
-    def _drop_side(self, conn: Any) -> None:
-        quietly_close(conn)
-        self._side.conn = None
 
     def _side_connection(self) -> Any:
         """This thread's autocommit connection (``PgDatabase.held``: a new one if the server closed it)."""
@@ -798,11 +790,8 @@ class PgStreamStore:
         except psycopg2.OperationalError as e:
             # Lost once a COMMIT was sent: the rows may be in (a caller that writes them again
             # would repeat them), which the error must not hide.
-            message = redact_url(f"PostgreSQL at {self.database.dsn}: {error_line(e)}")
-            lost = lost_error(message, conn, e, txn is not None and txn.commit_sent)
             self._writes.conn = None
-            quietly_close(conn)
-            raise lost from None
+            raise lost_connection(self.database.dsn, conn, e, txn is not None and txn.commit_sent) from None
         except Fenced:
             rollback_explicit(conn)
             with self._lock:

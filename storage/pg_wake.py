@@ -70,7 +70,7 @@ import psycopg2.extensions
 
 from storage.contracts import WakeReads, WakeResult
 from storage.pg_columns_out import longest_within
-from storage.pg_db import quietly_close, session_settings
+from storage.pg_db import lost_connection, quietly_close, session_settings
 from storage.pg_lines import PLAN_SETTINGS, line_sql, lines_select_sql
 from storage.pg_store import _ORACLE_LAST_SQL, PgStreamStore, _seq
 from storage.schema import StreamSchema
@@ -391,7 +391,7 @@ class PgWake:
         quietly_close(self._conn)
 
     def _lost(self, e: BaseException) -> DatabaseUnavailable:
-        return lost_connection(self._conn, self._store.database.dsn, e)
+        return lost_connection(self._store.database.dsn, self._conn, e)
 
 
 def _wait(conn: Any, timeout: float = SETUP_SECONDS) -> None:
@@ -424,12 +424,6 @@ def poll_word(state: int, lost: Callable[[BaseException], DatabaseUnavailable]) 
     if word is None:
         raise lost(psycopg2.OperationalError(f"unexpected poll state {state}"))
     return word
-
-
-def lost_connection(conn: Any, dsn: str, e: BaseException) -> DatabaseUnavailable:
-    """A non-blocking connection that failed: closed, and the one-line error to raise (password redacted)."""
-    quietly_close(conn)
-    return DatabaseUnavailable(redact_url(f"PostgreSQL at {dsn}: {error_line(e)}"))
 
 
 def open_nonblocking(dsn: str, application_name: str, settings: dict[str, str] | None = None) -> Any:

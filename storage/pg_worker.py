@@ -26,8 +26,16 @@ from storage.pg_copy import (
     lines_need_escapes,
     received_chunk_formatter,
 )
-from storage.pg_db import Cursor, PgDatabase, lost_error, prepared, quietly_close, rollback_explicit, sql_literals
-from storage.pg_wake import lost_connection, open_nonblocking, poll_word
+from storage.pg_db import (
+    Cursor,
+    PgDatabase,
+    lost_connection,
+    prepared,
+    quietly_close,
+    rollback_explicit,
+    sql_literals,
+)
+from storage.pg_wake import open_nonblocking, poll_word
 from storage.schema import COLUMN_TYPES, INT64_MAX, INT64_MIN, StreamSchema
 from storage.store import ApplyRefused, DatabaseUnavailable, StaleApply, error_line
 from storage.urls import redact_url
@@ -308,7 +316,7 @@ class PgAsyncApply:
         quietly_close(self._conn)
 
     def _lost(self, e: BaseException) -> DatabaseUnavailable:
-        return lost_connection(self._conn, self._dsn, e)
+        return lost_connection(self._dsn, self._conn, e)
 
 
 class PgApplyTransaction:
@@ -463,7 +471,7 @@ class PgWorkerStore:
                     rollback_explicit(conn)
                     raise StaleApply(f"stream {stream!r}: token {token} is not above the applied token") from None
         except psycopg2.OperationalError as e:
-            raise self._lost(conn, e, committing) from None
+            raise self.database.lost_autocommit(conn, e, committing) from None
         except BaseException:
             rollback_explicit(conn)
             raise
@@ -512,18 +520,11 @@ class PgWorkerStore:
                         f"stream {stream!r}: the applied token is not {before}, the group before {token}"
                     ) from None
         except psycopg2.OperationalError as e:
-            raise self._lost(conn, e, committing) from None
+            raise self.database.lost_autocommit(conn, e, committing) from None
         except BaseException:
             rollback_explicit(conn)
             raise
         return True
-
-    def _lost(self, conn: Any, e: BaseException, committing: bool) -> DatabaseUnavailable:
-        """The thread's autocommit connection failed; after a ``COMMIT`` was sent with no answer, its
-        outcome is unknown (:func:`storage.pg_db.lost_error`)."""
-        lost = lost_error(redact_url(f"PostgreSQL at {self.database.dsn}: {error_line(e)}"), conn, e, committing)
-        self.database.lost_autocommit(conn, e)
-        return lost
 
     @staticmethod
     def _copy_text(schema: StreamSchema, received: Sequence[ReceivedRows]) -> bytes | None:
