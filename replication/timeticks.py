@@ -78,8 +78,7 @@ class TimeTicker:
     def _pass(self) -> None:
         # While streams are idle nothing else makes the master look: do it.
         master = self.master
-        due = master.reactor.seconds() - self._allocated_at >= self.interval * 0.9
-        if due and not self._allocating and master.wakes_on_reactor():
+        if self._due(master.reactor.seconds()) and not self._allocating and master.wakes_on_reactor():
             if not self._fresh_time_needed():
                 # Writes move the oracle's mark: this interval's pass reads it, no commit
                 # (as after an allocation).
@@ -96,6 +95,11 @@ class TimeTicker:
             d.addCallbacks(self._allocated, self._not_allocated)
             return  # the pass follows the allocation (either way it ends)
         master.followed()
+
+    def _due(self, now: float) -> bool:
+        """Whether a fresh time is due: about ``interval`` since the last (a timer that fires a
+        little early still counts, or an interval would be skipped now and then)."""
+        return now - self._allocated_at >= self.interval * 0.9
 
     def _fresh_time_needed(self) -> bool:
         """Whether the timer's pass must allocate a fresh timestamp, or the oracle's mark will do.
@@ -153,9 +157,8 @@ class TimeTicker:
         if self.master.wakes_on_reactor():
             allocate = False  # _pass allocates apart from the passes
         if not allocate:
-            due = now - self._allocated_at >= self.interval * 0.9
-            return "read" if due or any(conn.subscriptions.ticks for conn in self.master.connections) else None
-        if now - self._allocated_at >= self.interval * 0.9:
+            return "read" if self._due(now) or any(conn.subscriptions.ticks for conn in self.master.connections) else None
+        if self._due(now):
             self._allocated_at = now
             # While writes move the oracle's mark, reading it is as fresh (_fresh_time_needed).
             return "allocate" if self._fresh_time_needed() else "read"
