@@ -11,7 +11,7 @@ thread's connection (the ``COPY``, then its ``COMMIT``) (:func:`_read_plain`, si
 whose ``SET LOCAL`` statements steer the plan to the ``(token, seq)`` index
 (``pg_lines.PLAN_SETTINGS``: left alone, the planner sorts a bitmap scan's
 rows) and a plain ``COPY (SELECT ... ORDER BY token, seq LIMIT <limit + 1>)``
-of the range with its bounds as literals (:func:`range_limit_copy_sql`), in
+of the range with its bounds as literals (:func:`range_copy_sql`, ``limited``), in
 one query string. The row past the limit says where the last whole token
 ends (it is dropped unless it continues the last row's token), and two
 consecutive rows with the same head say that a token of several rows (a
@@ -135,10 +135,13 @@ def range_statement_sql(name: str, schema: StreamSchema, _with_ts: bool) -> str:
 
 
 @functools.lru_cache(maxsize=256)
-def range_copy_sql(schema: StreamSchema, with_ts: bool) -> str:
+def range_copy_sql(schema: StreamSchema, with_ts: bool, limited: bool = False) -> str:
     """The ``COPY`` of the rows ``%(after)s < token <= %(last)s`` of a range without batches, for ``mogrify``.
 
     Its heads lack the lines' prefix (:func:`lines_from_rows` adds it).
+    ``limited``: only the first ``%(limit)s`` rows, for a read without the
+    range statement (:func:`read_columns`), which asks one row more than it
+    keeps, so it knows where the last whole token ends.
 
     A plain query, not a function: ``RETURN QUERY`` puts every row in a
     tuple store first (about 0.15 us per row of the backend's 1.0). Planned
@@ -152,19 +155,8 @@ def range_copy_sql(schema: StreamSchema, with_ts: bool) -> str:
     listed = ", ".join(f"{expression} AS {name}" for name, expression in columns.items())
     return (
         f"COPY (SELECT {listed} FROM {schema.table} t WHERE t.token > %(after)s AND t.token <= %(last)s "
-        f"ORDER BY t.token, t.seq) TO STDOUT WITH {copy_options(schema)}"
+        f"ORDER BY t.token, t.seq{' LIMIT %(limit)s' if limited else ''}) TO STDOUT WITH {copy_options(schema)}"
     )
-
-
-@functools.lru_cache(maxsize=256)
-def range_limit_copy_sql(schema: StreamSchema, with_ts: bool) -> str:
-    """:func:`range_copy_sql` of the first ``%(limit)s`` rows ``%(after)s < token <= %(last)s``, for ``mogrify``.
-
-    For a read without the range statement (:func:`read_columns`): the
-    caller asks one row more than it keeps, so it knows where the last
-    whole token ends.
-    """
-    return range_copy_sql(schema, with_ts).replace(") TO STDOUT WITH", " LIMIT %(limit)s) TO STDOUT WITH", 1)
 
 
 def columns_function_sql(function: str, schema: StreamSchema, with_ts: bool) -> str:
@@ -342,7 +334,9 @@ def _read_plain(
     the transaction's start, its plan settings and the ``COPY`` in one
     query string, then the ``COMMIT``.
     """
-    sql = cursor.mogrify(range_limit_copy_sql(schema, with_ts), {"after": after, "last": upto, "limit": limit + 1})
+    sql = cursor.mogrify(
+        range_copy_sql(schema, with_ts, limited=True), {"after": after, "last": upto, "limit": limit + 1}
+    )
     chunks = CopyChunks()
     try:
         cursor.copy_expert(_STEER + sql.decode(), chunks)
