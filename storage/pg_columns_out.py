@@ -69,6 +69,7 @@ from storage.pg_lines import (
     PLAN_SETTINGS,
     CopyChunks,
     SessionFunctions,
+    first_tokens_sql,
     last_line_token,
     lines_select_sql,
     value_json_sql,
@@ -130,7 +131,7 @@ def range_statement_sql(name: str, schema: StreamSchema, _with_ts: bool) -> str:
         f"PREPARE {name}(bigint, bigint, integer) AS SELECT x.last, x.repeats OR ("
         f"SELECT count(*) > 1 FROM (SELECT 1 FROM {table} r WHERE r.token = x.last LIMIT 2) AS y) FROM ("
         "SELECT max(z.token) AS last, count(*) > count(DISTINCT z.token) AS repeats FROM ("
-        f"SELECT r.token FROM {table} r WHERE r.token > $1 AND r.token <= $2 ORDER BY r.token LIMIT $3) AS z) AS x"
+        f"{first_tokens_sql(table, '$1', '$2', '$3')}) AS z) AS x"
     )
 
 

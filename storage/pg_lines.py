@@ -133,12 +133,17 @@ def line_sql(schema: StreamSchema, with_ts: bool, prefix: str) -> str:
     )
 
 
+def first_tokens_sql(table: str, after: str, upto: str, limit: str) -> str:
+    """SQL for the tokens of the first ``limit`` rows after ``after`` (at most ``upto``), by the token index.
+
+    The arguments are SQL expressions (literals, ``$n`` or a variable).
+    """
+    return f"SELECT r.token FROM {table} r WHERE r.token > {after} AND r.token <= {upto} ORDER BY r.token LIMIT {limit}"
+
+
 def last_token_sql(table: str, after: str, upto: str, limit: str) -> str:
     """SQL for the token of the ``limit``-th row after ``after`` (at most ``upto``; NULL if none)."""
-    return (
-        f"SELECT max(x.token) AS upper_token FROM (SELECT r.token FROM {table} r "
-        f"WHERE r.token > {after} AND r.token <= {upto} ORDER BY r.token LIMIT {limit}) AS x"
-    )
+    return f"SELECT max(x.token) AS upper_token FROM ({first_tokens_sql(table, after, upto, limit)}) AS x"
 
 
 def lines_select_sql(

@@ -71,7 +71,7 @@ import psycopg2.extensions
 from storage.contracts import WakeReads, WakeResult
 from storage.pg_columns_out import longest_within
 from storage.pg_db import lost_connection, quietly_close, session_settings
-from storage.pg_lines import PLAN_SETTINGS, line_sql, lines_select_sql
+from storage.pg_lines import PLAN_SETTINGS, first_tokens_sql, line_sql, lines_select_sql
 from storage.pg_store import _ORACLE_LAST_SQL, PgStreamStore, _seq
 from storage.schema import StreamSchema
 from storage.store import DatabaseUnavailable, error_line
@@ -210,8 +210,8 @@ def _lines_cte(index: int, schema: StreamSchema, variants: tuple[bool, ...], pla
     nulls = "sum(x.nulls)::bigint" if plain else "NULL::bigint"
     return (
         f"u{index} AS (SELECT max(x.token) AS upper_token, count(*) AS found, "
-        f"count(*) > count(DISTINCT x.token) AS repeats FROM (SELECT r.token FROM {schema.table} r "
-        f"WHERE r.token > {after} AND r.token <= {position} ORDER BY r.token LIMIT max_rows + 1) AS x), "
+        f"count(*) > count(DISTINCT x.token) AS repeats FROM "
+        f"({first_tokens_sql(schema.table, after, position, 'max_rows + 1')}) AS x), "
         f"l{index} AS (SELECT {gathered(False)} AS lines, {gathered(True)} AS lines_ts, "
         f"max(x.token) AS last, count(*) AS cnt, {longest} AS longest, {nulls} AS nulls, "
         f"(SELECT u{index}.found FROM u{index}) AS found FROM ({select}) AS x)"
