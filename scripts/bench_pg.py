@@ -689,12 +689,84 @@ def _paced_run(commit: Callable[[int], int], rate: int, seconds: float) -> tuple
     return committed, n / (time.perf_counter() - started)
 
 
-def latency_once(clusters: Clusters, workdir: str, rate: int, seconds: float, which: str) -> dict[str, float]:
+def _roles(clusters: Clusters) -> dict[int, str]:
+    """Thread id -> role of every task on a latency run's path (``scripts.sched_waits`` names them).
+
+    The servers' backends by ``pg_stat_activity`` (the writer's, the master's
+    ``LISTEN``, the apply, the walsender, ...), the Python processes below this
+    one by their command line, each thread of theirs apart (``/<n>`` from the
+    second on), and this process (the committer) itself.
+    """
+    roles: dict[int, str] = {}
+    for side, server in (("src", clusters.source), ("dst", clusters.target)):
+        conn = _connect(server.url())
+        try:
+            with conn.cursor() as cur:
+                cur.execute("SELECT pid, backend_type, application_name, query FROM pg_stat_activity")
+                for pid, kind, app, query in cur.fetchall():
+                    role = _backend_role(kind or "", app or "", query or "")
+                    if role:
+                        roles[pid] = f"{side}:{role}"
+        finally:
+            conn.close()
+    own = os.getpid()
+    for pid in sorted(_descendants({own})):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace")
+            threads = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+        except OSError:
+            continue
+        role = _process_role(command) if pid != own else "committer"
+        if role:
+            for i, tid in enumerate(threads):
+                roles[tid] = role if i == 0 else f"{role}/{i}"
+    return roles
+
+
+# Server processes by pg_stat_activity's backend_type; client backends by what they run.
+_SERVER_ROLES = {"walsender": "walsender", "logical replication worker": "apply-worker", "walwriter": "walwriter"}
+_CLIENT_ROLES = (  # (application_name, query prefix) -> role; "" matches any
+    ("tickline-apply", "", "apply"),
+    ("tickline-wake", "", "wake"),
+    ("", "LISTEN tickline", "listen"),
+    ("", "LISTEN bench_applied", "listener"),
+    ("", "EXECUTE tickline_", "writer"),
+    ("", "INSERT INTO events", "writer"),
+)
+
+
+def _backend_role(kind: str, app: str, query: str) -> str:
+    if kind != "client backend":
+        return _SERVER_ROLES.get(kind, "")
+    for name, prefix, role in _CLIENT_ROLES:
+        if (not name or app == name) and query.startswith(prefix):
+            return role
+    return ""
+
+
+def _process_role(command: str) -> str:
+    if "listen_main" in command:
+        return "listeners"
+    if "scripts.cli" in command:
+        for role in ("master", "worker"):
+            if f" {role} " in command:
+                return role
+    return ""
+
+
+def latency_once(
+    clusters: Clusters, workdir: str, rate: int, seconds: float, which: str, trace: dict[str, Any] | None = None
+) -> dict[str, float]:
     """One paced run: ``tickline``, ``rdata`` (tickline with the bare RDATA client too) or ``baseline``.
 
     The bare client is in ``rdata`` runs only: it costs the master a second
     send and the listeners' process a second wake-up per commit, on the
-    worker's path, which the baseline's runs do not pay.
+    worker's path, which the baseline's runs do not pay. ``trace``, if
+    given, receives each commit's time (``committed``: token -> time), when
+    it was seen applied (``applied``) and the path's tasks (``roles``:
+    thread id -> role, read just before the paced commits), on the clock of
+    ``perf record -k CLOCK_MONOTONIC`` (``scripts.sched_waits``).
     """
     if which in ("tickline", "rdata"):
         t = Tickline(clusters, workdir, "latency")
@@ -709,10 +781,14 @@ def latency_once(clusters: Clusters, workdir: str, rate: int, seconds: float, wh
                 def commit(n: int) -> int:
                     return t.store.append("events", make_rows(n, 1), "bench-latency")[0]
 
+                if trace is not None:
+                    trace["roles"] = _roles(clusters)
                 before = _scheduled(clusters)
                 committed, reached = _paced(commit, rate, seconds)
                 after = _scheduled(clusters)
                 seen, sent = collect(max(committed))
+            if trace is not None:
+                trace["committed"], trace["applied"] = committed, seen
             result = _delays(committed, seen, reached)
             result.update(_scheduled_per_commit(before, after, len(committed)))
             if which == "rdata":
@@ -736,10 +812,15 @@ def latency_once(clusters: Clusters, workdir: str, rate: int, seconds: float, wh
                 conn.commit()
                 return n + 1
 
+            if trace is not None:
+                # This connection has run nothing yet: its backend is named by its pid.
+                trace["roles"] = {**_roles(clusters), conn.get_backend_pid(): "src:writer"}
             before = _scheduled(clusters)
             committed, reached = _paced(commit, rate, seconds)
             after = _scheduled(clusters)
             seen, _ = collect(max(committed))
+        if trace is not None:
+            trace["committed"], trace["applied"] = committed, seen
         result = _delays(committed, seen, reached)
         result.update(_scheduled_per_commit(before, after, len(committed)))
         return result

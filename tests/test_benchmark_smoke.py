@@ -256,3 +256,21 @@ def test_the_catch_up_times_a_restart_of_a_worker_that_was_set_up_before(tmp_pat
     # Two processes: the first caught up with nothing, the second resumed and applied every row.
     assert log.count("worker bench resumes caches@0, events@0") == 2, log
     assert "applied caches@0, events@0" in log and "events@2000" in log, log
+
+
+def test_a_latency_run_s_trace_has_every_commit_and_the_path_s_tasks_by_role() -> None:
+    """``latency_once(..., trace)``, what ``scripts.sched_waits record`` writes: both sides' paths named."""
+    import tempfile
+
+    from scripts.bench_pg import Clusters, latency_once
+
+    with Clusters() as clusters, tempfile.TemporaryDirectory() as workdir:
+        traces = {}
+        for which in ("tickline", "baseline"):
+            trace: dict[str, Any] = {}
+            latency_once(clusters, workdir, 200, 0.2, which, trace)
+            assert trace["committed"] and set(trace["committed"]) <= set(trace["applied"])
+            traces[which] = set(trace["roles"].values())
+    path = {"committer", "listeners", "listeners/1", "dst:listener", "src:writer"}
+    assert path | {"src:listen", "master", "worker", "dst:apply"} <= traces["tickline"]
+    assert path | {"src:walsender", "dst:apply-worker"} <= traces["baseline"]
