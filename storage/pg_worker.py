@@ -362,6 +362,9 @@ class PgWorkerStore:
     def close(self) -> None:
         self.database.close()
 
+    def hand_over_connection(self) -> None:
+        self.database.hand_over()
+
     def applied_tokens(self) -> dict[str, int]:
         rows = self.database.read(lambda cur: cur.execute("SELECT stream, token FROM tickline_applied").fetchall())
         return dict(rows)
