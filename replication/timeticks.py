@@ -157,9 +157,7 @@ class TimeTicker:
         if self.master.wakes_on_reactor():
             allocate = False  # _pass allocates apart from the passes
         if not allocate:
-            return (
-                "read" if self._due(now) or any(conn.subscriptions.ticks for conn in self.master.connections) else None
-            )
+            return "read" if self._due(now) or any(conn.subscriptions.ticks for conn in self.master.connections) else None
         if self._due(now):
             self._allocated_at = now
             # While writes move the oracle's mark, reading it is as fresh (_fresh_time_needed).
