@@ -72,6 +72,52 @@ def test_worker_without_tls_or_config_file_keeps_their_modules_out(tmp_path) -> 
     ]  # fmt: skip
 
 
+# `tickline worker` through main(), as _CLI, but nothing imported before main() does: the daemon's
+# loop is replaced as its module loads. Then: which of the modules no worker uses were run.
+_LAZY = """
+import importlib.machinery
+import sys
+
+ran = []
+
+
+class ReplaceTheDaemonsLoop:
+    def find_spec(self, name, path=None, target=None):
+        if name != "scripts.daemon":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            module.run_daemon = lambda *args: ran.append(args) or 0
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, ReplaceTheDaemonsLoop())
+from scripts.cli import main
+
+argv = ["worker", "--name", "w", "--master", "127.0.0.1:9", "--database", "sqlite:///" + sys.argv[1]]
+assert main(argv + ["--replicate", "events"]) == 0 and ran
+from scripts.lazy_modules import UNUSED_BY_A_WORKER
+
+print(" ".join(m for m in UNUSED_BY_A_WORKER if type(sys.modules.get(m)).__name__ != "_LazyModule") or "none")
+"""
+
+
+def test_worker_start_leaves_the_modules_no_worker_uses_unrun(tmp_path) -> None:
+    # Imported by Twisted and asyncio, bound to a name and used only inside functions: about
+    # 15 ms of a start (scripts.lazy_modules). A 100,000-row catch-up left them unrun too
+    # (docs/benchmarks.md, wstart3); a use runs them (test_worker_start.py).
+    out = subprocess.run(
+        [sys.executable, "-c", _LAZY, str(tmp_path / "worker.db")], cwd=ROOT, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["none"]
+
+
 def test_worker_with_tls_configured_imports_twisted_tls_as_usual(tmp_path) -> None:
     openssl = shutil.which("openssl")
     if openssl is None:
