@@ -52,7 +52,8 @@ from scripts.cli import main
 argv = ["worker", "--name", "w", "--master", "127.0.0.1:9", "--database", "sqlite:///" + sys.argv[1]]
 assert main(argv + ["--replicate", "events"] + sys.argv[2:]) == 0 and ran
 kept_out = [
-    m for m in ("OpenSSL", "cryptography", "service_identity", "twisted.internet.ssl", "yaml", "workers.snapshot", "workers.timeline")
+    m for m in ("OpenSSL", "cryptography", "service_identity", "twisted.internet.ssl", "yaml", "workers.snapshot", "workers.timeline",
+                "replication.timeline_commands")
     if m not in sys.modules
 ]
 print(" ".join(kept_out) or "none")
@@ -61,14 +62,15 @@ print(" ".join(kept_out) or "none")
 
 def test_worker_without_tls_or_config_file_keeps_their_modules_out(tmp_path) -> None:
     # pyOpenSSL with Twisted's TLS modules (about 0.1 s of a start; see replication.tls) and
-    # YAML come only with TLS or a config file; the snapshot's and the timeline consumer's modules
+    # YAML come only with TLS or a config file; the snapshot's, the timeline consumer's and the timeline's commands
     # only when used. TLS after such a start: tests/wire/test_wire_tls.py.
     out = subprocess.run(
         [sys.executable, "-c", _CLI, str(tmp_path / "worker.db")], cwd=ROOT, capture_output=True, text=True
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [
-        "OpenSSL", "cryptography", "service_identity", "twisted.internet.ssl", "yaml", "workers.snapshot", "workers.timeline"
+        "OpenSSL", "cryptography", "service_identity", "twisted.internet.ssl", "yaml", "workers.snapshot", "workers.timeline",
+        "replication.timeline_commands",
     ]  # fmt: skip
 
 
@@ -136,4 +138,8 @@ def test_worker_with_tls_configured_imports_twisted_tls_as_usual(tmp_path) -> No
         text=True,
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["workers.snapshot", "workers.timeline"]  # TLS's modules and YAML came in
+    assert out.stdout.split() == [
+        "workers.snapshot",
+        "workers.timeline",
+        "replication.timeline_commands",
+    ]  # TLS, YAML came
