@@ -3,7 +3,7 @@
 The master's wake-up (``storage.pg_wake``) and the worker's small applies
 (``storage.pg_worker``) each run one on the reactor. Apart from ``pg_wake`` so
 that a worker does not import the master's reading machinery with it
-(``pg_store``, ``pg_lines``, ``time_index``: about 2 ms of every worker start;
+(``pg_store``, ``pg_lines``: about 2 ms of every worker start;
 docs/benchmarks.md, wstart3).
 """
 

@@ -147,10 +147,10 @@ def test_worker_with_tls_configured_imports_twisted_tls_as_usual(tmp_path) -> No
 
 def test_the_postgresql_worker_store_does_not_import_the_masters_reading_modules() -> None:
     # pg_worker's non-blocking connection comes from storage.pg_nonblocking, not pg_wake (which
-    # brings pg_store, pg_lines and time_index: about 2 ms of every worker start).
+    # brings pg_store and pg_lines: about 2 ms of every worker start).
     code = "import sys, storage.pg_worker; print(' '.join(m for m in sys.modules if m.startswith('storage.')))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     imported = set(out.stdout.split())
     assert "storage.pg_nonblocking" in imported
-    assert not imported & {"storage.pg_wake", "storage.pg_store", "storage.pg_lines", "storage.time_index"}
+    assert not imported & {"storage.pg_wake", "storage.pg_store", "storage.pg_lines"}
