@@ -28,24 +28,17 @@ from zope.interface import implementer
 from replication.commands import (
     CLIENT_COMMANDS,
     AuthCommand,
-    CancelCommand,
     ClearUserSyncCommand,
     Command,
-    DeleteCommand,
-    ExtendCommand,
     FederationAckCommand,
-    MoveCommand,
     NameCommand,
     OptionsCommand,
     PingCommand,
     PositionCommand,
-    ReleaseCommand,
     RemoteServerUpCommand,
     RemovePusherCommand,
     ReplicateCommand,
-    ScheduleCommand,
     ServerCommand,
-    TimelineCommand,
     UserSyncCommand,
 )
 from replication.limits import LIMIT_STATS, ConnectionSlot, InputWatch, LogBudget, SharedLogBudget, too_long
@@ -54,6 +47,15 @@ from replication.reactor_types import Clock, DelayedCall
 from replication.settings import LimitsConfig, MasterConfig
 from replication.stats import STATS as PROTOCOL_STATS
 from replication.subscriptions import StreamSource, Subscriptions
+from replication.timeline_commands import (
+    CancelCommand,
+    DeleteCommand,
+    ExtendCommand,
+    MoveCommand,
+    ReleaseCommand,
+    ScheduleCommand,
+    TimelineCommand,
+)
 from replication.timeticks import TICK_OPTION, replicate_at
 from storage.time_index import TokenAt
 

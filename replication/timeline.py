@@ -35,10 +35,14 @@ from twisted.internet import defer, task
 from twisted.python.failure import Failure
 
 from replication.commands import (
-    CancelCommand,
     Command,
-    DeleteCommand,
     ErrorCommand,
+)
+from replication.dbthreads import DatabaseThreads
+from replication.reactor_types import Clock, DelayedCall, Transport
+from replication.timeline_commands import (
+    CancelCommand,
+    DeleteCommand,
     ExtendCommand,
     MoveCommand,
     NackCommand,
@@ -46,8 +50,6 @@ from replication.commands import (
     ScheduleCommand,
     TimelineCommand,
 )
-from replication.dbthreads import DatabaseThreads
-from replication.reactor_types import Clock, DelayedCall, Transport
 from replication.timeline_metrics import TimelineStats
 from replication.timeline_settings import TimelineSettings
 from storage.timeline_contract import (

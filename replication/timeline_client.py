@@ -14,22 +14,24 @@ from twisted.python.failure import Failure
 
 from replication.commands import (
     SERVER_COMMANDS,
-    AckCommand,
     AuthCommand,
     Command,
     ErrorCommand,
-    LeaseCommand,
-    NackCommand,
     NameCommand,
     PositionCommand,
     RdataCommand,
     RemoteServerUpCommand,
     ServerCommand,
-    TimelineCommand,
 )
 from replication.protocol import LineCommandProtocol
 from replication.reactor_types import Clock
 from replication.settings import ProtocolConfig
+from replication.timeline_commands import (
+    AckCommand,
+    LeaseCommand,
+    NackCommand,
+    TimelineCommand,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -172,9 +172,18 @@ class WorkerStart:
         self.thread.end()
 
     def prepare(self, prepare: Callable[[], None]) -> None:
-        """``prepare`` (the worker's blocking set-up) on the thread that opened the store, then the thread ends."""
+        """``prepare`` (the worker's blocking set-up) on the thread that opened the store, then the thread ends.
+
+        Its connection, idle, is handed over to the worker's database thread (``hand_over_connection``):
+        the first apply takes it instead of opening one after the first rows arrived."""
+        store = self.store()
+
+        def prepare_and_hand_over() -> None:
+            prepare()
+            store.hand_over_connection()
+
         try:
-            self.thread.call(prepare)
+            self.thread.call(prepare_and_hand_over)
         finally:
             self.thread.end()
 

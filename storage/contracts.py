@@ -308,6 +308,11 @@ class WorkerStore(Protocol):
 
     def applied_tokens(self) -> dict[str, int]: ...
 
+    def hand_over_connection(self) -> None:
+        """The calling thread is done with the store: its idle connection is kept for the next
+        thread that needs one, instead of that thread opening another (PostgreSQL; SQLite: nothing)."""
+        ...
+
     def create_replicated_table(self, schema: StreamSchema) -> None:
         """Create ``replicated_<stream>`` if missing."""
         ...

@@ -216,6 +216,7 @@ class PgDatabase:
         self._local = threading.local()
         self._all: list[Any] = []
         self._all_lock = threading.Lock()
+        self._spare: list[Any] = []  # idle connections a thread handed over (hand_over), under _all_lock
 
     def connect(self, autocommit: bool = False) -> Any:
         """A new connection (the caller owns it)."""
@@ -245,9 +246,43 @@ class PgDatabase:
         if conn is None or closed_while_idle(conn):
             if conn is not None:
                 quietly_close(conn)
-            conn = self.connect(autocommit=autocommit)
+            conn = self._take_spare(autocommit) or self.connect(autocommit=autocommit)
             setattr(local, name, conn)
         return conn
+
+    def hand_over(self) -> None:
+        """This thread is done with its connection: kept open, idle, for the next thread that needs one.
+
+        A worker's set-up thread opens and migrates the store while the start
+        imports Twisted, then ends (scripts.worker_start); without this its
+        connection stayed open unused while the database thread's first apply
+        opened another, after the first rows had arrived (3-9 ms: the
+        connection, then a round trip per session setting; docs/benchmarks.md,
+        wstart3). A connection inside a transaction is closed instead.
+        """
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if conn is None or conn.closed:
+            return
+        if conn.info.transaction_status != psycopg2.extensions.TRANSACTION_STATUS_IDLE:
+            quietly_close(conn)
+            return
+        conn.isolation_level = None  # as a new connection's: the server's default (reads set theirs)
+        with self._all_lock:
+            self._spare.append(conn)
+
+    def _take_spare(self, autocommit: bool) -> Any:
+        """A connection handed over by another thread (:meth:`hand_over`) and still usable, or None."""
+        while True:
+            with self._all_lock:
+                if not self._spare:
+                    return None
+                conn = self._spare.pop()
+            if closed_while_idle(conn):
+                quietly_close(conn)
+                continue
+            conn.autocommit = autocommit
+            return conn
 
     def connection(self) -> Any:
         """This thread's connection (see :meth:`held`)."""
@@ -255,7 +290,7 @@ class PgDatabase:
 
     def close(self) -> None:
         with self._all_lock:
-            conns, self._all = self._all, []
+            conns, self._all, self._spare = self._all, [], []
         for conn in conns:
             quietly_close(conn)
         self._local = threading.local()

@@ -35,7 +35,7 @@ from storage.pg_db import (
     rollback_explicit,
     sql_literals,
 )
-from storage.pg_wake import open_nonblocking, poll_word
+from storage.pg_nonblocking import open_nonblocking, poll_word
 from storage.schema import COLUMN_TYPES, INT64_MAX, INT64_MIN, StreamSchema
 from storage.store import ApplyRefused, DatabaseUnavailable, StaleApply, error_line
 from storage.urls import redact_url
@@ -361,6 +361,9 @@ class PgWorkerStore:
 
     def close(self) -> None:
         self.database.close()
+
+    def hand_over_connection(self) -> None:
+        self.database.hand_over()
 
     def applied_tokens(self) -> dict[str, int]:
         rows = self.database.read(lambda cur: cur.execute("SELECT stream, token FROM tickline_applied").fetchall())

@@ -43,6 +43,9 @@ class SqliteWorkerStore:
     def close(self) -> None:
         self.database.close()
 
+    def hand_over_connection(self) -> None:
+        """Nothing: opening a SQLite file takes no round trips to save."""
+
     def applied_tokens(self) -> dict[str, int]:
         rows = self.database.read(lambda conn: conn.execute("SELECT stream, token FROM tickline_applied").fetchall())
         return dict(rows)

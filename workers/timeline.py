@@ -33,8 +33,12 @@ from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
 
 from replication.commands import (
-    AckCommand,
     Command,
+)
+from replication.settings import ProtocolConfig
+from replication.timeline_client import TimelineClientProtocol
+from replication.timeline_commands import (
+    AckCommand,
     DeleteCommand,
     ExtendCommand,
     LeaseCommand,
@@ -42,8 +46,6 @@ from replication.commands import (
     ReleaseCommand,
     TimelineCommand,
 )
-from replication.settings import ProtocolConfig
-from replication.timeline_client import TimelineClientProtocol
 from workers.settings import TimelineWorkerSettings
 
 

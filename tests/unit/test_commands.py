@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+import replication.timeline_commands  # noqa: F401  (registers the timeline's commands in COMMAND_CLASSES)
 from replication.commands import (
     CLIENT_COMMANDS,
     COMMAND_CLASSES,

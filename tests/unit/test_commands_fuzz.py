@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 
+import replication.timeline_commands  # noqa: F401  (registers the timeline's commands in COMMAND_CLASSES)
 from replication.client import ClientProtocol, ReplicationHandler
 from replication.commands import (
     COMMAND_CLASSES,

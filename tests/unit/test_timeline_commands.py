@@ -5,19 +5,21 @@ from __future__ import annotations
 import pytest
 
 from replication.commands import (
+    Command,
+    MalformedCommand,
+    parse_line,
+)
+from replication.timeline_commands import (
     AckCommand,
     CancelCommand,
-    Command,
     DeleteCommand,
     ExtendCommand,
     LeaseCommand,
-    MalformedCommand,
     MoveCommand,
     NackCommand,
     ReleaseCommand,
     ScheduleCommand,
     TimelineCommand,
-    parse_line,
 )
 
 ROUND_TRIPS = [
@@ -75,3 +77,30 @@ def test_body_is_normalized_to_compact_json() -> None:
 def test_malformed(line: str, message: str) -> None:
     with pytest.raises(MalformedCommand, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
         parse_line(line)
+
+
+# A process that has not imported replication.timeline_commands (a worker: see
+# tests/unit/test_worker_start_imports.py) parses the timeline's lines all the same.
+_FRESH = """
+import sys
+from replication.commands import TIMELINE_COMMAND_NAMES, parse_line
+
+assert "replication.timeline_commands" not in sys.modules
+command = parse_line(sys.argv[1])
+from replication.timeline_commands import LeaseCommand
+
+assert type(command) is LeaseCommand, command
+print(command.to_line())
+"""
+
+
+def test_a_timeline_line_is_parsed_where_its_module_was_not_imported() -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    line = 'LEASE jobs m1 1 1700000000000 {"a":1}'
+    out = subprocess.run([sys.executable, "-c", _FRESH, line], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == parse_line(line).to_line()

@@ -16,16 +16,18 @@ from twisted.internet.base import DelayedCall
 
 from replication.commands import (
     Command,
+    parse_line,
+)
+from replication.reactor_types import Transport
+from replication.timeline import TimelineService
+from replication.timeline_commands import (
     DeleteCommand,
     ExtendCommand,
     LeaseCommand,
     ReleaseCommand,
     ScheduleCommand,
     TimelineCommand,
-    parse_line,
 )
-from replication.reactor_types import Transport
-from replication.timeline import TimelineService
 from replication.timeline_settings import TimelineSettings
 from storage.timeline_contract import PassResult
 from storage.timeline_store import open_timeline_store

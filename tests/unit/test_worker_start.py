@@ -143,8 +143,10 @@ def test_a_worker_start_does_not_run_http_cookiejar(tmp_path) -> None:
     }
     assert "twisted.internet.reactor" in imported and "http.cookiejar" in imported
     assert not {"urllib.request", "http.client", "email.parser"} & imported
-    # numpy (~140 ms): only a master's reads on PostgreSQL use it (storage.pg_columns_out).
-    assert "storage.pg_columns_out" in imported and "numpy" not in imported
+    # numpy (~140 ms): only a master's reads on PostgreSQL use it (storage.pg_columns_out, which a
+    # worker no longer imports at all: its non-blocking connection comes from storage.pg_nonblocking).
+    assert "storage.pg_worker" in imported
+    assert not {"numpy", "storage.pg_columns_out", "storage.pg_wake"} & imported
 
 
 @pytest.mark.parametrize(

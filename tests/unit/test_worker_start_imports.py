@@ -52,7 +52,8 @@ from scripts.cli import main
 argv = ["worker", "--name", "w", "--master", "127.0.0.1:9", "--database", "sqlite:///" + sys.argv[1]]
 assert main(argv + ["--replicate", "events"] + sys.argv[2:]) == 0 and ran
 kept_out = [
-    m for m in ("OpenSSL", "cryptography", "service_identity", "twisted.internet.ssl", "yaml", "workers.snapshot", "workers.timeline")
+    m for m in ("OpenSSL", "cryptography", "service_identity", "twisted.internet.ssl", "yaml", "workers.snapshot", "workers.timeline",
+                "replication.timeline_commands")
     if m not in sys.modules
 ]
 print(" ".join(kept_out) or "none")
@@ -61,15 +62,62 @@ print(" ".join(kept_out) or "none")
 
 def test_worker_without_tls_or_config_file_keeps_their_modules_out(tmp_path) -> None:
     # pyOpenSSL with Twisted's TLS modules (about 0.1 s of a start; see replication.tls) and
-    # YAML come only with TLS or a config file; the snapshot's and the timeline consumer's modules
+    # YAML come only with TLS or a config file; the snapshot's, the timeline consumer's and the timeline's commands
     # only when used. TLS after such a start: tests/wire/test_wire_tls.py.
     out = subprocess.run(
         [sys.executable, "-c", _CLI, str(tmp_path / "worker.db")], cwd=ROOT, capture_output=True, text=True
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [
-        "OpenSSL", "cryptography", "service_identity", "twisted.internet.ssl", "yaml", "workers.snapshot", "workers.timeline"
+        "OpenSSL", "cryptography", "service_identity", "twisted.internet.ssl", "yaml", "workers.snapshot", "workers.timeline",
+        "replication.timeline_commands",
     ]  # fmt: skip
+
+
+# `tickline worker` through main(), as _CLI, but nothing imported before main() does: the daemon's
+# loop is replaced as its module loads. Then: which of the modules no worker uses were run.
+_LAZY = """
+import importlib.machinery
+import sys
+
+ran = []
+
+
+class ReplaceTheDaemonsLoop:
+    def find_spec(self, name, path=None, target=None):
+        if name != "scripts.daemon":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            module.run_daemon = lambda *args: ran.append(args) or 0
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, ReplaceTheDaemonsLoop())
+from scripts.cli import main
+
+argv = ["worker", "--name", "w", "--master", "127.0.0.1:9", "--database", "sqlite:///" + sys.argv[1]]
+assert main(argv + ["--replicate", "events"]) == 0 and ran
+from scripts.lazy_modules import UNUSED_BY_A_WORKER
+
+print(" ".join(m for m in UNUSED_BY_A_WORKER if type(sys.modules.get(m)).__name__ != "_LazyModule") or "none")
+"""
+
+
+def test_worker_start_leaves_the_modules_no_worker_uses_unrun(tmp_path) -> None:
+    # Imported by Twisted and asyncio, bound to a name and used only inside functions: about
+    # 15 ms of a start (scripts.lazy_modules). A 100,000-row catch-up left them unrun too
+    # (docs/benchmarks.md, wstart3); a use runs them (test_worker_start.py).
+    out = subprocess.run(
+        [sys.executable, "-c", _LAZY, str(tmp_path / "worker.db")], cwd=ROOT, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["none"]
 
 
 def test_worker_with_tls_configured_imports_twisted_tls_as_usual(tmp_path) -> None:
@@ -90,4 +138,19 @@ def test_worker_with_tls_configured_imports_twisted_tls_as_usual(tmp_path) -> No
         text=True,
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["workers.snapshot", "workers.timeline"]  # TLS's modules and YAML came in
+    assert out.stdout.split() == [
+        "workers.snapshot",
+        "workers.timeline",
+        "replication.timeline_commands",
+    ]  # TLS, YAML came
+
+
+def test_the_postgresql_worker_store_does_not_import_the_masters_reading_modules() -> None:
+    # pg_worker's non-blocking connection comes from storage.pg_nonblocking, not pg_wake (which
+    # brings pg_store and pg_lines: about 2 ms of every worker start).
+    code = "import sys, storage.pg_worker; print(' '.join(m for m in sys.modules if m.startswith('storage.')))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    imported = set(out.stdout.split())
+    assert "storage.pg_nonblocking" in imported
+    assert not imported & {"storage.pg_wake", "storage.pg_store", "storage.pg_lines"}

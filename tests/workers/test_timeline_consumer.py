@@ -8,8 +8,15 @@ from twisted.internet import defer, task
 from twisted.internet.error import ConnectionDone
 from twisted.python.failure import Failure
 
-from replication.commands import AckCommand, Command, LeaseCommand, NackCommand
+from replication.commands import (
+    Command,
+)
 from replication.settings import ProtocolConfig
+from replication.timeline_commands import (
+    AckCommand,
+    LeaseCommand,
+    NackCommand,
+)
 from workers.settings import TimelineWorkerSettings
 from workers.timeline import TimelineConsumer, TimelineJob
 
