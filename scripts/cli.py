@@ -296,7 +296,7 @@ def _worker_command(args: argparse.Namespace, config: Config) -> Callable[[], in
     from scripts.worker_start import WorkerStart, worker_config
 
     begun = WorkerStart.begin(worker_config(args, config))  # see scripts.worker_start
-    with lazy_modules():  # http.cookiejar, imported by Twisted, used by no worker (scripts.lazy_modules)
+    with lazy_modules():  # modules Twisted imports and no worker uses (scripts.lazy_modules)
         if not config.tls.client_enabled:
             from replication.tls import import_reactor_without_tls
 

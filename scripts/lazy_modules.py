@@ -19,12 +19,14 @@ from contextlib import contextmanager
 from importlib.machinery import ModuleSpec
 from typing import Any
 
-# Imported by a dependency of a worker's start, used by none of its code paths (about 15 ms in
-# all: http.cookiejar 12, by twisted.python.compat; pickle 1, by twisted.python.reflect;
-# asyncio.staggered 0.7, by asyncio.base_events; random 0.7, by twisted.internet.protocol, for
-# reconnection delays; pty with tty 0.5, by twisted.internet.process). Each is bound to a name
+# Imported by a dependency of a worker's start, used by none of its code paths (about 13 ms in
+# all: http.cookiejar 12, by twisted.python.compat; asyncio.staggered 0.7, by
+# asyncio.base_events; pty with tty 0.5, by twisted.internet.process). Each is bound to a name
 # with plain ``import`` and used only inside functions: ``from m import x`` would run it.
-UNUSED_BY_A_WORKER = ("http.cookiejar", "pickle", "asyncio.staggered", "random", "pty")
+# Not random (a worker's reconnect delays) nor pickle: user handlers use them, maybe from
+# several threads at once, and Python 3.11's LazyLoader runs a module on its first use without
+# a lock (another thread then sees it half made: AttributeError).
+UNUSED_BY_A_WORKER = ("http.cookiejar", "asyncio.staggered", "pty")
 
 
 class _LazyFinder:

@@ -240,8 +240,9 @@ class PgDatabase:
         return conn
 
     def held(self, local: threading.local, name: str, autocommit: bool = False) -> Any:
-        """The connection kept as ``local.<name>`` (one per thread); a new one if it was closed, or found
-        closed while idle (:func:`closed_while_idle`: a statement sent on it would be lost unanswered)."""
+        """The connection kept as ``local.<name>`` (one per thread); if it was closed, or found closed
+        while idle (:func:`closed_while_idle`: a statement sent on it would be lost unanswered), one
+        another thread handed over (:meth:`hand_over`) or else a new one."""
         conn = getattr(local, name, None)
         if conn is None or closed_while_idle(conn):
             if conn is not None:

@@ -316,6 +316,9 @@ class PgAsyncApply:
         quietly_close(self._conn)
 
     def _lost(self, e: BaseException) -> DatabaseUnavailable:
+        # DatabaseUnavailable, not CommitUnknown, although the one statement commits on its own:
+        # the worker takes any loss of this connection as an apply of unknown outcome and applies
+        # the rows again by its threads at once (Worker._async_apply_failed).
         return lost_connection(self._dsn, self._conn, e)
 
 
