@@ -10,6 +10,7 @@ of on a database thread, so every step is deterministic.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -836,3 +837,108 @@ def test_a_lost_commit_then_a_reconnect_to_the_master_applies_every_row_once(url
         h.clock.advance(5)
     assert h.applied() == 5
     assert [r[0] for r in h.rows()] == [1, 2, 3, 4, 5]
+
+
+class _SocketTransport(StringTransport):
+    """A ``StringTransport`` whose handle is a real socket: the bytes the test leaves unread on it
+    are what ``bytes_waiting`` sees (a read with more to follow at once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sock, self._peer = socket.socketpair()
+
+    def getHandle(self) -> socket.socket:
+        return self.sock
+
+    def more_waits(self, waiting: bool) -> None:
+        if waiting:
+            self._peer.sendall(b"x")
+        else:
+            self.sock.setblocking(False)
+            try:
+                while self.sock.recv(4096):
+                    pass
+            except BlockingIOError:
+                pass
+
+    def close_sockets(self) -> None:
+        self.sock.close()
+        self._peer.close()
+
+
+def _socket_harness(url: str, **config: Any) -> tuple[Harness, _SocketTransport]:
+    h = Harness(url, **config)
+    transport = _SocketTransport()
+    h.transport = transport
+    h.proto = h.worker.client_protocol()
+    h.proto.makeConnection(transport)
+    h.send("SERVER s", "POSITION events m 0 0")
+    h.db.hold = []
+    return h, transport
+
+
+def test_a_commit_read_in_pieces_is_applied_as_one_group_once_no_byte_waits(url) -> None:
+    """Rows whose read ends while more bytes wait on the socket are held for the next read (which
+    follows at once): a commit split over several reads is one apply, not one per read."""
+    h, transport = _socket_harness(url)
+    try:
+        lines = [f"RDATA events m {n} {ev(n)}" for n in range(1, 61)]
+        transport.more_waits(True)
+        h.send(*lines[:20])
+        h.send(*lines[20:40])
+        assert _held(h) == []  # nothing handed while the rest is on its way
+        transport.more_waits(False)
+        h.send(*lines[40:])
+        assert len(_held(h)) == 1  # the three reads' rows: one group
+        _release(h)
+        assert h.applied() == 60
+        assert [r[0] for r in h.rows()] == list(range(1, 61))
+    finally:
+        transport.close_sockets()
+
+
+def test_held_rows_are_applied_when_a_full_group_waits_or_reading_pauses(url) -> None:
+    """Bytes waiting hold back no full group (a backlog keeps its database busy), and nothing once
+    reading is paused (the next read would never come)."""
+    h, transport = _socket_harness(url, apply=ApplySettings(apply_rows=30))
+    try:
+        transport.more_waits(True)
+        h.send(*(f"RDATA events m {n} {ev(n)}" for n in range(1, 31)))
+        assert len(_held(h)) == 1  # a full group: handed at once
+        _release(h)
+        assert h.applied() == 30
+    finally:
+        transport.close_sockets()
+    h, transport = _socket_harness(url, max_pending_rows=4)
+    try:
+        transport.more_waits(True)
+        h.send(*(f"RDATA events m {n} {ev(n)}" for n in range(31, 37)))  # the same database: after 30
+        assert transport.producerState == "paused"
+        assert len(_held(h)) == 1  # paused: applied although bytes wait
+        while h.db.hold:
+            _release(h)
+        assert transport.producerState == "producing"
+        assert h.applied() == 36
+    finally:
+        transport.close_sockets()
+
+
+def test_rows_held_for_a_read_that_never_came_are_asked_for_again_after_a_reconnect(url) -> None:
+    """The connection is lost while rows are held (bytes waited): nothing of them is applied, and
+    the worker resumes from its applied token, so every row arrives again and is applied once."""
+    h, transport = _socket_harness(url)
+    try:
+        transport.more_waits(True)
+        h.send(*(f"RDATA events m {n} {ev(n)}" for n in range(1, 11)))
+        assert _held(h) == []
+        h.disconnect()
+        h.db.hold = None
+        h.connect()
+        h.sent()
+        h.send("SERVER s")
+        assert h.sent() == ["REPLICATE caches 0", "REPLICATE events 0"]
+        h.send("POSITION events m 0 0", *(f"RDATA events m {n} {ev(n)}" for n in range(1, 11)))
+        assert h.applied() == 10
+        assert [r[0] for r in h.rows()] == list(range(1, 11))
+    finally:
+        transport.close_sockets()
