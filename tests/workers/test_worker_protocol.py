@@ -942,3 +942,70 @@ def test_rows_held_for_a_read_that_never_came_are_asked_for_again_after_a_reconn
         assert [r[0] for r in h.rows()] == list(range(1, 11))
     finally:
         transport.close_sockets()
+
+
+def _lines(first: int, last: int) -> list[str]:
+    return [f"RDATA events m {n} {ev(n)}" for n in range(first, last + 1)]
+
+
+def test_a_group_not_full_waits_apply_linger_for_more_rows_then_applies_them_as_one(url) -> None:
+    """At least ``apply_linger_rows`` rows but not a full group: the apply waits ``apply_linger``
+    for more, rows that arrive meanwhile join the group, and then one group is applied."""
+    settings = ApplySettings(apply_rows=100, apply_linger=0.01, apply_linger_rows=20)
+    h = Harness(url, apply=settings)
+    h.db.hold = []
+    h.send("SERVER s", "POSITION events m 0 0", *_lines(1, 30))
+    assert _held(h) == []
+    h.clock.advance(0.005)
+    h.send(*_lines(31, 50))
+    assert _held(h) == []
+    h.clock.advance(0.005)
+    assert len(_held(h)) == 1  # 1..50: one group
+    _release(h)
+    assert h.applied() == 50
+    h.send(*_lines(51, 80))  # the next group waits again
+    assert _held(h) == []
+    h.send(*_lines(81, 150))  # a full group: at once, without waiting
+    assert len(_held(h)) == 1
+    while h.db.hold:
+        _release(h)
+    h.clock.advance(0.01)  # the 50 left over waited
+    while h.db.hold:
+        _release(h)
+    assert h.applied() == 150
+    assert [r[0] for r in h.rows()] == list(range(1, 151))
+
+
+def test_few_rows_and_a_worker_without_apply_linger_are_applied_at_once(url) -> None:
+    h = Harness(url, apply=ApplySettings(apply_rows=100, apply_linger=0.01, apply_linger_rows=20))
+    h.db.hold = []
+    h.send("SERVER s", "POSITION events m 0 0", *_lines(1, 19))  # fewer than apply_linger_rows
+    assert len(_held(h)) == 1
+    _release(h)
+    assert h.applied() == 19
+    h = Harness(url, apply=ApplySettings(apply_rows=100, apply_linger=None, apply_linger_rows=20))
+    h.db.hold = []
+    h.send("SERVER s", "POSITION events m 19 19", *_lines(20, 69))
+    assert len(_held(h)) == 1
+    _release(h)
+    assert h.applied() == 69
+
+
+def test_a_stop_or_a_lost_connection_ends_the_wait_and_applies_nothing_of_it(url) -> None:
+    """Rows waiting for a fuller group are dropped with the connection (the worker asks for them
+    again from its applied token) and by a stop; the wait's timer goes with them."""
+    h = Harness(url, apply=ApplySettings(apply_rows=100, apply_linger=0.01, apply_linger_rows=20))
+    h.db.hold = []
+    h.send("SERVER s", "POSITION events m 0 0", *_lines(1, 30))
+    waiting = [c for c in h.clock.getDelayedCalls() if c.active()]
+    assert waiting
+    h.disconnect()
+    assert not any(c.active() for c in waiting)
+    h.clock.advance(1.0)
+    assert _held(h) == [] and h.applied() == 0  # asked for again after the reconnect
+    h.connect()
+    h.send("SERVER s", "POSITION events m 0 0", *_lines(1, 30))
+    assert _held(h) == []
+    h.worker.consumers["events"].stop()
+    h.clock.advance(1.0)
+    assert _held(h) == []  # stopped: the wait ended without an apply
