@@ -266,9 +266,11 @@ class StreamConsumer:
         # While a read's lines are handled (hold/release): what they queue is applied at its end.
         self._held = False
         self._kick_due = False
-        # The wait for a fuller group (settings.apply_linger), and whether it is over.
+        # The wait for a fuller group (settings.apply_linger), whether it is over, and whether the
+        # last group handed was full (the tail of a backlog is applied at once).
         self._linger_call: Any = None
         self._lingered = False
+        self._after_full = False
 
     # -- input from the connection ---------------------------------------------------
 
@@ -479,6 +481,7 @@ class StreamConsumer:
         else:
             d = self._apply_in_db(self.stream, token, effects)
         self._lingered = False  # the next group may wait again
+        self._after_full = full or count == self.settings.apply_rows
         self._handed(d, group, token, count, link)
         if link is not None:
             self._kick_chained()
@@ -491,12 +494,14 @@ class StreamConsumer:
         1,000-row commit's rows were applied in one or two groups of their
         own; waiting 10 ms gathers two or three commits per group at 170,000
         rows/s (docs/benchmarks.md, e2e7). Single rows and small commits
-        (fewer than ``apply_linger_rows`` queued) and a backlog (full groups)
-        are applied at once, as before.
+        (fewer than ``apply_linger_rows`` queued) and a backlog (full groups,
+        and the group after a full one: a catch-up's last) are applied at
+        once, as before.
         """
         linger = self.settings.apply_linger
         if (
             linger is None
+            or self._after_full
             or self._replicate_in_db is None
             or self.gate is not None
             or self._failures

@@ -965,15 +965,20 @@ def test_a_group_not_full_waits_apply_linger_for_more_rows_then_applies_them_as_
     assert h.applied() == 50
     h.send(*_lines(51, 80))  # the next group waits again
     assert _held(h) == []
-    h.send(*_lines(81, 150))  # a full group: at once, without waiting
+    h.send(*_lines(81, 150))  # a full group (51..150): at once, without waiting
     assert len(_held(h)) == 1
-    while h.db.hold:
-        _release(h)
-    h.clock.advance(0.01)  # the 50 left over waited
-    while h.db.hold:
-        _release(h)
+    _release(h)
     assert h.applied() == 150
-    assert [r[0] for r in h.rows()] == list(range(1, 151))
+    h.send(*_lines(151, 180))  # the group after a full one (a backlog's tail): at once too
+    assert len(_held(h)) == 1
+    _release(h)
+    assert h.applied() == 180
+    h.send(*_lines(181, 210))  # after a group that was not full, a group waits again
+    assert _held(h) == []
+    h.clock.advance(0.01)
+    _release(h)
+    assert h.applied() == 210
+    assert [r[0] for r in h.rows()] == list(range(1, 211))
 
 
 def test_few_rows_and_a_worker_without_apply_linger_are_applied_at_once(url) -> None:
