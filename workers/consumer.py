@@ -289,9 +289,12 @@ class StreamConsumer:
         self._held = True
 
     def release(self, kick: bool) -> None:
-        """Stop holding; apply what was queued meanwhile if ``kick``, or if a full group waits."""
+        """Stop holding; apply what was queued meanwhile if ``kick``, if a full group waits, or if
+        fewer rows than ``apply_linger_rows`` do (single rows and small commits are not held: their
+        apply is no ``COPY``, and a commit's latency is not worth a wait for the next read)."""
         self._held = False
-        if self._kick_due and (kick or self.queued_rows >= self.settings.apply_rows):
+        queued = self.queued_rows
+        if self._kick_due and (kick or queued >= self.settings.apply_rows or queued < self.settings.apply_linger_rows):
             self._kick_due = False
             self.kick()
 

@@ -880,7 +880,7 @@ def _socket_harness(url: str, **config: Any) -> tuple[Harness, _SocketTransport]
 def test_a_commit_read_in_pieces_is_applied_as_one_group_once_no_byte_waits(url) -> None:
     """Rows whose read ends while more bytes wait on the socket are held for the next read (which
     follows at once): a commit split over several reads is one apply, not one per read."""
-    h, transport = _socket_harness(url)
+    h, transport = _socket_harness(url, apply=ApplySettings(apply_linger=None, apply_linger_rows=20))
     try:
         lines = [f"RDATA events m {n} {ev(n)}" for n in range(1, 61)]
         transport.more_waits(True)
@@ -898,27 +898,36 @@ def test_a_commit_read_in_pieces_is_applied_as_one_group_once_no_byte_waits(url)
 
 
 def test_held_rows_are_applied_when_a_full_group_waits_or_reading_pauses(url) -> None:
-    """Bytes waiting hold back no full group (a backlog keeps its database busy), and nothing once
-    reading is paused (the next read would never come)."""
-    h, transport = _socket_harness(url, apply=ApplySettings(apply_rows=30))
+    """Bytes waiting hold back no full group (a backlog keeps its database busy), nothing once
+    reading is paused (the next read would never come), and no fewer rows than
+    ``apply_linger_rows`` (a single row's latency is not worth the wait)."""
+    h, transport = _socket_harness(url, apply=ApplySettings(apply_linger_rows=5))
     try:
         transport.more_waits(True)
-        h.send(*(f"RDATA events m {n} {ev(n)}" for n in range(1, 31)))
-        assert len(_held(h)) == 1  # a full group: handed at once
+        h.send(*(f"RDATA events m {n} {ev(n)}" for n in range(1, 5)))
+        assert len(_held(h)) == 1  # 4 rows: at once although bytes wait
         _release(h)
-        assert h.applied() == 30
     finally:
         transport.close_sockets()
-    h, transport = _socket_harness(url, max_pending_rows=4)
+    h, transport = _socket_harness(url, apply=ApplySettings(apply_rows=30, apply_linger_rows=20))
     try:
         transport.more_waits(True)
-        h.send(*(f"RDATA events m {n} {ev(n)}" for n in range(31, 37)))  # the same database: after 30
+        h.send(*(f"RDATA events m {n} {ev(n)}" for n in range(5, 35)))
+        assert len(_held(h)) == 1  # a full group: handed at once
+        _release(h)
+        assert h.applied() == 34
+    finally:
+        transport.close_sockets()
+    h, transport = _socket_harness(url, max_pending_rows=4, apply=ApplySettings(apply_linger=None, apply_linger_rows=1))
+    try:
+        transport.more_waits(True)
+        h.send(*(f"RDATA events m {n} {ev(n)}" for n in range(35, 41)))  # the same database: after 34
         assert transport.producerState == "paused"
         assert len(_held(h)) == 1  # paused: applied although bytes wait
         while h.db.hold:
             _release(h)
         assert transport.producerState == "producing"
-        assert h.applied() == 36
+        assert h.applied() == 40
     finally:
         transport.close_sockets()
 
@@ -926,7 +935,7 @@ def test_held_rows_are_applied_when_a_full_group_waits_or_reading_pauses(url) ->
 def test_rows_held_for_a_read_that_never_came_are_asked_for_again_after_a_reconnect(url) -> None:
     """The connection is lost while rows are held (bytes waited): nothing of them is applied, and
     the worker resumes from its applied token, so every row arrives again and is applied once."""
-    h, transport = _socket_harness(url)
+    h, transport = _socket_harness(url, apply=ApplySettings(apply_linger=None, apply_linger_rows=5))
     try:
         transport.more_waits(True)
         h.send(*(f"RDATA events m {n} {ev(n)}" for n in range(1, 11)))
