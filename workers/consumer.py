@@ -402,10 +402,10 @@ class StreamConsumer:
     def accept(self, item: _Item) -> None:
         """A token may be applied (at once, or as released by the ordering gate)."""
         self._queue.append(item)
-        if self._held:
-            self._kick_due = True
+        if self._held and self.queued_rows >= self.settings.apply_linger_rows:
+            self._kick_due = True  # a bulk commit's rows: applied at the read's end (release)
         else:
-            self.kick()
+            self.kick()  # a single row's at once, before the rest of the read (its TICK) is handled
 
     def front_seq(self) -> int | None:
         """The release number of the first unapplied token (ordered delivery)."""
