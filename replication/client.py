@@ -18,7 +18,10 @@ the command) or one that names ``OPTIONS``: that ``ERROR`` is the answer to
 
 from __future__ import annotations
 
+import array
+import fcntl
 import logging
+import termios
 from typing import Any, ClassVar
 
 from twisted.internet.error import ConnectionDone
@@ -65,6 +68,17 @@ def unusable_line(raw: bytes) -> str | None:
     return None
 
 
+def bytes_waiting(transport: Any) -> int:
+    """How many received bytes wait unread on ``transport``'s socket (0 if that cannot be told)."""
+    try:
+        handle = transport.getHandle()
+        waiting = array.array("i", [0])
+        fcntl.ioctl(handle.fileno(), termios.FIONREAD, waiting, True)
+    except (AttributeError, OSError, ValueError):
+        return 0
+    return waiting[0]
+
+
 class ReplicationHandler:
     """What a client does with what the master sends; override what you need."""
 
@@ -99,6 +113,13 @@ class ReplicationHandler:
 
     def on_tick(self, client: ClientProtocol, command: TickCommand) -> None:
         """The stream's safe time (``OPTIONS tick``); only for streams positioned on this connection."""
+
+    def read_started(self, client: ClientProtocol) -> None:
+        """The lines of one read from the socket follow (then :meth:`read_ended`)."""
+
+    def read_ended(self, client: ClientProtocol, more: bool) -> None:
+        """The lines of that read are handled; ``more``: bytes already wait on the socket, so the
+        next read follows at once (while the transport reads)."""
 
     def on_error(self, client: ClientProtocol, message: str) -> None:
         pass
@@ -149,6 +170,15 @@ class ClientProtocol(LineCommandProtocol):
     def uses(self, option: str) -> bool:
         """The master acknowledged ``option`` on this connection."""
         return option in self.acknowledged
+
+    def dataReceived(self, data: bytes) -> None:
+        # The handler learns where a read's lines end and whether more bytes wait: a worker
+        # applies a commit's rows split over several reads as one group (workers.consumer).
+        self.handler.read_started(self)
+        try:
+            super().dataReceived(data)
+        finally:
+            self.handler.read_ended(self, bytes_waiting(self.transport) > 0)
 
     def connectionMade(self) -> None:
         super().connectionMade()

@@ -101,6 +101,8 @@ NUMBER_RANGES: dict[str, tuple[float, float]] = {
     "worker.max_pending_rows": (1, 10_000_000),
     "worker.apply_rows": (1, 1_000_000),
     "worker.apply_connections": (1, 2),
+    "worker.apply_linger": (0.001, 1.0),
+    "worker.apply_linger_rows": (1, 1_000_000),
     "worker.retry_initial": (0.01, 3600.0),
     "worker.retry_max": (0.01, 86400.0),
     "caches.max_size": (1, 1_000_000_000),

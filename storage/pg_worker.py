@@ -20,10 +20,11 @@ from storage.contracts import Effects, EscapeFreeRows, ReceivedRows, ReplicatedV
 from storage.pg_copy import (
     _COPY_FORMATS,
     NULL_COPY,
+    SPECIAL_CHARACTERS,
     _copy_text,
     copy_rows,
+    data_needs_escapes,
     formatter,
-    lines_need_escapes,
     received_chunk_formatter,
 )
 from storage.pg_db import (
@@ -536,9 +537,11 @@ class PgWorkerStore:
     def _copy_text(schema: StreamSchema, received: Sequence[ReceivedRows]) -> bytes | None:
         """COPY lines ``token, instance, *values, ts``; None if a row is not ``[*values, ts]`` (the general way).
 
-        Rows of exactly typed values whose text needs no escape (checked once
-        over the whole text) are made by one generated loop
-        (``storage.pg_copy.received_chunk_formatter``); otherwise row by row.
+        Rows of exactly typed values whose text needs no escape are made by one
+        generated loop (``storage.pg_copy.received_chunk_formatter``), the
+        escapes checked once over the encoded text
+        (:func:`storage.pg_copy.data_needs_escapes`), or not at all for rows
+        known to hold none (:func:`_escape_free`); otherwise row by row.
         The same text made column by column was about 10% faster measured
         alone but no cheaper in a worker's catch-up (docs/benchmarks.md, wk2).
         """
@@ -546,21 +549,20 @@ class PgWorkerStore:
         if chunk is not None:
             quick, nulls = chunk(received)
             if quick:
-                if _escape_free(received):
-                    # The last line's newline by the join itself: no copy of the whole text for it
-                    # (about a third of the join and encoding of a group's 0.8 MB).
-                    quick.append("")
-                    try:
-                        return "\n".join(quick).encode()
-                    except UnicodeEncodeError:  # a lone surrogate: refused row by row
-                        pass
-                else:
-                    joined = "\n".join(quick)
-                    if not lines_need_escapes(joined, len(quick), len(schema.columns) + 3, nulls):
-                        try:
-                            return (joined + "\n").encode()
-                        except UnicodeEncodeError:
-                            pass
+                count = len(quick)
+                # The last line's newline by the join itself: no copy of the whole text for it
+                # (about a third of the join and encoding of a group's 0.8 MB).
+                quick.append("")
+                try:
+                    data = "\n".join(quick).encode()
+                except UnicodeEncodeError:  # a lone surrogate: refused row by row
+                    data = None
+                # Per line, as many tabs as columns but one and a newline; a backslash per NULL (the
+                # chunk refuses instance names with one).
+                if data is not None and (
+                    _escape_free(received) or not data_needs_escapes(data, count * (len(schema.columns) + 3), nulls)
+                ):
+                    return data
         fmt = formatter(schema, with_ts=True)
         width = len(schema.columns)
         lines = []
@@ -584,14 +586,13 @@ def _escape_free(received: Sequence[ReceivedRows]) -> bool:
     Rows parsed from JSON text without a backslash (:class:`EscapeFreeRows`)
     hold none in their text values; the instance names are checked here. The
     rest of a line is integers and the ``\\N`` of a NULL. Saves
-    :func:`lines_need_escapes`' passes over the text (about 0.13 µs per row).
+    :func:`storage.pg_copy.data_needs_escapes`' pass over the text.
     """
     return all(
-        type(rows) is EscapeFreeRows and not _NEEDS_ESCAPE.intersection(instance) for _, instance, rows in received
+        type(rows) is EscapeFreeRows and not SPECIAL_CHARACTERS.intersection(instance) for _, instance, rows in received
     )
 
 
-_NEEDS_ESCAPE = frozenset("\\\t\n\r\x00")
 BEGIN = "BEGIN ISOLATION LEVEL READ COMMITTED; "
 _MOVE_SQL = move_applied_token_sql("%s")  # prepared: its parameters typed by the insert's columns
 # The same move failing when it does not move (1 / 0): sent with the COPY, its answer not awaited alone.

@@ -263,11 +263,45 @@ class StreamConsumer:
         self.tick_token: int | None = None
         self.tick_ts: int | None = None
         self.start_at_ms: int | None = None
+        # While a read's lines are handled (hold/release): what they queue is applied at its end.
+        self._held = False
+        self._kick_due = False
+        # The wait for a fuller group (settings.apply_linger), whether it is over, and whether the
+        # last group handed was full (the tail of a backlog is applied at once).
+        self._linger_call: Any = None
+        self._lingered = False
+        self._after_full = False
 
     # -- input from the connection ---------------------------------------------------
 
+    def hold(self) -> None:
+        """Queue what arrives without applying it, until :meth:`release`.
+
+        The worker holds its streams while the lines of one read are
+        handled, and past its end while more bytes already wait on the
+        socket: a commit's rows that arrive in several reads (64 KiB each)
+        are applied as one group, not as a first group of the first read's
+        rows and then the rest. Each ``COPY`` costs its backend about 0.35
+        ms beyond its rows (docs/benchmarks.md, e2e7), so the fewer groups
+        the less CPU per row. No time is waited for: the next read follows
+        at once.
+        """
+        self._held = True
+
+    def release(self, kick: bool) -> None:
+        """Stop holding; apply what was queued meanwhile if ``kick``, if a full group waits, or if
+        fewer rows than ``apply_linger_rows`` do (single rows and small commits are not held: their
+        apply is no ``COPY``, and a commit's latency is not worth a wait for the next read)."""
+        self._held = False
+        queued = self.queued_rows
+        if self._kick_due and (kick or queued >= self.settings.apply_rows or queued < self.settings.apply_linger_rows):
+            self._kick_due = False
+            self.kick()
+
     def reset(self) -> None:
         """The connection is gone: forget what was received but not applied."""
+        self._held = self._kick_due = False
+        self._stop_lingering()
         self._generation += 1
         self._queue.clear()
         self.queued_rows = 0
@@ -368,7 +402,10 @@ class StreamConsumer:
     def accept(self, item: _Item) -> None:
         """A token may be applied (at once, or as released by the ordering gate)."""
         self._queue.append(item)
-        self.kick()
+        if self._held and self.queued_rows >= self.settings.apply_linger_rows:
+            self._kick_due = True  # a bulk commit's rows: applied at the read's end (release)
+        else:
+            self.kick()  # a single row's at once, before the rest of the read (its TICK) is handled
 
     def front_seq(self) -> int | None:
         """The release number of the first unapplied token (ordered delivery)."""
@@ -400,6 +437,8 @@ class StreamConsumer:
             return
         self._drop_through(self.applied)
         if not self._queue:
+            return
+        if self._linger():
             return
         limit = None
         if self.gate is not None and self.gate.enabled:
@@ -444,9 +483,51 @@ class StreamConsumer:
                 d = self._replicate_in_db(self.stream, token, self.schema, received, effects)
         else:
             d = self._apply_in_db(self.stream, token, effects)
+        self._lingered = False  # the next group may wait again
+        self._after_full = full or count == self.settings.apply_rows
         self._handed(d, group, token, count, link)
         if link is not None:
             self._kick_chained()
+
+    def _linger(self) -> bool:
+        """Whether to wait (``apply_linger``) before applying what is queued: a group as large as
+        ``apply_linger_rows`` but not full, of the table replicator's applies, waits once for more.
+
+        A ``COPY`` costs its backend about 0.35 ms beyond its rows, and a
+        1,000-row commit's rows were applied in one or two groups of their
+        own; waiting 10 ms gathers two or three commits per group at 170,000
+        rows/s (docs/benchmarks.md, e2e7). Single rows and small commits
+        (fewer than ``apply_linger_rows`` queued) and a backlog (full groups,
+        and the group after a full one: a catch-up's last) are applied at
+        once, as before.
+        """
+        linger = self.settings.apply_linger
+        if (
+            linger is None
+            or self._after_full
+            or self._replicate_in_db is None
+            or self.gate is not None
+            or self._failures
+            or not self.settings.apply_linger_rows <= self.queued_rows < self.settings.apply_rows
+        ):
+            self._stop_lingering()
+            return False
+        if self._lingered:
+            return False  # waited once: applied now
+        if self._linger_call is None:
+            self._linger_call = self._clock.callLater(linger, self._lingering_over)
+        return True
+
+    def _lingering_over(self) -> None:
+        self._linger_call = None
+        self._lingered = True
+        self.kick()
+
+    def _stop_lingering(self) -> None:
+        if self._linger_call is not None and self._linger_call.active():
+            self._linger_call.cancel()
+        self._linger_call = None
+        self._lingered = False
 
     def _chain(
         self, token: int, received: list[ReceivedRows], effects: Effects, link: ChainLink, before: ChainLink | None
@@ -611,6 +692,7 @@ class StreamConsumer:
         if self._retry_call is not None and self._retry_call.active():
             self._retry_call.cancel()
         self._retry_call = None
+        self._stop_lingering()
 
     def stats(self, now_ms: int) -> ConsumerStats:
         lag = self.lag_ms(now_ms)

@@ -528,6 +528,17 @@ class Worker(ReplicationHandler):
             self._replicate(client, command.stream, missed_from)
         self._check_caught_up()
 
+    def read_started(self, client: ClientProtocol) -> None:
+        for consumer in self.consumers.values():
+            consumer.hold()
+
+    def read_ended(self, client: ClientProtocol, more: bool) -> None:
+        # Held on while the next read follows at once: not once reading is paused (the rows
+        # queued must be applied for it to resume) or the connection is closing.
+        kick = not more or self._reading_paused or client.transport is None or client.closing
+        for consumer in self.consumers.values():
+            consumer.release(kick)
+
     def on_rows(self, client: ClientProtocol, stream: str, instance: str, token: int, rows: list[list[Any]]) -> None:
         consumer = self.consumers.get(stream)
         if consumer is None:

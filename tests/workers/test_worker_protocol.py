@@ -10,6 +10,7 @@ of on a database thread, so every step is deterministic.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -836,3 +837,189 @@ def test_a_lost_commit_then_a_reconnect_to_the_master_applies_every_row_once(url
         h.clock.advance(5)
     assert h.applied() == 5
     assert [r[0] for r in h.rows()] == [1, 2, 3, 4, 5]
+
+
+class _SocketTransport(StringTransport):
+    """A ``StringTransport`` whose handle is a real socket: the bytes the test leaves unread on it
+    are what ``bytes_waiting`` sees (a read with more to follow at once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sock, self._peer = socket.socketpair()
+
+    def getHandle(self) -> socket.socket:
+        return self.sock
+
+    def more_waits(self, waiting: bool) -> None:
+        if waiting:
+            self._peer.sendall(b"x")
+        else:
+            self.sock.setblocking(False)
+            try:
+                while self.sock.recv(4096):
+                    pass
+            except BlockingIOError:
+                pass
+
+    def close_sockets(self) -> None:
+        self.sock.close()
+        self._peer.close()
+
+
+def _socket_harness(url: str, **config: Any) -> tuple[Harness, _SocketTransport]:
+    h = Harness(url, **config)
+    transport = _SocketTransport()
+    h.transport = transport
+    h.proto = h.worker.client_protocol()
+    h.proto.makeConnection(transport)
+    h.send("SERVER s", "POSITION events m 0 0")
+    h.db.hold = []
+    return h, transport
+
+
+def test_a_commit_read_in_pieces_is_applied_as_one_group_once_no_byte_waits(url) -> None:
+    """Rows whose read ends while more bytes wait on the socket are held for the next read (which
+    follows at once): a commit split over several reads is one apply, not one per read."""
+    h, transport = _socket_harness(url, apply=ApplySettings(apply_linger=None, apply_linger_rows=20))
+    try:
+        lines = [f"RDATA events m {n} {ev(n)}" for n in range(1, 61)]
+        transport.more_waits(True)
+        h.send(*lines[:20])
+        h.send(*lines[20:40])
+        assert _held(h) == []  # nothing handed while the rest is on its way
+        transport.more_waits(False)
+        h.send(*lines[40:])
+        assert len(_held(h)) == 1  # the three reads' rows: one group
+        _release(h)
+        assert h.applied() == 60
+        assert [r[0] for r in h.rows()] == list(range(1, 61))
+    finally:
+        transport.close_sockets()
+
+
+def test_held_rows_are_applied_when_a_full_group_waits_or_reading_pauses(url) -> None:
+    """Bytes waiting hold back no full group (a backlog keeps its database busy), nothing once
+    reading is paused (the next read would never come), and no fewer rows than
+    ``apply_linger_rows`` (a single row's latency is not worth the wait)."""
+    h, transport = _socket_harness(url, apply=ApplySettings(apply_linger_rows=5))
+    try:
+        transport.more_waits(True)
+        h.send(*(f"RDATA events m {n} {ev(n)}" for n in range(1, 5)))
+        assert len(_held(h)) == 1  # 4 rows: at once although bytes wait
+        _release(h)
+    finally:
+        transport.close_sockets()
+    h, transport = _socket_harness(url, apply=ApplySettings(apply_rows=30, apply_linger_rows=20))
+    try:
+        transport.more_waits(True)
+        h.send(*(f"RDATA events m {n} {ev(n)}" for n in range(5, 35)))
+        assert len(_held(h)) == 1  # a full group: handed at once
+        _release(h)
+        assert h.applied() == 34
+    finally:
+        transport.close_sockets()
+    h, transport = _socket_harness(url, max_pending_rows=4, apply=ApplySettings(apply_linger=None, apply_linger_rows=1))
+    try:
+        transport.more_waits(True)
+        h.send(*(f"RDATA events m {n} {ev(n)}" for n in range(35, 41)))  # the same database: after 34
+        assert transport.producerState == "paused"
+        assert len(_held(h)) == 1  # paused: applied although bytes wait
+        while h.db.hold:
+            _release(h)
+        assert transport.producerState == "producing"
+        assert h.applied() == 40
+    finally:
+        transport.close_sockets()
+
+
+def test_rows_held_for_a_read_that_never_came_are_asked_for_again_after_a_reconnect(url) -> None:
+    """The connection is lost while rows are held (bytes waited): nothing of them is applied, and
+    the worker resumes from its applied token, so every row arrives again and is applied once."""
+    h, transport = _socket_harness(url, apply=ApplySettings(apply_linger=None, apply_linger_rows=5))
+    try:
+        transport.more_waits(True)
+        h.send(*(f"RDATA events m {n} {ev(n)}" for n in range(1, 11)))
+        assert _held(h) == []
+        h.disconnect()
+        h.db.hold = None
+        h.connect()
+        h.sent()
+        h.send("SERVER s")
+        assert h.sent() == ["REPLICATE caches 0", "REPLICATE events 0"]
+        h.send("POSITION events m 0 0", *(f"RDATA events m {n} {ev(n)}" for n in range(1, 11)))
+        assert h.applied() == 10
+        assert [r[0] for r in h.rows()] == list(range(1, 11))
+    finally:
+        transport.close_sockets()
+
+
+def _lines(first: int, last: int) -> list[str]:
+    return [f"RDATA events m {n} {ev(n)}" for n in range(first, last + 1)]
+
+
+def test_a_group_not_full_waits_apply_linger_for_more_rows_then_applies_them_as_one(url) -> None:
+    """At least ``apply_linger_rows`` rows but not a full group: the apply waits ``apply_linger``
+    for more, rows that arrive meanwhile join the group, and then one group is applied."""
+    settings = ApplySettings(apply_rows=100, apply_linger=0.01, apply_linger_rows=20)
+    h = Harness(url, apply=settings)
+    h.db.hold = []
+    h.send("SERVER s", "POSITION events m 0 0", *_lines(1, 30))
+    assert _held(h) == []
+    h.clock.advance(0.005)
+    h.send(*_lines(31, 50))
+    assert _held(h) == []
+    h.clock.advance(0.005)
+    assert len(_held(h)) == 1  # 1..50: one group
+    _release(h)
+    assert h.applied() == 50
+    h.send(*_lines(51, 80))  # the next group waits again
+    assert _held(h) == []
+    h.send(*_lines(81, 150))  # a full group (51..150): at once, without waiting
+    assert len(_held(h)) == 1
+    _release(h)
+    assert h.applied() == 150
+    h.send(*_lines(151, 180))  # the group after a full one (a backlog's tail): at once too
+    assert len(_held(h)) == 1
+    _release(h)
+    assert h.applied() == 180
+    h.send(*_lines(181, 210))  # after a group that was not full, a group waits again
+    assert _held(h) == []
+    h.clock.advance(0.01)
+    _release(h)
+    assert h.applied() == 210
+    assert [r[0] for r in h.rows()] == list(range(1, 211))
+
+
+def test_few_rows_and_a_worker_without_apply_linger_are_applied_at_once(url) -> None:
+    h = Harness(url, apply=ApplySettings(apply_rows=100, apply_linger=0.01, apply_linger_rows=20))
+    h.db.hold = []
+    h.send("SERVER s", "POSITION events m 0 0", *_lines(1, 19))  # fewer than apply_linger_rows
+    assert len(_held(h)) == 1
+    _release(h)
+    assert h.applied() == 19
+    h = Harness(url, apply=ApplySettings(apply_rows=100, apply_linger=None, apply_linger_rows=20))
+    h.db.hold = []
+    h.send("SERVER s", "POSITION events m 19 19", *_lines(20, 69))
+    assert len(_held(h)) == 1
+    _release(h)
+    assert h.applied() == 69
+
+
+def test_a_stop_or_a_lost_connection_ends_the_wait_and_applies_nothing_of_it(url) -> None:
+    """Rows waiting for a fuller group are dropped with the connection (the worker asks for them
+    again from its applied token) and by a stop; the wait's timer goes with them."""
+    h = Harness(url, apply=ApplySettings(apply_rows=100, apply_linger=0.01, apply_linger_rows=20))
+    h.db.hold = []
+    h.send("SERVER s", "POSITION events m 0 0", *_lines(1, 30))
+    waiting = [c for c in h.clock.getDelayedCalls() if c.active()]
+    assert waiting
+    h.disconnect()
+    assert not any(c.active() for c in waiting)
+    h.clock.advance(1.0)
+    assert _held(h) == [] and h.applied() == 0  # asked for again after the reconnect
+    h.connect()
+    h.send("SERVER s", "POSITION events m 0 0", *_lines(1, 30))
+    assert _held(h) == []
+    h.worker.consumers["events"].stop()
+    h.clock.advance(1.0)
+    assert _held(h) == []  # stopped: the wait ended without an apply
