@@ -1011,7 +1011,8 @@ def test_a_stop_or_a_lost_connection_ends_the_wait_and_applies_nothing_of_it(url
     h = Harness(url, apply=ApplySettings(apply_rows=100, apply_linger=0.01, apply_linger_rows=20))
     h.db.hold = []
     h.send("SERVER s", "POSITION events m 0 0", *_lines(1, 30))
-    waiting = [c for c in h.clock.getDelayedCalls() if c.active()]
+    calls: list[Any] = list(h.clock.getDelayedCalls())  # DelayedCall (the interface lacks active's self)
+    waiting = [c for c in calls if c.active()]
     assert waiting
     h.disconnect()
     assert not any(c.active() for c in waiting)
