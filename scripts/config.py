@@ -449,6 +449,12 @@ def _worker_config(
             raise ConfigError(
                 f"worker.{low} ({getattr(settings, low):g} s) must not be above worker.{high} ({getattr(settings, high):g} s)"
             )
+    if worker.apply.apply_linger_rows > worker.apply.apply_rows:
+        # Then no group would ever be held or wait (both need at least apply_linger_rows, below apply_rows).
+        raise ConfigError(
+            f"worker.apply_linger_rows ({worker.apply.apply_linger_rows}) must not be above "
+            f"worker.apply_rows ({worker.apply.apply_rows})"
+        )
     return worker
 
 

@@ -266,6 +266,7 @@ class StreamConsumer:
         # While a read's lines are handled (hold/release): what they queue is applied at its end.
         self._held = False
         self._kick_due = False
+        self._arrived = False  # rows were accepted during the read now held (hold/release)
         # The wait for a fuller group (settings.apply_linger), whether it is over, and whether the
         # last group handed was full (the tail of a backlog is applied at once).
         self._linger_call: Any = None
@@ -284,17 +285,22 @@ class StreamConsumer:
         rows and then the rest. Each ``COPY`` costs its backend about 0.35
         ms beyond its rows (docs/benchmarks.md, e2e7), so the fewer groups
         the less CPU per row. No time is waited for: the next read follows
-        at once.
+        at once, and a read that brings none of this stream's rows ends the
+        hold (other streams' lines may keep the socket from draining).
         """
         self._held = True
+        self._arrived = False
 
     def release(self, kick: bool) -> None:
         """Stop holding; apply what was queued meanwhile if ``kick``, if a full group waits, or if
         fewer rows than ``apply_linger_rows`` do (single rows and small commits are not held: their
-        apply is no ``COPY``, and a commit's latency is not worth a wait for the next read)."""
+        apply is no ``COPY``, and a commit's latency is not worth a wait for the next read), or if
+        none of this stream's rows came in the read just ended (its commit has stopped arriving)."""
         self._held = False
         queued = self.queued_rows
-        if self._kick_due and (kick or queued >= self.settings.apply_rows or queued < self.settings.apply_linger_rows):
+        if self._kick_due and (
+            kick or not self._arrived or queued >= self.settings.apply_rows or queued < self.settings.apply_linger_rows
+        ):
             self._kick_due = False
             self.kick()
 
@@ -402,6 +408,7 @@ class StreamConsumer:
     def accept(self, item: _Item) -> None:
         """A token may be applied (at once, or as released by the ordering gate)."""
         self._queue.append(item)
+        self._arrived = True
         if self._held and self.queued_rows >= self.settings.apply_linger_rows:
             self._kick_due = True  # a bulk commit's rows: applied at the read's end (release)
         else:

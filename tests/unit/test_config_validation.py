@@ -72,6 +72,10 @@ def test_every_numeric_key_takes_its_bounds(key, kind) -> None:
             raw["worker"][key.replace("_max", "_initial").split(".")[1]] = min(value, 0.01)
         if key in ("worker.reconnect_initial", "worker.retry_initial"):
             raw["worker"][key.replace("_initial", "_max").split(".")[1]] = max(value, 86400.0)
+        if key == "worker.apply_linger_rows":
+            raw["worker"]["apply_rows"] = value
+        if key == "worker.apply_rows":
+            raw["worker"]["apply_linger_rows"] = min(value, 256)
         config_from_mapping(raw)
 
 
@@ -88,6 +92,10 @@ def test_every_numeric_key_takes_its_bounds(key, kind) -> None:
             "worker.reconnect_initial (10 s) must not be above worker.reconnect_max",
         ),
         ({"master": {"db_threads": 100000}}, "master.db_threads: 100000 is out of range (1 to 64)"),
+        (
+            {"worker": {"apply_linger_rows": 10000}},
+            "worker.apply_linger_rows (10000) must not be above worker.apply_rows (5000)",
+        ),
     ],
 )
 def test_range_messages(raw, message) -> None:

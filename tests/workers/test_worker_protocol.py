@@ -932,6 +932,27 @@ def test_held_rows_are_applied_when_a_full_group_waits_or_reading_pauses(url) ->
         transport.close_sockets()
 
 
+def test_held_rows_are_applied_once_a_read_brings_none_of_their_streams_lines(url) -> None:
+    """Bytes that keep waiting (another stream's catch-up, PINGs) hold a stream's rows only while
+    its own rows keep coming: the first read without any ends the hold, however busy the socket."""
+    h, transport = _socket_harness(url, apply=ApplySettings(apply_linger=None, apply_linger_rows=20))
+    try:
+        transport.more_waits(True)
+        h.send(*_lines(1, 30))
+        assert _held(h) == []  # the commit may go on in the next read
+        h.send(*_lines(31, 40))
+        assert _held(h) == []
+        h.send("PING 1")  # a read without an events row, and bytes still waiting
+        assert len(_held(h)) == 1
+        _release(h)
+        for i in range(2, 50):
+            h.send(f"PING {i}")
+        assert _held(h) == []  # nothing more to apply, nothing applied twice
+        assert h.applied() == 40
+    finally:
+        transport.close_sockets()
+
+
 def test_rows_held_for_a_read_that_never_came_are_asked_for_again_after_a_reconnect(url) -> None:
     """The connection is lost while rows are held (bytes waited): nothing of them is applied, and
     the worker resumes from its applied token, so every row arrives again and is applied once."""
