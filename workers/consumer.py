@@ -531,8 +531,7 @@ class StreamConsumer:
         self.kick()
 
     def _stop_lingering(self) -> None:
-        if self._linger_call is not None and self._linger_call.active():
-            self._linger_call.cancel()
+        _cancel(self._linger_call)
         self._linger_call = None
         self._lingered = False
 
@@ -696,8 +695,7 @@ class StreamConsumer:
         self.kick()
 
     def stop(self) -> None:
-        if self._retry_call is not None and self._retry_call.active():
-            self._retry_call.cancel()
+        _cancel(self._retry_call)
         self._retry_call = None
         self._stop_lingering()
 
@@ -718,3 +716,9 @@ class StreamConsumer:
         if complete is None:
             return None
         return max(0, now_ms - physical_ms(complete))
+
+
+def _cancel(call: Any) -> None:
+    """Cancel a timer (``callLater``'s) that has not run yet; one that ran or was cancelled is left."""
+    if call is not None and call.active():
+        call.cancel()
