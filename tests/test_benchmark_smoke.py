@@ -244,8 +244,18 @@ def test_the_catch_up_times_a_restart_of_a_worker_that_was_set_up_before(tmp_pat
         order.append("start")
         start(self)
 
+    stop = bench_pg.Tickline.stop_worker
+
+    def stop_once_ready(self: bench_pg.Tickline) -> None:
+        # The run ends when the rows are in the worker's table, which can be just before the
+        # worker logs that it is ready: the log below is read once it has (after the timing).
+        if self.worker is not None and self.worker.poll() is None:
+            self.wait_worker_ready()
+        stop(self)
+
     monkeypatch.setattr(bench_pg, "_tickline_write", counting_write)
     monkeypatch.setattr(bench_pg.Tickline, "start_worker", counting_start)
+    monkeypatch.setattr(bench_pg.Tickline, "stop_worker", stop_once_ready)
     with bench_pg.Clusters() as clusters:
         monkeypatch.setattr(bench_pg.time, "perf_counter", perf_counter)
         rate = bench_pg.catch_up_once(clusters, workdir, 2000, "tickline")
