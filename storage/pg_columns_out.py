@@ -64,7 +64,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from storage import pg_lines
-from storage.pg_db import rollback_explicit
+from storage.pg_db import committed
 from storage.pg_lines import (
     PLAN_SETTINGS,
     CopyChunks,
@@ -339,12 +339,8 @@ def _read_plain(
         range_copy_sql(schema, with_ts, limited=True), {"after": after, "last": upto, "limit": limit + 1}
     )
     chunks = CopyChunks()
-    try:
+    with committed(cursor):
         cursor.copy_expert(_STEER + sql.decode(), chunks)
-        cursor.execute("COMMIT")
-    except BaseException:
-        rollback_explicit(cursor.connection)  # closes a connection that cannot even roll back
-        raise
     if not chunks:
         return b"", after, 0
     if len(chunks) > limit:
@@ -379,7 +375,7 @@ def _read_ranged(
     statement = _RANGE_STATEMENTS.name(cursor, schema, False)
     function = _COLUMNS_FUNCTIONS.name(cursor, schema, with_ts)
     chunks = CopyChunks()
-    try:
+    with committed(cursor):
         # One transaction: its SET LOCAL steers the plain COPY's plan (the function's SET clause
         # does the same for a range with batches) and ends with it.
         cursor.execute(f"{_STEER}EXECUTE {statement}(%s, %s, %s)", (after, upto, limit))
@@ -391,10 +387,6 @@ def _read_ranged(
         elif last is not None:
             sql = range_copy_sql(schema, with_ts)
             cursor.copy_expert(cursor.mogrify(sql, {"after": after, "last": last}).decode(), chunks)
-        cursor.execute("COMMIT")
-    except BaseException:
-        rollback_explicit(cursor.connection)  # closes a connection that cannot even roll back
-        raise
     if not chunks:
         return b"", after, 0
     rows = len(chunks)

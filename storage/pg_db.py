@@ -7,10 +7,11 @@ processes starting together apply each migration once.
 
 from __future__ import annotations
 
+import contextlib
 import select
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import psycopg2
@@ -62,6 +63,18 @@ def rollback_explicit(conn: Any) -> None:
                 cur.execute("ROLLBACK")
     except psycopg2.Error:
         quietly_close(conn)
+
+
+@contextlib.contextmanager
+def committed(cursor: Any) -> Iterator[None]:
+    """The body's explicit transaction (begun by its first statement) on an autocommit connection:
+    ``COMMIT`` after it, :func:`rollback_explicit` if anything in it (or the commit) fails."""
+    try:
+        yield
+        cursor.execute("COMMIT")
+    except BaseException:
+        rollback_explicit(cursor.connection)
+        raise
 
 
 class Cursor:
