@@ -12,7 +12,12 @@ DEFAULT_REPEAT = 3
 
 def add_bench_arguments(parser: argparse.ArgumentParser, scenarios_help: str = "default: all") -> None:
     parser.add_argument("scenarios", nargs="*", metavar="SCENARIO", help=scenarios_help)
-    parser.add_argument("--rows", type=int, default=None, help="rows per scenario")
+    parser.add_argument(
+        "--rows",
+        type=int,
+        default=None,
+        help="rows per scenario (default 200,000; catch-up 500,000, snapshot 1,000,000, timeline 20,000 messages)",
+    )
     parser.add_argument(
         "--repeat",
         type=int,

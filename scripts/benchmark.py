@@ -715,7 +715,7 @@ def main(
             f"tickline bench: error: unknown scenario {unknown[0]!r} (known: {', '.join(SCENARIOS)})", file=sys.stderr
         )
         return 2
-    requested_rows = rows  # the snapshot scenario's default is its own (1,000,000)
+    requested_rows = rows  # the snapshot's default is its own (1,000,000), the catch-up's too (500,000)
     rows = DEFAULT_ROWS if rows is None else rows
     if rows < 1 or repeat < 1 or rate < 1 or not seconds > 0:
         print("tickline bench: error: --rows, --repeat, --rate and --seconds must be positive", file=sys.stderr)
@@ -745,10 +745,20 @@ def main(
                 plot_fanout(fanout, path)
                 print(f"  plot: {path}", flush=True)
         if any(s in PG_SCENARIOS for s in chosen):
+            from scripts.bench_pg import CATCH_UP_DEFAULT_ROWS
             from scripts.bench_pg import run as run_pg
 
             # Each PostgreSQL scenario starts and replicates whole databases: 3 interleaved runs at most.
-            pg_results = run_pg(chosen, rows, workdir, min(repeat, 3), rate, seconds, verbose=verbose)
+            pg_results = run_pg(
+                chosen,
+                rows,
+                workdir,
+                min(repeat, 3),
+                rate,
+                seconds,
+                catch_up_rows=CATCH_UP_DEFAULT_ROWS if requested_rows is None else rows,
+                verbose=verbose,
+            )
             if plot_path:
                 from scripts.bench_pg import plot
 
