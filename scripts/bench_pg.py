@@ -46,7 +46,8 @@ catch-up    a consumer that was down while rows were written comes back.
             disabled; the tickline worker is started once on its fresh
             database (it creates its tables and reaches the master, caught
             up: its ``ready`` log line) and stopped cleanly. Then rows are
-            written (1000-row transactions, ``COPY``), and rows/s are timed
+            written (1000-row transactions, ``COPY``; 500,000 rows unless
+            ``--rows`` is given), and rows/s are timed
             from enabling the subscription, or from starting the worker
             process again (its interpreter start, imports, database and
             master connections are timed), to the last row applied. The
@@ -79,9 +80,6 @@ BASE_COLUMNS = "token BIGINT NOT NULL, instance_name TEXT NOT NULL, ts BIGINT NO
 BASE_COLUMNS += "room_id TEXT NOT NULL, type TEXT NOT NULL, state_key TEXT, redacts TEXT"
 NAMES = "token, instance_name, ts, event_id, room_id, type, state_key, redacts"
 WAIT_SECONDS = 600.0
-# catch-up without --rows: issue 11's table measures the catch-up of 500,000 rows (the other
-# scenarios 200,000); a smaller backlog is mostly the worker's process start (docs/benchmarks.md).
-CATCH_UP_DEFAULT_ROWS = 500_000
 
 
 def _connect(url: str, autocommit: bool = True) -> Any:
