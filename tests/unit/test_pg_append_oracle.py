@@ -405,7 +405,7 @@ def test_a_large_append_racing_the_fencing_waits_for_it_and_commits_nothing(stor
 
 
 def test_a_fencing_that_comes_during_a_large_append_waits_for_its_commit_and_finds_the_writer_alive(
-    store, pg_url
+    store, pg_url, monkeypatch
 ) -> None:
     """The proposal's call holds the writer's row through the COPY: the master's sweep waits, then
     finds the heartbeat the append wrote, and the append's rows and position are in."""
@@ -420,28 +420,26 @@ def test_a_fencing_that_comes_during_a_large_append_waits_for_its_commit_and_fin
             release.wait(10)
         return source_read(self, size)
 
+    monkeypatch.setattr(pg_store_module._CopySource, "read", read)
+    appended: list[list[int]] = []
     swept: list[dict[str, int]] = []
+    appender = threading.Thread(target=lambda: appended.append(store.append("events", _bulk(150), "w")))
     sweeper = threading.Thread(target=lambda: swept.append(_sweep(pg_url)))
-    pg_store_module._CopySource.read = read  # type: ignore[method-assign]
-    try:
-        appender = threading.Thread(target=lambda: swept.append({"tokens": store.append("events", _bulk(150), "w")}))
-        appender.start()
-        assert started.wait(10)
-        sweeper.start()
-        wait_for(
-            lambda: query(pg_url, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'")[0][0] == 1,
-            10,
-            "the sweep to wait for the writer's row",
-        )
-        release.set()
-        appender.join(10)
-        sweeper.join(10)
-    finally:
-        pg_store_module._CopySource.read = source_read  # type: ignore[method-assign]
-    (tokens,) = [s["tokens"] for s in swept if "tokens" in s]
+    appender.start()
+    assert started.wait(10)  # the call ran (the position's row locked), the COPY's data not sent yet
+    sweeper.start()
+    wait_for(
+        lambda: query(pg_url, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'")[0][0] == 1,
+        10,
+        "the sweep to wait for the writer's row",
+    )
+    release.set()
+    appender.join(10)
+    sweeper.join(10)
+    ((tokens,), (positions,)) = appended, swept
     assert [r[1] for r in store.read_rows("events", 0, 10**9, 10**4)] == first + tokens
     assert query(pg_url, "SELECT count(*) FROM tickline_writers WHERE stream = 'events' AND alive") == [(1,)]
-    assert _position(pg_url) == tokens[-1]
+    assert _position(pg_url) == tokens[-1] == positions["events"]
 
 
 def _sweep(pg_url: str) -> dict[str, int]:
