@@ -95,8 +95,19 @@ MAX_HELD_COMMITS = 256
 
 
 def _live_variants(subs: dict[FanOutTarget, Subscription]) -> tuple[bool, ...]:
-    """The variants (with and without ``ts``) live subscriptions take, in order."""
-    return tuple(sorted({target.with_ts for target in subs}))
+    """The variants (with and without ``ts``) live subscriptions take, in order.
+
+    (A loop rather than ``tuple(sorted({...}))``: it runs for every commit a notification carries.)
+    """
+    without = with_ts = False
+    for target in subs:
+        if target.with_ts:
+            with_ts = True
+        else:
+            without = True
+    if with_ts:
+        return (False, True) if without else (True,)
+    return (False,) if without else ()
 
 
 class _Stretches:
@@ -540,7 +551,11 @@ class Master:
             stored = [(0, token, instance, ts, values) for token, ts, values in rows]
             encoded = {v: encode_json_rows(stream, stored, v)[0] for v in variants}
             limit = self.store.max_line_bytes
-            if limit is not None and any(len(line) > limit for data in encoded.values() for line in data.split(b"\n")):
+            if limit is not None and any(
+                # Every line is within the limit when the whole data is (a single row's one line).
+                len(data) > limit + 1 and any(len(line) > limit for line in data.split(b"\n"))
+                for data in encoded.values()
+            ):
                 return False
             self._fan_out(stream, encoded, last, len(rows))
         else:

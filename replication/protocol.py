@@ -119,7 +119,7 @@ def send_now(transport: Transport, pieces: list[bytes]) -> None:
             pieces = _unsent(pieces, sent)
             if not pieces:
                 return
-    transport.writeSequence(pieces)
+    t.writeSequence(pieces)
 
 
 def _unsent(pieces: list[bytes], sent: int) -> list[bytes]:
