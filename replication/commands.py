@@ -724,5 +724,12 @@ class TickCommand(Command):
 
 
 COMMAND_CLASSES[TickCommand.NAME] = TickCommand
+
+
+def encode_tick(stream: str, safe_token: int, safe_ts: int) -> bytes:
+    """``TickCommand(stream, safe_token, safe_ts).encode()`` without the object (the master sends one per commit)."""
+    return f"TICK {stream} {safe_token} {safe_ts}\n".encode()
+
+
 SERVER_COMMANDS = SERVER_COMMANDS | {TickCommand.NAME}
 __all__ += ["TickCommand"]

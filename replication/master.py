@@ -47,8 +47,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
-from typing import Any, cast
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar, cast
 
 from twisted.internet import defer, task
 from twisted.internet.error import ConnectionLost
@@ -89,13 +89,52 @@ from storage.time_index import TokenAt
 from storage.timeline_contract import TimelineStore
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 # Commits with their rows held while a pass runs (Master.notified); beyond, a pass reads them.
 MAX_HELD_COMMITS = 256
 
 
 def _live_variants(subs: dict[FanOutTarget, Subscription]) -> tuple[bool, ...]:
-    """The variants (with and without ``ts``) live subscriptions take, in order."""
-    return tuple(sorted({target.with_ts for target in subs}))
+    """The variants (with and without ``ts``) live subscriptions take, in order.
+
+    (A loop rather than ``tuple(sorted({...}))``: it runs for every commit a notification carries.)
+    """
+    without = with_ts = False
+    for target in subs:
+        if target.with_ts:
+            with_ts = True
+        else:
+            without = True
+    if with_ts:
+        return (False, True) if without else (True,)
+    return (False,) if without else ()
+
+
+class _Stretches:
+    """``send_batch`` held over a coroutine's synchronous stretches: entered on resuming, left before each await.
+
+    What a pass writes between two awaits (a chunk's ``RDATA``, the ``POSITION``
+    and ``TICK`` lines after it) goes out in one send per connection when the
+    stretch ends, as a notification's lines do (``protocol.send_batch``),
+    instead of being queued for the reactor's next turn (two ``epoll_ctl``
+    and a turn more per pass). Never held across an await: what other
+    events write meanwhile is not held back.
+    """
+
+    def __enter__(self) -> _Stretches:
+        send_batch.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        send_batch.__exit__()
+
+    async def wait(self, awaited: Awaitable[T]) -> T:
+        """``await awaited`` outside the batch (what was written so far goes out first)."""
+        send_batch.__exit__()
+        try:
+            return await awaited
+        finally:
+            send_batch.__enter__()
 
 
 class Master:
@@ -512,7 +551,11 @@ class Master:
             stored = [(0, token, instance, ts, values) for token, ts, values in rows]
             encoded = {v: encode_json_rows(stream, stored, v)[0] for v in variants}
             limit = self.store.max_line_bytes
-            if limit is not None and any(len(line) > limit for data in encoded.values() for line in data.split(b"\n")):
+            if limit is not None and any(
+                # Every line is within the limit when the whole data is (a single row's one line).
+                len(data) > limit + 1 and any(len(line) > limit for line in data.split(b"\n"))
+                for data in encoded.values()
+            ):
                 return False
             self._fan_out(stream, encoded, last, len(rows))
         else:
@@ -718,7 +761,8 @@ class Master:
                 self._checkpoint()
                 if self._held and not self._follow_again:
                     try:
-                        self._send_held()
+                        with send_batch:  # one send per connection, now (see _Stretches)
+                            self._send_held()
                     except Exception:
                         logger.exception("sending the rows of notified commits failed; a pass reads them")
                         self._held = []
@@ -763,56 +807,59 @@ class Master:
         self._safe.update(heads)
         if any(stream not in self._schemas for stream in heads):
             self._learn(await self.db.run(self.store.catalog))
-        for stream, head in heads.items():
-            if stream not in self._live:
-                if stream in self._schemas:
-                    logger.info("stream %s appeared (head %s)", stream, head)
-                    self._live[stream] = head
-                continue
-            # The next chunks are read while this one is fanned out (replication.read_ahead).
-            ahead = ReadAhead(self._read_chunk, stream, self.config.fanout_rows, self.store.parallel_reads)
-            empty_range = False
-            try:
-                while self._live[stream] < head:
-                    subs = self._live_subs[stream]
-                    if not subs and not self._keeps_recent(stream):
-                        self._live[stream] = head  # nobody live and nobody to keep them for: no read
-                        break
-                    variants = self._variants(stream, subs)
-                    after = self._live[stream]
-                    pre = first.pop(stream, None)
-                    end = head  # the read covers (after, end]
-                    if pre is not None and pre[0] == after:
-                        encoded, last_token, count = pre[1]
-                    elif empty_range:
-                        # A range read ahead held no row: this read finds where its rows end.
-                        empty_range = False
-                        encoded, last_token, count = await self._read_chunk(
-                            stream, after, head, self.config.fanout_rows, variants
-                        )
-                    else:
-                        read = ahead.take(after, variants)
-                        if read is None:
-                            # The pass's first read: with depth > 1 the next ones start with it,
-                            # not once it is in.
-                            ahead.fill(after, head, variants)
+        # What the pass writes to a connection goes out in one send at the end of each stretch
+        # between awaits (protocol.send_now), not on the reactor's next turn (_Stretches).
+        with _Stretches() as stretches:
+            for stream, head in heads.items():
+                if stream not in self._live:
+                    if stream in self._schemas:
+                        logger.info("stream %s appeared (head %s)", stream, head)
+                        self._live[stream] = head
+                    continue
+                # The next chunks are read while this one is fanned out (replication.read_ahead).
+                ahead = ReadAhead(self._read_chunk, stream, self.config.fanout_rows, self.store.parallel_reads)
+                empty_range = False
+                try:
+                    while self._live[stream] < head:
+                        subs = self._live_subs[stream]
+                        if not subs and not self._keeps_recent(stream):
+                            self._live[stream] = head  # nobody live and nobody to keep them for: no read
+                            break
+                        variants = self._variants(stream, subs)
+                        after = self._live[stream]
+                        pre = first.pop(stream, None)
+                        end = head  # the read covers (after, end]
+                        if pre is not None and pre[0] == after:
+                            encoded, last_token, count = pre[1]
+                        elif empty_range:
+                            # A range read ahead held no row: this read finds where its rows end.
+                            empty_range = False
+                            encoded, last_token, count = await stretches.wait(
+                                self._read_chunk(stream, after, head, self.config.fanout_rows, variants)
+                            )
+                        else:
                             read = ahead.take(after, variants)
-                            assert read is not None
-                        end = read[0]
-                        encoded, last_token, count = await read[1]
-                    if count == 0:
-                        if end < head:
-                            ahead.drop()  # a range read ahead without rows: read on from here
-                            empty_range = True
-                            continue
-                        self._timetick(stream, head)
-                        break
-                    ahead.chunk_read(after, last_token, count)
-                    ahead.fill(last_token, head, variants)
-                    self._fan_out(stream, encoded, last_token, count)
-            finally:
-                ahead.drop()  # the reads not used (also when a read failed)
-        self.timeticks.passed(safe_times, heads)
+                            if read is None:
+                                # The pass's first read: with depth > 1 the next ones start with it,
+                                # not once it is in.
+                                ahead.fill(after, head, variants)
+                                read = ahead.take(after, variants)
+                                assert read is not None
+                            end = read[0]
+                            encoded, last_token, count = await stretches.wait(read[1])
+                        if count == 0:
+                            if end < head:
+                                ahead.drop()  # a range read ahead without rows: read on from here
+                                empty_range = True
+                                continue
+                            self._timetick(stream, head)
+                            break
+                        ahead.chunk_read(after, last_token, count)
+                        ahead.fill(last_token, head, variants)
+                        self._fan_out(stream, encoded, last_token, count)
+                finally:
+                    ahead.drop()  # the reads not used (also when a read failed)
+            self.timeticks.passed(safe_times, heads)
 
     def _wake(
         self, expire: bool, take_time: str | None, reads: dict[str, tuple[int, tuple[bool, ...]]]

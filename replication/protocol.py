@@ -80,17 +80,24 @@ class SendBatch:
 send_batch = SendBatch()
 
 
-def send_now(transport: Transport, data: bytes) -> None:
-    """``transport.write(data)``, sent in this call when nothing of the connection is queued.
+# At most this many pieces go to one sendmsg (the kernel's IOV_MAX is 1024); more are joined first.
+MAX_SEND_PIECES = 256
+
+
+def send_now(transport: Transport, pieces: list[bytes]) -> None:
+    """``transport.writeSequence(pieces)``, sent in this call when nothing of the connection is queued.
 
     Twisted's ``write`` queues the bytes, registers the descriptor for
     writing and sends on the reactor's next turn (two ``epoll_ctl``, an
     ``epoll_wait`` and a dispatch). On a plain TCP connection with nothing
-    queued (the usual case for a live subscription) this sends at once
-    with ``writeSomeData``; what the kernel does not take, or a connection
-    that is closing, TLS or anything else goes through ``write`` as
-    before, so flow control (the producer paused on a full buffer) and
-    loss detection are Twisted's.
+    queued (the usual case for a live subscription) this sends at once, the
+    pieces as they are in one ``sendmsg`` (no join: a 1000-row commit's
+    150 KB of ``RDATA`` is not copied once more, nor cut at Twisted's
+    ``SEND_LIMIT`` of 128 KiB, which left its tail to the next turn); what
+    the kernel does not take, or a connection that is closing, TLS or
+    anything else goes through ``writeSequence`` as before, so flow control
+    (the producer paused on a full buffer) and loss detection are Twisted's
+    (an error of the send is left for Twisted's own write to find).
     """
     t: Any = transport
     if (
@@ -102,12 +109,26 @@ def send_now(transport: Transport, data: bytes) -> None:
         and not t.dataBuffer
         and not t._tempDataBuffer
     ):
-        sent = t.writeSomeData(data)
-        if type(sent) is int and sent > 0:
-            if sent >= len(data):
+        if len(pieces) > MAX_SEND_PIECES:
+            pieces = [b"".join(pieces)]
+        try:
+            sent = t.socket.sendmsg(pieces)
+        except OSError:
+            sent = 0  # EWOULDBLOCK, ENOBUFS: all of it queued; a lost connection: Twisted's write finds it
+        if sent > 0:
+            pieces = _unsent(pieces, sent)
+            if not pieces:
                 return
-            data = data[sent:]
-    transport.write(data)
+    t.writeSequence(pieces)
+
+
+def _unsent(pieces: list[bytes], sent: int) -> list[bytes]:
+    """What is left of ``pieces`` once their first ``sent`` bytes went out."""
+    for i, piece in enumerate(pieces):
+        if sent < len(piece):
+            return [piece[sent:], *pieces[i + 1 :]]
+        sent -= len(piece)
+    return []
 
 
 @implementer(IHalfCloseableProtocol)
@@ -247,7 +268,7 @@ class LineCommandProtocol(Protocol):
         """Send what was written inside ``send_batch`` (one ``send`` when nothing is queued)."""
         held, self._held = self._held, None
         if held and self.transport is not None:
-            send_now(self.transport, held[0] if len(held) == 1 else b"".join(held))
+            send_now(self.transport, held)
 
     def send_ping(self) -> None:
         self.send(PingCommand(int(self.clock.seconds() * 1000)))

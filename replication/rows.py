@@ -68,6 +68,11 @@ def encode_json_rows(stream: str, rows: list[tuple], with_ts: bool) -> tuple[byt
     """
     if not rows:
         return b"", 0
+    if len(rows) == 1:  # a single-row commit (the master's notified path): one format
+        _, token, instance, ts, row_json = rows[0]
+        if with_ts:
+            row_json = b"%s,%d]" % (row_json[:-1], ts)
+        return b"RDATA %s %s %d %s\n" % (stream.encode("utf-8"), instance, token, row_json), token
     stream_bytes = stream.encode("utf-8")
     prefixes: dict[bytes, bytes] = {}
     lines: list[bytes] = []

@@ -52,7 +52,7 @@ class Chunk:
         self.last = last
         self.count = count
         self.data = data
-        self.size = CHUNK_OVERHEAD + sum(len(b) for b in data.values())
+        self.size = CHUNK_OVERHEAD + sum(map(len, data.values()))
         self._index: dict[bool, tuple[array, array, array]] = {}
 
     def tail(self, after: int, with_ts: bool) -> Read | None:

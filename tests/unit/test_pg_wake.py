@@ -347,3 +347,24 @@ def test_a_text_stream_of_more_columns_than_a_function_takes_is_read_escaped(pg_
     finally:
         writer.close()
         reader.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(chunk=st.binary(max_size=200), copies=st.integers(1, 100))
+def test_escaped_bytes_are_counted_alike_below_and_above_the_numpy_size(chunk, copies) -> None:
+    """Small answers are counted by ``bytes.translate``, large ones by numpy: the same count at every size
+    (quotes, backslashes and control characters; every other byte, UTF-8 included, not)."""
+    data = chunk * copies
+    assert pg_wake.escaped_bytes(data) == len(data) - len(data.translate(None, b'"\\' + bytes(range(32))))
+
+
+def test_a_large_plain_answer_is_taken_or_refused_by_its_count() -> None:
+    """A 1000-row answer (counted by numpy): taken as it is, refused with one quote, backslash or control
+    character more in a value."""
+    line = 'RDATA events w 7 ["$a:é☃","!r","m.room",null]\n'.encode()
+    data = line * 1000
+    assert len(data) >= pg_wake._NUMPY_COUNT_BYTES
+    assert pg_wake.plain_lines(data, 1000, 4, 1000)
+    for extra in (b'"', b"\\", b"\t", b"\x00", b"\x1f"):
+        spoiled = data.replace(b"$a", b"$" + extra, 1)
+        assert not pg_wake.plain_lines(spoiled, 1000, 4, 1000)

@@ -139,3 +139,14 @@ def test_lines_built_by_the_store_step_over_a_gap_in_the_tokens(db_url) -> None:
     assert got is not None and got[1:] == (token, 1)
     assert got[0].startswith(b"RDATA mixed w1 %d [" % token)
     assert store.read_lines_json("mixed", token, token + 5, 2, "RDATA mixed ", False) == (b"", token, 0)
+
+
+@pytest.mark.parametrize("with_ts", [False, True])
+def test_a_single_row_is_encoded_as_in_a_longer_run(with_ts: bool) -> None:
+    """The one-row shortcut (a notified single-row commit) gives the line the loop gives that row."""
+    rows = [(0, 7, b"w1", 123456789, b'["a",null,1]'), (0, 8, b"w2", 5, b'["b"]')]
+    both, _ = encode_json_rows("mixed", rows, with_ts)
+    for i, row in enumerate(rows):
+        line, last = encode_json_rows("mixed", [row], with_ts)
+        assert (line, last) == (both.splitlines(keepends=True)[i], row[1])
+    assert encode_json_rows("mixed", rows[:1], True)[0] == b'RDATA mixed w1 7 ["a",null,1,123456789]\n'

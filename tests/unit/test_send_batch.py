@@ -67,17 +67,52 @@ def test_a_batch_goes_behind_what_the_connection_had_queued(pair) -> None:
     assert peer.recv(100) == b"first\nsecond\n"
 
 
-def test_what_the_kernel_does_not_take_is_queued_in_order(pair) -> None:
+@pytest.mark.parametrize("split", [1, 3, 1000])
+def test_what_the_kernel_does_not_take_is_queued_in_order(pair, split) -> None:
+    """Pieces (one, a few, more than one sendmsg takes) the kernel takes in part: the rest queued, in order."""
     conn, peer, reactor = pair
     conn.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    data = b"x" * 2_000_000 + b"\n"
-    send_now(conn, data)
+    data = bytes(i % 251 for i in range(2_000_000)) + b"\n"
+    size = -(-len(data) // split)
+    send_now(conn, [data[i : i + size] for i in range(0, len(data), size)])
     assert conn in reactor.writers and conn._tempDataLen > 0
     got = bytearray()
     while len(got) < len(data):
         conn.doWrite()
         got += peer.recv(1 << 20)
     assert bytes(got) == data
+
+
+def test_a_large_commit_goes_out_whole_in_one_call(pair) -> None:
+    """A 1000-row commit's RDATA (above Twisted's SEND_LIMIT of 128 KiB) and its TICK: all sent in the
+    call, nothing left for the reactor's next turn, the bytes in order."""
+    conn, peer, reactor = pair
+    proto = _proto(conn)
+    rdata = b"RDATA events w 5 [" + b"x" * 150 + b"]\n"
+    with send_batch:
+        proto.write(rdata * 1000)
+        proto.write(b"TICK events 5 9\n")
+    assert conn not in reactor.writers and not conn._tempDataBuffer
+    got = bytearray()
+    while len(got) < len(rdata) * 1000 + 16:
+        got += peer.recv(1 << 20)
+    assert bytes(got) == rdata * 1000 + b"TICK events 5 9\n"
+
+
+def test_a_lost_connection_is_left_to_twisted(pair) -> None:
+    """The peer went away: the send fails, the bytes are queued and Twisted's write finds the loss."""
+    conn, peer, _reactor = pair
+    peer.close()
+    proto = _proto(conn)
+    with send_batch:
+        proto.write(b"RDATA a 1 [1]\n" * 100)
+    for _ in range(3):
+        if conn.doWrite() is not None:
+            break
+        with send_batch:
+            proto.write(b"RDATA a 1 [1]\n" * 100)
+    else:
+        raise AssertionError("the loss was not found")
 
 
 def test_closing_inside_a_batch_sends_what_it_holds_first() -> None:
