@@ -55,7 +55,6 @@ from storage.limits import MAX_BATCH_ROWS
 logger = logging.getLogger(__name__)
 _BATCH = BATCH.encode("ascii")
 _MUST_PARSE = (b"RDATA ", b"POSITION ")  # lines a client may not skip
-READ_BYTES = 1 << 18  # the most one read from the master's socket takes (ClientProtocol.connectionMade)
 
 
 def unusable_line(raw: bytes) -> str | None:
@@ -188,12 +187,6 @@ class ClientProtocol(LineCommandProtocol):
 
     def connectionMade(self) -> None:
         super().connectionMade()
-        if isinstance(getattr(self.transport, "bufferSize", None), int):
-            # Reads of up to READ_BYTES, not Twisted's 64 KiB: a 1000-row commit's 140 KB of RDATA is
-            # mostly one read, not three, and each read costs its parse, line buffer and hold/release
-            # (docs/benchmarks.md, wk8). A read takes what is there: a single row is read as before.
-            # (Twisted's send-buffer threshold too, for a registered producer: a client has none.)
-            setattr(self.transport, "bufferSize", READ_BYTES)  # noqa: B010 (not in Transport's type)
         self.conn_name = f"{self.client_name}->{self.conn_name}"
         if self.secret is not None:
             self.send(AuthCommand(self.secret))

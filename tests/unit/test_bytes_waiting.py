@@ -1,14 +1,12 @@
-"""``replication.client.bytes_waiting``: the bytes a socket holds unread (FIONREAD); how much a read takes."""
+"""``replication.client.bytes_waiting``: the bytes a socket holds unread (FIONREAD)."""
 
 from __future__ import annotations
 
 import socket
 
-from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 
-from replication.client import READ_BYTES, ClientProtocol, ReplicationHandler, bytes_waiting
-from replication.protocol import ProtocolConfig
+from replication.client import bytes_waiting
 
 
 class _Handle:
@@ -40,17 +38,3 @@ def test_a_transport_without_a_socket_or_a_closed_one_has_nothing_waiting() -> N
     a.close()
     b.close()
     assert bytes_waiting(_Handle(a)) == 0
-
-
-class _ReadingTransport(StringTransport):
-    bufferSize = 65536  # as twisted.internet.tcp.Connection: the most one read takes
-
-
-def test_the_client_reads_up_to_read_bytes_at_once() -> None:
-    """A commit's 140 KB of RDATA is mostly one read, not three of Twisted's 64 KiB."""
-    transport = _ReadingTransport()
-    ClientProtocol(ReplicationHandler(), "w", ProtocolConfig(), Clock()).makeConnection(transport)
-    assert transport.bufferSize == READ_BYTES >= 256 * 1024
-    plain = StringTransport()  # a transport that reads no socket: left alone
-    ClientProtocol(ReplicationHandler(), "w", ProtocolConfig(), Clock()).makeConnection(plain)
-    assert not hasattr(plain, "bufferSize")
