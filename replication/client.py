@@ -46,6 +46,7 @@ from replication.commands import (
     parse_line,
     parse_rdata_block,
     parse_rdata_fast,
+    parse_tick_fast,
 )
 from replication.protocol import LineCommandProtocol, ProtocolConfig
 from replication.reactor_types import Clock
@@ -323,6 +324,14 @@ class ClientProtocol(LineCommandProtocol):
         # Most lines are RDATA: take them without building a command object.
         fast = parse_rdata_fast(raw)
         if fast is None:
+            tick = parse_tick_fast(raw)
+            if tick is not None:
+                # The TICK after each batch of rows (one per single-row commit): without the
+                # decode, the command table and the attribute lookup of the general way.
+                STATS.received[TickCommand.NAME] += 1
+                self.command_received()
+                self.on_TICK(tick)
+                return
             if raw.startswith(_MUST_PARSE):
                 problem = unusable_line(raw)
                 if problem is not None:
