@@ -57,11 +57,6 @@ ChainInDb = Callable[
 ]
 
 
-# The most a live bulk commit's rows wait for the TICK that ends them, once the socket ran dry
-# (StreamConsumer.release): the rest of the commit is normally read well within a millisecond.
-TICK_WAIT = 0.005
-
-
 class NotApplied(Exception):
     """A group queued behind another was not applied, because the one before it had not committed.
 
@@ -272,10 +267,6 @@ class StreamConsumer:
         self._held = False
         self._kick_due = False
         self._arrived = False  # rows were accepted during the read now held (hold/release)
-        # Rows arrived since the stream's last TICK (a live commit's rows end with one), and the
-        # wait for that TICK once the socket ran dry (release, wait_tick).
-        self._untick = False
-        self._tick_wait_call: Any = None
         # The wait for a fuller group (settings.apply_linger), whether it is over, and whether the
         # last group handed was full (the tail of a backlog is applied at once).
         self._linger_call: Any = None
@@ -305,50 +296,23 @@ class StreamConsumer:
         """Rows queued during the read now held wait for its end to be applied (:meth:`release`)."""
         return self._kick_due
 
-    def release(self, kick: bool, wait_tick: bool = False) -> None:
+    def release(self, kick: bool) -> None:
         """Stop holding; apply what was queued meanwhile if ``kick``, if a full group waits, or if
         fewer rows than ``apply_linger_rows`` do (single rows and small commits are not held: their
         apply is no ``COPY``, and a commit's latency is not worth a wait for the next read), or if
-        none of this stream's rows came in the read just ended (its commit has stopped arriving).
-
-        ``wait_tick`` (a live stream whose master sends ``TICK``, reading neither paused nor
-        closing): rows that ``kick`` alone would apply wait for the ``TICK`` that ends their
-        commit's lines when it has not come yet: the socket ran dry while the rest of the commit
-        was on its way (the master sends a commit's ``RDATA`` and ``TICK`` at once), so the rest
-        joins them in one ``COPY``. At most ``TICK_WAIT`` seconds (:meth:`tick` ends the wait).
-        """
+        none of this stream's rows came in the read just ended (its commit has stopped arriving)."""
         self._held = False
-        if not self._kick_due:
-            return
         queued = self.queued_rows
-        settings = self.settings
-        bulk = self._arrived and settings.apply_linger_rows <= queued < settings.apply_rows
-        if bulk and not kick:
-            return  # bytes wait: the next read follows at once
-        if bulk and wait_tick and self._untick and self.gate is None:
-            if self._tick_wait_call is None:
-                self._tick_wait_call = self._clock.callLater(TICK_WAIT, self._tick_waited)
-            return
-        self._kick_due = False
-        self._stop_tick_wait()
-        self.kick()
-
-    def _tick_waited(self) -> None:
-        """The ``TICK`` did not come within ``TICK_WAIT``: apply what is queued."""
-        self._tick_wait_call = None
-        if self._kick_due and not self._held:
+        if self._kick_due and (
+            kick or not self._arrived or queued >= self.settings.apply_rows or queued < self.settings.apply_linger_rows
+        ):
             self._kick_due = False
             self.kick()
 
-    def _stop_tick_wait(self) -> None:
-        _cancel(self._tick_wait_call)
-        self._tick_wait_call = None
-
     def reset(self) -> None:
         """The connection is gone: forget what was received but not applied."""
-        self._held = self._kick_due = self._untick = False
+        self._held = self._kick_due = False
         self._stop_lingering()
-        self._stop_tick_wait()
         self._generation += 1
         self._queue.clear()
         self.queued_rows = 0
@@ -416,13 +380,6 @@ class StreamConsumer:
         """``TICK``: every row with a timestamp up to ``safe_ts`` has a token up to ``safe_token``."""
         if self.tick_ts is None or safe_ts > self.tick_ts:
             self.tick_token, self.tick_ts = safe_token, safe_ts
-        self._untick = False
-        if self._tick_wait_call is not None and not self._held:
-            # The commit whose rows waited for their TICK (release) is complete: applied now.
-            self._stop_tick_wait()
-            if self._kick_due:
-                self._kick_due = False
-                self.kick()
         if self.gate is not None:
             self.gate.tick(self, safe_token, safe_ts)
 
@@ -457,8 +414,6 @@ class StreamConsumer:
         """A token may be applied (at once, or as released by the ordering gate)."""
         self._queue.append(item)
         self._arrived = True
-        if item.count:
-            self._untick = True
         if self._held and self.queued_rows >= self.settings.apply_linger_rows:
             self._kick_due = True  # a bulk commit's rows: applied at the read's end (release)
         else:
@@ -748,7 +703,6 @@ class StreamConsumer:
         _cancel(self._retry_call)
         self._retry_call = None
         self._stop_lingering()
-        self._stop_tick_wait()
 
     def stats(self, now_ms: int) -> ConsumerStats:
         lag = self.lag_ms(now_ms)

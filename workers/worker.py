@@ -541,12 +541,9 @@ class Worker(ReplicationHandler):
             for consumer in consumers:
                 consumer.release(True)
             return
-        stopping = self._reading_paused or client.transport is None or client.closing
-        kick = stopping or not client.more_waiting()
-        # A live stream's bulk commit ends with a TICK (OPTIONS tick): its rows wait for it.
-        ticks = not stopping and client.uses("tick")
-        for stream, consumer in self.consumers.items():
-            consumer.release(kick, ticks and stream in self._live_streams)
+        kick = self._reading_paused or client.transport is None or client.closing or not client.more_waiting()
+        for consumer in consumers:
+            consumer.release(kick)
 
     def on_rows(self, client: ClientProtocol, stream: str, instance: str, token: int, rows: list[list[Any]]) -> None:
         consumer = self.consumers.get(stream)

@@ -28,7 +28,7 @@ from storage.worker_store import open_worker_store
 from tests.integration.procs import wait_for
 from tests.stores import backend_worker_store
 from workers.caches import CacheRegistry
-from workers.consumer import TICK_WAIT, ApplySettings
+from workers.consumer import ApplySettings
 from workers.handlers import HandlerRegistry
 from workers.worker import Worker, WorkerConfig
 
@@ -962,90 +962,6 @@ def test_the_socket_is_asked_for_waiting_bytes_only_after_a_read_that_holds_rows
         assert h.applied() == 40
     finally:
         transport.close_sockets()
-
-
-def _live_tick_harness(url: str, **config: Any) -> tuple[Harness, _SocketTransport]:
-    """A socket harness whose master acknowledges ``tick``, with ``events`` live (its replay's end)."""
-    h = Harness(url, acknowledge="live ts tick", **config)
-    transport = _SocketTransport()
-    h.transport = transport
-    h.proto = h.worker.client_protocol()
-    h.proto.makeConnection(transport)
-    h.send("SERVER s", "POSITION events m 0 0", "POSITION events m 0 0")
-    h.db.hold = []
-    return h, transport
-
-
-def test_a_live_bulk_commit_read_before_its_rest_arrived_waits_for_its_tick(url) -> None:
-    """The socket ran dry inside a live commit's lines (no TICK yet): its rows wait for the rest and
-    the TICK that ends them, then are one group; fewer rows than ``apply_linger_rows`` do not wait."""
-    h, transport = _live_tick_harness(url, apply=ApplySettings(apply_linger=None, apply_linger_rows=20))
-    try:
-        h.send(*_lines(1, 30))  # no byte waits, no TICK yet
-        assert _held(h) == []
-        h.send(*_lines(31, 50), "TICK events 50 1")
-        assert len(_held(h)) == 1  # 1..50: one group
-        _release(h)
-        assert h.applied() == 50
-        h.send(*_lines(51, 55))  # a small commit: at once, without its TICK
-        assert len(_held(h)) == 1
-        _release(h)
-        h.send("TICK events 55 2")
-        h.send(*_lines(56, 90), "TICK events 90 3")  # the commit whole in one read: at once
-        assert len(_held(h)) == 1
-        _release(h)
-        assert h.applied() == 90
-        assert [r[0] for r in h.rows()] == list(range(1, 91))
-    finally:
-        transport.close_sockets()
-
-
-def test_rows_waiting_for_their_tick_are_applied_after_tick_wait_or_on_a_lost_connection_not_at_all(
-    url,
-) -> None:
-    """The TICK does not come: the rows are applied after ``TICK_WAIT``, once. The connection is
-    lost while they wait: nothing of them is applied, the wait ends, and they come again."""
-    h, transport = _live_tick_harness(url, apply=ApplySettings(apply_linger=None, apply_linger_rows=20))
-    try:
-        h.send(*_lines(1, 30))
-        h.clock.advance(TICK_WAIT / 2)
-        assert _held(h) == []
-        h.clock.advance(TICK_WAIT / 2)
-        assert len(_held(h)) == 1
-        _release(h)
-        h.send("TICK events 30 1")
-        assert _held(h) == []  # nothing applied twice
-        h.send(*_lines(31, 60))
-        h.disconnect()
-        h.clock.advance(TICK_WAIT * 2)
-        assert _held(h) == []
-        assert h.applied() == 30
-        h.db.hold = None
-        h.connect()
-        h.send("SERVER s", "POSITION events m 30 30", *_lines(31, 60))
-        assert h.applied() == 60
-        assert [r[0] for r in h.rows()] == list(range(1, 61))
-    finally:
-        transport.close_sockets()
-
-
-def test_rows_of_a_replay_or_of_a_master_without_tick_do_not_wait_for_a_tick(url) -> None:
-    """Before the stream is live (its replay) and from a master that does not acknowledge ``tick``,
-    rows are applied when the socket runs dry, as before: no TICK is owed after them."""
-    h, transport = _socket_harness(url, apply=ApplySettings(apply_linger=None, apply_linger_rows=20))
-    try:
-        h.send(*_lines(1, 30))
-        assert len(_held(h)) == 1
-        _release(h)
-    finally:
-        transport.close_sockets()
-    h = Harness(url, acknowledge="live ts tick", apply=ApplySettings(apply_linger=None, apply_linger_rows=20))
-    h.db.hold = []
-    # The same database: 1..30 applied above. The answer to REPLICATE is the replay: not live yet.
-    h.send("SERVER s", "POSITION events m 30 30", *_lines(31, 60))
-    assert len(_held(h)) == 1
-    _release(h)
-    assert h.applied() == 60
 
 
 def test_held_rows_are_applied_once_a_read_brings_none_of_their_streams_lines(url) -> None:
