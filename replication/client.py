@@ -46,6 +46,7 @@ from replication.commands import (
     parse_line,
     parse_rdata_block,
     parse_rdata_fast,
+    parse_tick_fast,
 )
 from replication.protocol import LineCommandProtocol, ProtocolConfig
 from replication.reactor_types import Clock
@@ -117,9 +118,10 @@ class ReplicationHandler:
     def read_started(self, client: ClientProtocol) -> None:
         """The lines of one read from the socket follow (then :meth:`read_ended`)."""
 
-    def read_ended(self, client: ClientProtocol, more: bool) -> None:
-        """The lines of that read are handled; ``more``: bytes already wait on the socket, so the
-        next read follows at once (while the transport reads)."""
+    def read_ended(self, client: ClientProtocol) -> None:
+        """The lines of that read are handled. Whether the next read follows at once (bytes already
+        wait on the socket) is ``client.more_waiting()``: asked only by a handler that needs it, a
+        system call each time."""
 
     def on_error(self, client: ClientProtocol, message: str) -> None:
         pass
@@ -178,7 +180,11 @@ class ClientProtocol(LineCommandProtocol):
         try:
             super().dataReceived(data)
         finally:
-            self.handler.read_ended(self, bytes_waiting(self.transport) > 0)
+            self.handler.read_ended(self)
+
+    def more_waiting(self) -> bool:
+        """Received bytes already wait unread on the socket: the next read follows at once."""
+        return bytes_waiting(self.transport) > 0
 
     def connectionMade(self) -> None:
         super().connectionMade()
@@ -318,6 +324,14 @@ class ClientProtocol(LineCommandProtocol):
         # Most lines are RDATA: take them without building a command object.
         fast = parse_rdata_fast(raw)
         if fast is None:
+            tick = parse_tick_fast(raw)
+            if tick is not None:
+                # The TICK after each batch of rows (one per single-row commit): without the
+                # decode, the command table and the attribute lookup of the general way.
+                STATS.received[TickCommand.NAME] += 1
+                self.command_received()
+                self.on_TICK(tick)
+                return
             if raw.startswith(_MUST_PARSE):
                 problem = unusable_line(raw)
                 if problem is not None:

@@ -733,3 +733,37 @@ def encode_tick(stream: str, safe_token: int, safe_ts: int) -> bytes:
 
 SERVER_COMMANDS = SERVER_COMMANDS | {TickCommand.NAME}
 __all__ += ["TickCommand"]
+_TICK_PREFIX = b"TICK "
+
+
+def _fast_token(digits: bytes) -> int | None:
+    """A token of at most 18 digits without a leading zero (below MAX_TOKEN), else None (as in
+    :func:`parse_rdata_fast`, where it is written out: one call fewer per line)."""
+    if digits.isdigit() and len(digits) < 19 and (digits == b"0" or digits[:1] != b"0"):
+        return int(digits)
+    return None
+
+
+def parse_tick_fast(raw: bytes) -> TickCommand | None:
+    """The ``TICK`` of a well-formed line for a stream name already checked once, else None.
+
+    The master sends one after each batch of rows it fans out: on the latency
+    path, one per single-row commit. It accepts exactly what
+    :meth:`TickCommand.parse` accepts for such lines and returns None for
+    anything else, which then goes through the full parser (and its ERROR).
+    """
+    if not raw.startswith(_TICK_PREFIX):
+        return None
+    parts = raw.split(b" ")
+    if len(parts) != 4:
+        return None
+    try:
+        stream = parts[1].decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    if stream not in _GOOD_WORDS:
+        return None
+    token, ts = _fast_token(parts[2]), _fast_token(parts[3])
+    if token is None or ts is None:
+        return None
+    return TickCommand(stream, token, ts)

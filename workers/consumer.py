@@ -291,6 +291,11 @@ class StreamConsumer:
         self._held = True
         self._arrived = False
 
+    @property
+    def kick_due(self) -> bool:
+        """Rows queued during the read now held wait for its end to be applied (:meth:`release`)."""
+        return self._kick_due
+
     def release(self, kick: bool) -> None:
         """Stop holding; apply what was queued meanwhile if ``kick``, if a full group waits, or if
         fewer rows than ``apply_linger_rows`` do (single rows and small commits are not held: their

@@ -532,11 +532,17 @@ class Worker(ReplicationHandler):
         for consumer in self.consumers.values():
             consumer.hold()
 
-    def read_ended(self, client: ClientProtocol, more: bool) -> None:
+    def read_ended(self, client: ClientProtocol) -> None:
         # Held on while the next read follows at once: not once reading is paused (the rows
-        # queued must be applied for it to resume) or the connection is closing.
-        kick = not more or self._reading_paused or client.transport is None or client.closing
-        for consumer in self.consumers.values():
+        # queued must be applied for it to resume) or the connection is closing. The socket is
+        # asked (a system call) only when a stream holds rows: not after a single row's read.
+        consumers = self.consumers.values()
+        if not any(consumer.kick_due for consumer in consumers):
+            for consumer in consumers:
+                consumer.release(True)
+            return
+        kick = self._reading_paused or client.transport is None or client.closing or not client.more_waiting()
+        for consumer in consumers:
             consumer.release(kick)
 
     def on_rows(self, client: ClientProtocol, stream: str, instance: str, token: int, rows: list[list[Any]]) -> None:

@@ -37,10 +37,12 @@ from replication.commands import (
     RemovePusherCommand,
     ReplicateCommand,
     ServerCommand,
+    TickCommand,
     UnknownCommand,
     UserSyncCommand,
     parse_line,
     parse_rdata_fast,
+    parse_tick_fast,
 )
 from replication.protocol import ProtocolConfig
 
@@ -211,3 +213,33 @@ def test_a_client_reassembles_lines_split_anywhere(row: list, pieces: int) -> No
     assert handler.rows == [("s1", 7, [orjson.loads(orjson.dumps(row))])]
     assert proto.close_reason is None
     proto.connectionLost(None)
+
+
+@FUZZ
+@given(words, tokens, tokens)
+def test_the_tick_fast_path_agrees_with_the_parser(stream: str, token: int, ts: int) -> None:
+    command = TickCommand(stream, token, ts)
+    raw = command.encode()[:-1]
+    assert parse_line(raw.decode()) == command  # the full parser first: it marks the name as seen
+    fast = parse_tick_fast(raw)
+    # None sends the line to the full parser (a 19-digit token): never a different answer.
+    assert fast is None or fast == command
+    assert parse_tick_fast(f"TICK {stream} 12 34".encode()) == TickCommand(stream, 12, 34)
+
+
+@FUZZ
+@given(st.binary(max_size=60))
+def test_the_tick_fast_path_takes_no_line_the_parser_refuses(tail: bytes) -> None:
+    parse_line("TICK events 1 2")
+    raw = b"TICK events " + tail
+    fast = parse_tick_fast(raw)
+    if fast is not None:
+        assert parse_line(raw.decode()) == fast
+    for bad in (
+        b"TICK events 01 2",
+        b"TICK events 1 2 3",
+        b"TICK events 1  2",
+        b"TICK events 1 2\r",
+        b"TICK events -1 2",
+    ):
+        assert parse_tick_fast(bad) is None

@@ -932,6 +932,38 @@ def test_held_rows_are_applied_when_a_full_group_waits_or_reading_pauses(url) ->
         transport.close_sockets()
 
 
+def test_the_socket_is_asked_for_waiting_bytes_only_after_a_read_that_holds_rows(url) -> None:
+    """A read of fewer rows than ``apply_linger_rows`` (a single-row commit) applies them at once and
+    does not ask the socket whether more bytes wait (a system call per read on the latency path); a
+    read that holds a bulk commit's rows does, and holds them while bytes wait."""
+    h, transport = _socket_harness(url, apply=ApplySettings(apply_linger=None, apply_linger_rows=20))
+    asked = []
+    handle = transport.getHandle
+
+    def counted() -> socket.socket:
+        asked.append(1)
+        return handle()
+
+    transport.getHandle = counted  # type: ignore[method-assign]
+    try:
+        transport.more_waits(True)
+        h.send(*_lines(1, 3))
+        assert asked == []
+        assert len(_held(h)) == 1  # at once, although bytes wait
+        _release(h)
+        h.send(*_lines(4, 30))
+        assert asked == [1]
+        assert _held(h) == []  # bytes wait: held for the next read
+        transport.more_waits(False)
+        h.send(*_lines(31, 40))
+        assert len(asked) == 2
+        assert len(_held(h)) == 1
+        _release(h)
+        assert h.applied() == 40
+    finally:
+        transport.close_sockets()
+
+
 def test_held_rows_are_applied_once_a_read_brings_none_of_their_streams_lines(url) -> None:
     """Bytes that keep waiting (another stream's catch-up, PINGs) hold a stream's rows only while
     its own rows keep coming: the first read without any ends the hold, however busy the socket."""
