@@ -174,8 +174,9 @@ class ClientProtocol(LineCommandProtocol):
         return option in self.acknowledged
 
     def dataReceived(self, data: bytes) -> None:
-        # The handler learns where a read's lines end and whether more bytes wait: a worker
-        # applies a commit's rows split over several reads as one group (workers.consumer).
+        # The handler learns where a read's lines start and end (and may ask whether more bytes
+        # wait: more_waiting): a worker applies a commit's rows split over several reads as one
+        # group (workers.consumer).
         self.handler.read_started(self)
         try:
             super().dataReceived(data)

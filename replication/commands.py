@@ -732,7 +732,7 @@ def encode_tick(stream: str, safe_token: int, safe_ts: int) -> bytes:
 
 
 SERVER_COMMANDS = SERVER_COMMANDS | {TickCommand.NAME}
-__all__ += ["TickCommand"]
+__all__ += ["TickCommand", "parse_tick_fast"]
 _TICK_PREFIX = b"TICK "
 
 

@@ -293,7 +293,8 @@ class StreamConsumer:
 
     @property
     def kick_due(self) -> bool:
-        """Rows queued during the read now held wait for its end to be applied (:meth:`release`)."""
+        """Rows queued while held wait to be applied at a read's end (:meth:`release`); still so
+        after a release that kept holding them (more bytes waited)."""
         return self._kick_due
 
     def release(self, kick: bool) -> None:

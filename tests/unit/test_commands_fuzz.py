@@ -235,11 +235,38 @@ def test_the_tick_fast_path_takes_no_line_the_parser_refuses(tail: bytes) -> Non
     fast = parse_tick_fast(raw)
     if fast is not None:
         assert parse_line(raw.decode()) == fast
+
+
+def _parsed_or_none(raw: bytes) -> Command | None:
+    try:
+        return parse_line(raw.decode())
+    except (MalformedCommand, UnicodeDecodeError):
+        return None
+
+
+@FUZZ
+@given(st.integers(min_value=0, max_value=10**20), st.integers(min_value=0, max_value=10**20), st.booleans())
+def test_the_tick_fast_path_agrees_with_the_parser_on_tokens_at_the_edges(token: int, ts: int, zero: bool) -> None:
+    # Up to 21 digits, around MAX_TOKEN (19), with and without a leading zero.
+    parse_line("TICK events 1 2")
+    raw = f"TICK events {'0' if zero else ''}{token} {ts}".encode()
+    fast = parse_tick_fast(raw)
+    assert fast is None or fast == _parsed_or_none(raw)
+
+
+def test_the_tick_fast_path_refuses_each_line_the_parser_refuses() -> None:
+    parse_line("TICK events 1 2")  # the stream's name seen and checked once
     for bad in (
         b"TICK events 01 2",
         b"TICK events 1 2 3",
         b"TICK events 1  2",
         b"TICK events 1 2\r",
         b"TICK events -1 2",
+        b"TICK events 1 9223372036854775808",
+        b"TICK events 1 99999999999999999999",
+        b"TICK ev\x01nts 1 2",
+        "TICK events \u0661 2".encode(),
+        b"TICK events 1",
     ):
-        assert parse_tick_fast(bad) is None
+        assert _parsed_or_none(bad) is None, bad
+        assert parse_tick_fast(bad) is None, bad
