@@ -203,8 +203,12 @@ ALTER TABLE tickline_tso ENABLE ALWAYS TRIGGER {FLOOR_TRIGGER}
 PROPOSAL_FUNCTION = "tickline_allocate_as_v2"  # written as ORACLE_FUNCTION is: simple expressions
 PROPOSAL_CODE = "TK002"
 PROPOSAL_LEAD = 1 << 17
-# The proposal's steps, up to the oracle's unlock (which each function below writes its own way).
-_PROPOSAL_STEPS = f"""
+_PROPOSAL_SQL = f"""
+CREATE FUNCTION {PROPOSAL_FUNCTION}(seq regclass, n_ts integer, n_tokens integer, now_ms bigint,
+    want_token bigint, want_ts bigint) RETURNS void LANGUAGE plpgsql AS $fn$
+DECLARE
+    last bigint;
+BEGIN
     IF pg_advisory_lock({ORACLE_LOCK}) IS NULL THEN
         RETURN;
     END IF;
@@ -227,14 +231,6 @@ _PROPOSAL_STEPS = f"""
         last := setval(seq, want_token + n_tokens - 1, true);
     END IF;
     last := setval('{ORACLE_SEQUENCE}'::regclass, want_ts + n_ts - 1, true);
-"""
-_PROPOSAL_SQL = f"""
-CREATE FUNCTION {PROPOSAL_FUNCTION}(seq regclass, n_ts integer, n_tokens integer, now_ms bigint,
-    want_token bigint, want_ts bigint) RETURNS void LANGUAGE plpgsql AS $fn$
-DECLARE
-    last bigint;
-BEGIN
-{_PROPOSAL_STEPS}
     IF pg_advisory_unlock({ORACLE_LOCK}) THEN
         RETURN;
     END IF;
@@ -339,39 +335,6 @@ BEGIN
 END
 $fn$
 """
-# A large append alone in its transaction, when its allocation is proposed (``WriteTransaction.
-# _append_copy_proposed``): the proposal as PROPOSAL_FUNCTION's, then, the oracle's lock released,
-# the writer's position moved to ``pos`` (the fenced error, TK001, if this epoch is no longer live)
-# and the stream's NOTIFY, all before the COPY that follows it in the same query: one call instead
-# of the proposal's call and, after the COPY, _FINISH_SQL's statement (about 27 us less of the
-# backend's CPU per append: docs/benchmarks.md, wr6). The UPDATE, the NOTIFY and the rows commit
-# together or not at all, whatever their order in the transaction; the position names tokens that
-# only become visible with the commit. The UPDATE's row lock is held through the COPY (about 2 ms
-# for 1000 rows): a fencing of this writer meanwhile waits for the commit, then finds a fresh
-# heartbeat (the writer is alive); this writer's reporter waits as long. A fencing that came first
-# makes the UPDATE find no live row: the error is raised before the COPY starts, nothing commits.
-APPEND_AS_FUNCTION = "tickline_append_as_v1"
-_APPEND_AS_SQL = f"""
-CREATE FUNCTION {APPEND_AS_FUNCTION}(seq regclass, n_ts integer, n_tokens integer, now_ms bigint,
-    want_token bigint, want_ts bigint, s text, writer text, ep bigint, pos bigint) RETURNS void
-    LANGUAGE plpgsql VOLATILE AS $fn$
-DECLARE
-    last bigint;
-    unlocked boolean;
-BEGIN
-{_PROPOSAL_STEPS}
-    unlocked := pg_advisory_unlock({ORACLE_LOCK});
-    UPDATE tickline_writers SET position = GREATEST(position, pos), heartbeat_ms = {_NOW_MS_FLOAT}
-        WHERE stream = s AND instance_name = writer AND epoch = ep AND alive;
-    IF NOT FOUND THEN
-        RAISE EXCEPTION 'this writer was declared dead (fenced off)' USING ERRCODE = '{FENCED_CODE}';
-    END IF;
-    IF pg_notify('{CHANNEL}', s) IS NULL THEN  -- void, never NULL: a simple expression, no PERFORM
-        RETURN;
-    END IF;
-END
-$fn$
-"""
 # A notification that carries its rows: this first word, then tab-separated stream,
 # claim (-1: none) and instance; then one line per row: token, ts, JSON array.
 ROWS_PAYLOAD = "tickline-rows/1"
@@ -423,8 +386,6 @@ def _create_oracle(cur: Cursor) -> None:
         cur.execute(_FENCED_SQL)
     if cur.execute("SELECT 1 FROM pg_proc WHERE proname = %s", (APPEND_FUNCTION,)).fetchone() is None:
         cur.execute(_APPEND_SQL)
-    if cur.execute("SELECT 1 FROM pg_proc WHERE proname = %s", (APPEND_AS_FUNCTION,)).fetchone() is None:
-        cur.execute(_APPEND_AS_SQL)
 
 
 def _upgrade_stream_tables(cur: Cursor) -> None:
@@ -1058,10 +1019,6 @@ _ALLOCATE_SQL = (
     f"SELECT first_token, first_ts FROM {ORACLE_FUNCTION}(%s::regclass, %s::integer, %s::integer, %s::bigint)"
 )
 _PROPOSE_SQL = f"SELECT {PROPOSAL_FUNCTION}(%s::regclass, %s::integer, %s::integer, %s::bigint, %s::bigint, %s::bigint)"
-_PROPOSE_ALONE_SQL = (
-    f"SELECT {APPEND_AS_FUNCTION}(%s::regclass, %s::integer, %s::integer, %s::bigint, %s::bigint, %s::bigint, "
-    "%s::text, %s::text, %s::bigint, %s::bigint)"
-)
 # The writer's position and its NOTIFY, or the fenced error if this epoch is no longer live.
 _FINISH_SQL = (
     "WITH u AS (UPDATE tickline_writers SET position = GREATEST(position, %s::bigint), "
@@ -1271,18 +1228,14 @@ class WriteTransaction:
             cap = self._cap()
         cursor = self._cur.cursor
         proposal = (_seq(schema), count, token_count, now_ms, want_token, want_ts)
+        call = cursor.mogrify(prepared(cursor, _PROPOSE_SQL), proposal).decode()
+        sql = f"{self._begin}{call}; {self._statements.copy}"
         last = want_token if batch else want_token + count - 1
-        position = min(last, cap)
         if self._alone:
-            # The position and its NOTIFY in the proposal's call (APPEND_AS_FUNCTION), the COMMIT
-            # after the rows, in the same query: the whole append in one round trip, two
-            # statements around the COPY (the fenced error stops it before the COPY).
-            alone = (*proposal, schema.name, state.writer_id, state.epoch, position)
-            call = cursor.mogrify(prepared(cursor, _PROPOSE_ALONE_SQL), alone).decode()
-            sql = f"{self._begin}{call}; {self._statements.copy}; COMMIT"
-        else:
-            call = cursor.mogrify(prepared(cursor, _PROPOSE_SQL), proposal).decode()
-            sql = f"{self._begin}{call}; {self._statements.copy}"
+            # The position and the COMMIT after the rows, in the same query: the whole append
+            # in one round trip (the fenced error, as in commit(), stops it before the COMMIT).
+            finish = (min(last, cap), schema.name, state.writer_id, state.epoch, CHANNEL, schema.name)
+            sql += f"; {cursor.mogrify(prepared(cursor, _FINISH_SQL), finish).decode()}; COMMIT"
         source = _CopySource(self._statements, rows, self._instance, want_token, 0 if batch else 1, want_ts, limit)
         self._begun = True
         self.commit_sent = self._alone
@@ -1290,7 +1243,7 @@ class WriteTransaction:
             self._copy(source, sql)
             self._committed = self._alone
             if self._alone:
-                self.position_written = position
+                self.position_written = finish[0]
         except RowError:
             # The COPY had started: the call took the proposal. Those tokens and timestamps are
             # skipped with the rollback; the next proposal starts after them.

@@ -4,9 +4,7 @@ The allocation no longer reads ``tickline_tso.last_ts`` (the floor): a trigger
 lifts the oracle's sequence to every new floor before it commits. A writer
 declared dead cannot commit an append afterwards: the call's position update
 finds no live row of its epoch, or waits for the fencing's commit and then
-finds none (docs/time.md). A large append alone in its transaction moves the
-position in its proposal's call, before its ``COPY``: a fencing before it makes
-the call fail before the ``COPY``; one during it waits for the commit.
+finds none (docs/time.md).
 """
 
 from __future__ import annotations
@@ -19,9 +17,8 @@ import pytest
 
 from replication.streams import EVENTS
 from scripts.pg_local import PostgresServer
-from storage import pg_store as pg_store_module
 from storage import tso
-from storage.pg_store import APPEND_AS_FUNCTION, FLOOR_TRIGGER, ORACLE_SEQUENCE, Fenced, PgStreamStore
+from storage.pg_store import FLOOR_TRIGGER, ORACLE_SEQUENCE, Fenced, PgStreamStore
 from storage.schema import RowError
 from storage.store import open_store
 from tests.integration.procs import wait_for
@@ -314,153 +311,3 @@ def test_a_writer_whose_idle_connections_were_terminated_reconnects_before_its_n
     stored = [row[1] for row in store.read_rows("events", 0, 10**9, 10**6)]
     assert len(stored) == len(set(stored)) == 2 * count
     assert stored[-count:] == tokens
-
-
-def _bulk(start: int, count: int = 150) -> list[list[object]]:
-    return [[f"$b{n}", "!r", "m.room.message", None, None] for n in range(start, start + count)]
-
-
-def _position(pg_url: str) -> int:
-    ((position,),) = query(pg_url, "SELECT position FROM tickline_writers WHERE stream = 'events'")
-    return int(position)
-
-
-def test_a_large_append_alone_moves_the_position_in_its_proposal_s_call(store, pg_url, monkeypatch) -> None:
-    """The proposal's call (APPEND_AS_FUNCTION) moves the position and notifies; its COPY and COMMIT follow."""
-    first = store.append("events", _bulk(0), "w")  # allocated: the proposal needs a first allocation
-    sent: list[str] = []
-    copy = pg_store_module.WriteTransaction._copy
-
-    def spy(self, source, sql=None):
-        sent.append(sql or "")
-        return copy(self, source, sql)
-
-    monkeypatch.setattr(pg_store_module.WriteTransaction, "_copy", spy)
-    second = store.append("events", _bulk(150), "w")
-    (state,) = store._writers.values()
-    assert state.propose and second[0] == first[-1] + 1  # proposed and taken
-    (query_text,) = sent  # one query: BEGIN, the call, the COPY, COMMIT
-    statements = [part.strip() for part in query_text.split(";")]
-    assert statements[0].startswith("BEGIN") and statements[2].startswith("COPY") and statements[3] == "COMMIT"
-    with store._writes.conn.cursor() as cur:  # the writer's own session: what its EXECUTE runs
-        name = statements[1].split()[1].split("(")[0]  # EXECUTE <name>(...)
-        cur.execute("SELECT statement FROM pg_prepared_statements WHERE name = %s", (name,))
-        (called,) = cur.fetchone()
-    assert f"{APPEND_AS_FUNCTION}(" in called
-    assert _position(pg_url) == second[-1]
-    stored = [r[1] for r in store.read_rows("events", 0, 10**9, 10**4)]
-    assert stored == first + second
-
-
-def test_a_fenced_writer_s_large_append_fails_before_its_copy_and_is_retried_with_new_tokens(store, pg_url) -> None:
-    first = store.append("events", _bulk(0), "w")
-    state = store._writers[("events", "w")]
-    query(pg_url, "UPDATE tickline_writers SET heartbeat_ms = 0")
-    other = open_store(pg_url)
-    try:
-        other.safe_positions(expire_writers=True)  # the master's sweep: this writer is dead
-    finally:
-        other.close()
-    with pytest.raises(Fenced), store.writing("events", "w") as txn:
-        txn.append(_bulk(150), alone=True)  # proposed: the call's position update finds no live row
-    assert [r[1] for r in store.read_rows("events", 0, 10**9, 10**4)] == first
-    again = store.append("events", _bulk(150), "w")  # registers again: new epoch, new tokens
-    assert again[0] > first[-1] + 150  # the fenced attempt's tokens are skipped
-    assert [r[1] for r in store.read_rows("events", 0, 10**9, 10**4)] == first + again
-    assert store._writers[("events", "w")].epoch > state.epoch
-    assert _position(pg_url) == again[-1]
-
-
-def test_a_large_append_racing_the_fencing_waits_for_it_and_commits_nothing(store, pg_url) -> None:
-    """The fencing holds the writer's row: the proposal's call waits for it, finds the writer dead, no COPY."""
-    first = store.append("events", _bulk(0), "w")
-    fencer = psycopg2.connect(pg_url)
-    try:
-        with fencer.cursor() as cur:
-            cur.execute("UPDATE tickline_writers SET alive = FALSE, epoch = epoch + 1 WHERE stream = 'events'")
-        outcome: list[object] = []
-
-        def append() -> None:
-            try:
-                with store.writing("events", "w") as txn:
-                    outcome.append(txn.append(_bulk(150), alone=True))
-            except Exception as e:  # the outcome is checked below
-                outcome.append(e)
-
-        thread = threading.Thread(target=append)
-        thread.start()
-        wait_for(
-            lambda: query(pg_url, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'")[0][0] == 1,
-            10,
-            "the append to wait for the writer's row",
-        )
-        fencer.commit()
-        thread.join(10)
-        assert len(outcome) == 1 and isinstance(outcome[0], Fenced)
-    finally:
-        fencer.close()
-    assert [r[1] for r in store.read_rows("events", 0, 10**9, 10**4)] == first
-    again = store.append("events", _bulk(150), "w")
-    assert [r[1] for r in store.read_rows("events", 0, 10**9, 10**4)] == first + again
-
-
-def test_a_fencing_that_comes_during_a_large_append_waits_for_its_commit_and_finds_the_writer_alive(
-    store, pg_url, monkeypatch
-) -> None:
-    """The proposal's call holds the writer's row through the COPY: the master's sweep waits, then
-    finds the heartbeat the append wrote, and the append's rows and position are in."""
-    first = store.append("events", _bulk(0), "w")
-    query(pg_url, "UPDATE tickline_writers SET heartbeat_ms = 0")  # stale: the sweep would drop it
-    started, release = threading.Event(), threading.Event()
-    source_read = pg_store_module._CopySource.read
-
-    def read(self, size: int = -1) -> bytes:  # the COPY held open until the sweep waits
-        if not started.is_set():
-            started.set()
-            release.wait(10)
-        return source_read(self, size)
-
-    monkeypatch.setattr(pg_store_module._CopySource, "read", read)
-    appended: list[list[int]] = []
-    swept: list[dict[str, int]] = []
-    appender = threading.Thread(target=lambda: appended.append(store.append("events", _bulk(150), "w")))
-    sweeper = threading.Thread(target=lambda: swept.append(_sweep(pg_url)))
-    appender.start()
-    assert started.wait(10)  # the call ran (the position's row locked), the COPY's data not sent yet
-    sweeper.start()
-    wait_for(
-        lambda: query(pg_url, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'")[0][0] == 1,
-        10,
-        "the sweep to wait for the writer's row",
-    )
-    release.set()
-    appender.join(10)
-    sweeper.join(10)
-    ((tokens,), (positions,)) = appended, swept
-    assert [r[1] for r in store.read_rows("events", 0, 10**9, 10**4)] == first + tokens
-    assert query(pg_url, "SELECT count(*) FROM tickline_writers WHERE stream = 'events' AND alive") == [(1,)]
-    assert _position(pg_url) == tokens[-1] == positions["events"]
-
-
-def _sweep(pg_url: str) -> dict[str, int]:
-    other = open_store(pg_url)
-    try:
-        return other.safe_positions(expire_writers=True)
-    finally:
-        other.close()
-
-
-def test_an_older_database_gets_the_large_append_s_call_on_migrate(pg_url) -> None:
-    store = pg_store(open_store(pg_url, report_interval=3600.0))
-    store.register_stream(EVENTS)
-    store.close()
-    query(pg_url, f"DROP FUNCTION {APPEND_AS_FUNCTION}")
-    again = pg_store(open_store(pg_url, report_interval=3600.0))  # migrates
-    try:
-        assert query(pg_url, "SELECT count(*) FROM pg_proc WHERE proname = %s", (APPEND_AS_FUNCTION,)) == [(1,)]
-        first = again.append("events", _bulk(0), "w")
-        second = again.append("events", _bulk(150), "w")
-        assert second[0] == first[-1] + 1
-        assert _position(pg_url) == second[-1]
-    finally:
-        again.close()
