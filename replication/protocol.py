@@ -53,13 +53,17 @@ _TCP_INFO_RTT = struct.Struct("I")  # tcpi_rtt: microseconds, at offset 68 of st
 class SendBatch:
     """``with send_batch:`` what is written to connections inside goes out once per connection when it ends.
 
-    The master opens one around a database notification's fan-out: a
-    commit's ``RDATA`` and its ``TICK`` to a connection become one
-    ``send()``, made there and then (:func:`send_now`) instead of on the
-    reactor's next turn. Reactor thread only; nested batches end with the
-    outermost. Order per connection is kept: its lines go out in the order
-    written, after anything it had queued before. (A class, not a
-    ``contextmanager`` generator: it runs once per commit.)
+    The master opens one around a database notification's fan-out, around
+    the sending of commits held during a pass, and over each synchronous
+    stretch of a pass (``master._Stretches``): a commit's ``RDATA`` and its
+    ``TICK`` to a connection become one ``send()``, made there and then
+    (:func:`send_now`) instead of on the reactor's next turn. A connection's
+    held bytes go out at once when they reach ``HELD_BYTES`` (the size at
+    which Twisted pauses a producer), so a connection that does not read is
+    paused after the same one write as without a batch. Reactor thread only;
+    nested batches end with the outermost. Order per connection is kept: its
+    lines go out in the order written, after anything it had queued before.
+    (A class, not a ``contextmanager`` generator: it runs once per commit.)
     """
 
     def __init__(self) -> None:
@@ -73,13 +77,24 @@ class SendBatch:
         self.depth -= 1
         if not self.depth and self.held:
             held, self.held = self.held, []
+            error: Exception | None = None
             for proto in held:
-                proto.flush_held()
+                # Every connection's bytes go out even if one's send fails: the rest are no longer
+                # in self.held, and what they hold would otherwise never be sent.
+                try:
+                    proto.flush_held()
+                except Exception as e:
+                    error = error or e
+            if error is not None:
+                raise error
 
 
 send_batch = SendBatch()
 
 
+# A connection's bytes held in a batch go out once they reach this (Twisted's FileDescriptor.bufferSize,
+# past which it pauses the connection's producer): flow control sees them as without a batch.
+HELD_BYTES = 1 << 16
 # At most this many pieces go to one sendmsg (the kernel's IOV_MAX is 1024); more are joined first.
 MAX_SEND_PIECES = 256
 
@@ -165,6 +180,7 @@ class LineCommandProtocol(Protocol):
         self.bytes_sent = 0  # on this connection
         self.bytes_received = 0
         self._held: list[bytes] | None = None  # written inside send_batch, not yet sent
+        self._held_bytes = 0  # their length
 
     @property
     def closing(self) -> bool:
@@ -258,9 +274,13 @@ class LineCommandProtocol(Protocol):
         if send_batch.depth:
             if self._held is None:
                 self._held = [data]
+                self._held_bytes = len(data)
                 send_batch.held.append(self)
             else:
                 self._held.append(data)
+                self._held_bytes += len(data)
+            if self._held_bytes >= HELD_BYTES:
+                self.flush_held()  # now, so that a connection that does not read is paused now
             return
         self.transport.write(data)
 

@@ -294,8 +294,10 @@ class PgWake:
         self._escaped: dict[str, int] = {}
         # A UTF-8 session's text is taken as the bytes sent (psycopg2's BYTES caster): the lines are
         # bytes on the wire already, and were decoded and encoded again (two passes over a 1000-row
-        # answer's 150 KB). Any other client encoding is decoded and encoded as UTF-8, as before.
-        self._raw_text = conn.encoding == "UTF8"
+        # answer's 150 KB). Any other client encoding is decoded and encoded as UTF-8, as before,
+        # and so is a UTF-8 session on a database that is not UTF-8 (SQL_ASCII passes any bytes
+        # through unconverted: the decode refuses what is not UTF-8, as before).
+        self._raw_text = conn.encoding == "UTF8" and conn.get_parameter_status("server_encoding") == "UTF8"
 
     def fileno(self) -> int:
         return int(self._conn.fileno())

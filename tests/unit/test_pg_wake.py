@@ -368,3 +368,31 @@ def test_a_large_plain_answer_is_taken_or_refused_by_its_count() -> None:
     for extra in (b'"', b"\\", b"\t", b"\x00", b"\x1f"):
         spoiled = data.replace(b"$a", b"$" + extra, 1)
         assert not pg_wake.plain_lines(spoiled, 1000, 4, 1000)
+
+
+@pytest.mark.parametrize(("encoding", "raw"), [("UTF8", True), ("SQL_ASCII", False)])
+def test_the_answer_is_taken_as_bytes_only_from_a_utf8_database(pg_server, monkeypatch, encoding, raw) -> None:
+    """A UTF-8 session on a UTF-8 database sends valid UTF-8 only: its lines are taken as sent. On a
+    SQL_ASCII database the server passes any bytes through unconverted, even to a session that asked
+    for UTF-8 (here by libpq's PGCLIENTENCODING), so they are decoded (which refuses what is not
+    UTF-8), as before the bytes were taken."""
+    monkeypatch.setenv("PGCLIENTENCODING", "UTF8")
+    name = f"wake_{encoding.lower()}_{next(_DATABASES)}"
+    admin = psycopg2.connect(pg_server.url())
+    admin.autocommit = True
+    with admin.cursor() as cur:
+        cur.execute(f"CREATE DATABASE {name} ENCODING '{encoding}' TEMPLATE template0 LC_COLLATE 'C' LC_CTYPE 'C'")
+    store = pg_store(open_store(pg_server.url(name)))
+    wake = pg_wake.open_wake(store)
+    try:
+        assert wake._conn.encoding == "UTF8"
+        assert wake._raw_text is raw
+    finally:
+        wake.close()
+        store.close()
+        with admin.cursor() as cur:
+            cur.execute(f"DROP DATABASE {name}")
+        admin.close()
+
+
+_DATABASES = itertools.count()

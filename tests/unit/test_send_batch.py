@@ -134,3 +134,110 @@ def test_other_transports_are_written_as_before() -> None:
         proto.write(b"b\n")
         assert transport.value() == b""
     assert transport.value() == b"a\nb\n"
+
+
+class _Producer:
+    paused = False
+
+    def pauseProducing(self) -> None:
+        self.paused = True
+
+    def resumeProducing(self) -> None:
+        self.paused = False
+
+    def stopProducing(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_connection_that_does_not_read_is_paused_after_one_write_in_a_batch_too(pair, batched) -> None:
+    """A live stream writes only while its connection is not paused (subscriptions): in a batch the held
+    bytes go out once they reach HELD_BYTES, so Twisted pauses the producer at the same write as without."""
+    conn, _, _ = pair
+    conn.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # the peer reads nothing
+    producer = _Producer()
+    conn.registerProducer(producer, True)
+    proto = _proto(conn)
+    chunk = b"RDATA s w 1 [" + b"x" * 100_000 + b"]\n"
+    written = 0
+
+    def write_while_not_paused() -> None:
+        nonlocal written
+        for _ in range(20):
+            if producer.paused:
+                return
+            proto.write(chunk)
+            written += 1
+
+    if batched:
+        with send_batch:
+            write_while_not_paused()
+    else:
+        write_while_not_paused()
+    assert producer.paused
+    assert written == 1
+    assert conn._tempDataLen + len(conn.dataBuffer) < 2 * len(chunk)
+
+
+def test_small_writes_in_a_batch_are_held_until_its_end_below_held_bytes(pair) -> None:
+    conn, peer, _ = pair
+    proto = _proto(conn)
+    with send_batch:
+        for i in range(10):
+            proto.write(b"TICK s %d 1\n" % i)
+        peer.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            peer.recv(1 << 16)  # nothing sent yet
+    peer.setblocking(True)
+    got = b""
+    while len(got) < sum(len(b"TICK s %d 1\n" % i) for i in range(10)):
+        got += peer.recv(1 << 16)
+    assert got == b"".join(b"TICK s %d 1\n" % i for i in range(10))
+
+
+def test_every_connection_s_held_bytes_go_out_when_one_send_fails(pair) -> None:
+    conn, peer, _ = pair
+
+    class Broken(StringTransport):
+        def writeSequence(self, data: list[bytes]) -> None:  # a transport whose send raises
+            raise RuntimeError("broken transport")
+
+    first, second = _proto(Broken()), _proto(conn)
+    with pytest.raises(RuntimeError, match="broken transport"), send_batch:
+        first.write(b"PING 1\n")
+        second.write(b"PING 2\n")
+    assert peer.recv(100) == b"PING 2\n"
+    assert second._held is None and send_batch.held == []
+
+
+def test_a_pass_s_writes_go_out_at_the_end_of_each_stretch_and_none_is_held_across_an_await(pair) -> None:
+    from twisted.internet import defer
+
+    from replication.master import _Stretches
+
+    conn, peer, _ = pair
+    proto = _proto(conn)
+    peer.setblocking(False)
+    awaited: defer.Deferred[None] = defer.Deferred()
+    during: list[bool] = []
+
+    async def a_pass() -> None:
+        with _Stretches() as stretches:
+            proto.write(b"RDATA s w 1 [1]\n")
+            proto.write(b"TICK s 1 1\n")
+            try:
+                peer.recv(100)
+                during.append(True)
+            except BlockingIOError:
+                during.append(False)  # held while the stretch runs
+            await stretches.wait(awaited)
+            proto.write(b"POSITION s w 1 2\n")
+
+    finished = defer.ensureDeferred(a_pass())
+    assert during == [False]
+    assert peer.recv(100) == b"RDATA s w 1 [1]\nTICK s 1 1\n"  # sent before the await, in one piece
+    assert send_batch.depth == 0  # what other events write meanwhile is not held back
+    awaited.callback(None)
+    assert finished.called
+    assert peer.recv(100) == b"POSITION s w 1 2\n"
+    assert send_batch.depth == 0
