@@ -13,6 +13,7 @@ import select
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,27 @@ from tests.conftest import ROOT
 from tests.integration.procs import free_port, wait_for
 
 DEMO = ROOT / "scripts" / "demo.sh"
+
+
+@pytest.fixture(autouse=True)
+def _interrupt_not_ignored() -> Iterator[None]:
+    """The demo starts with SIGINT's default action, as a terminal's shell starts a command.
+
+    When the test run itself ignores SIGINT (a background job of a
+    non-interactive shell: ``pytest ... &`` in a script), the demo's bash
+    would inherit that, and a signal ignored when a non-interactive bash
+    starts can be neither trapped nor reset (POSIX): its Ctrl-C trap would
+    never run, and the demo would not stop. Python's own handler here
+    becomes the default action across ``exec``.
+    """
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _demo_config(tmp: Path) -> Path:
