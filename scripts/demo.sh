@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Set up, then run a master on the embedded SQLite database with a demo writer,
 # a worker copying events into replicated_events (worker.db), and a tail, so
-# rows can be seen flowing. Ctrl-C stops everything.
+# rows can be seen flowing. Ctrl-C stops everything, and so does SIGTERM. (Started as a
+# background job of a non-interactive shell, e.g. `demo.sh &` in a script, bash ignores
+# SIGINT for it and that cannot be undone here: stop it with SIGTERM then.)
 #   DEMO_SECONDS=N   stop by itself after N seconds (default: run until stopped)
 #   TICKLINE_CONFIG  configuration file (default: sample_config.yaml)
 set -euo pipefail
