@@ -87,6 +87,8 @@ def test_a_large_commit_goes_out_whole_in_one_call(pair) -> None:
     """A 1000-row commit's RDATA (above Twisted's SEND_LIMIT of 128 KiB) and its TICK: all sent in the
     call, nothing left for the reactor's next turn, the bytes in order."""
     conn, peer, reactor = pair
+    # Room for the whole commit whatever the machine's default (the kernel caps this at wmem_max, doubled).
+    conn.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
     proto = _proto(conn)
     rdata = b"RDATA events w 5 [" + b"x" * 150 + b"]\n"
     with send_batch:
