@@ -298,6 +298,8 @@ class PgWake:
         # and so is a UTF-8 session on a database that is not UTF-8 (SQL_ASCII passes any bytes
         # through unconverted: the decode refuses what is not UTF-8, as before).
         self._raw_text = conn.encoding == "UTF8" and conn.get_parameter_status("server_encoding") == "UTF8"
+        if self._raw_text:  # the connection runs only the wake-up's calls: set once, for all of them
+            psycopg2.extensions.register_type(psycopg2.extensions.BYTES, conn)
 
     def fileno(self) -> int:
         return int(self._conn.fileno())
@@ -331,8 +333,6 @@ class PgWake:
         self._pending = (read_mark, {name: reads[name] for name in reads if name in key[0]}, plain)
         try:
             self._cursor = self._conn.cursor()
-            if self._raw_text:
-                psycopg2.extensions.register_type(psycopg2.extensions.BYTES, self._cursor)
             self._cursor.execute(f"{create}EXECUTE {function} (%s, %s, %s)", (read_mark, limit, afters))
         except psycopg2.Error as e:
             raise self._lost(e) from None

@@ -387,6 +387,8 @@ def test_the_answer_is_taken_as_bytes_only_from_a_utf8_database(pg_server, monke
     try:
         assert wake._conn.encoding == "UTF8"
         assert wake._raw_text is raw
+        # Text (oid 25) comes back as the bytes sent only on the raw path.
+        assert (wake._conn.string_types.get(25) is psycopg2.extensions.BYTES) is raw
     finally:
         wake.close()
         store.close()
