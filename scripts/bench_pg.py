@@ -80,6 +80,7 @@ BASE_COLUMNS = "token BIGINT NOT NULL, instance_name TEXT NOT NULL, ts BIGINT NO
 BASE_COLUMNS += "room_id TEXT NOT NULL, type TEXT NOT NULL, state_key TEXT, redacts TEXT"
 NAMES = "token, instance_name, ts, event_id, room_id, type, state_key, redacts"
 WAIT_SECONDS = 600.0
+WARM_UP_SECONDS = 0.5  # a latency run's paced commits before the measured ones (_warm_up)
 
 
 def _connect(url: str, autocommit: bool = True) -> Any:
@@ -655,8 +656,23 @@ def _scheduled_per_commit(
     return {"cpu_ms": cpu / 1e6 / max(commits, 1), "runq_ms": waited / 1e6 / max(commits, 1)}
 
 
-def _paced(commit: Callable[[int], int], rate: int, seconds: float) -> tuple[dict[int, float], float]:
-    """Commit single rows at ``rate``/s for ``seconds``: token -> commit time, and the rate reached.
+def _warm_up(commit: Callable[[int], int], rate: int) -> int:
+    """Paced commits for ``WARM_UP_SECONDS``, not measured; the next row number.
+
+    Both sides run it before their measured commits, so that what a side does
+    once when it starts falls outside the measured window: tickline's writer
+    opens its reporter's connection on its first report (``report_interval``,
+    0.2 s after its first append), a backend start of some 3-4 ms of CPU that
+    otherwise delayed 10-20 of the measured commits (a scheduler trace,
+    nineteenth session).
+    """
+    committed, _ = _paced_run(commit, rate, WARM_UP_SECONDS)
+    return len(committed)
+
+
+def _paced(commit: Callable[[int], int], rate: int, seconds: float, first: int = 0) -> tuple[dict[int, float], float]:
+    """Commit single rows ``first``, ``first + 1``, ... at ``rate``/s for ``seconds``: token -> commit
+    time, and the rate reached.
 
     The collector is off meanwhile (what start-up built frozen first): a
     full collection of the committing process would stop it for milliseconds,
@@ -666,18 +682,20 @@ def _paced(commit: Callable[[int], int], rate: int, seconds: float) -> tuple[dic
     gc.freeze()
     gc.disable()
     try:
-        return _paced_run(commit, rate, seconds)
+        return _paced_run(commit, rate, seconds, first)
     finally:
         gc.enable()
         gc.unfreeze()
 
 
-def _paced_run(commit: Callable[[int], int], rate: int, seconds: float) -> tuple[dict[int, float], float]:
+def _paced_run(
+    commit: Callable[[int], int], rate: int, seconds: float, first: int = 0
+) -> tuple[dict[int, float], float]:
     committed: dict[int, float] = {}
     interval = 1.0 / rate
     started = time.perf_counter()
     next_at = started
-    n = 0
+    n = first
     end = started + seconds
     while next_at < end:
         token = commit(n)
@@ -687,7 +705,7 @@ def _paced_run(commit: Callable[[int], int], rate: int, seconds: float) -> tuple
         delay = next_at - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
-    return committed, n / (time.perf_counter() - started)
+    return committed, (n - first) / (time.perf_counter() - started)
 
 
 def _roles(clusters: Clusters) -> dict[int, str]:
@@ -782,10 +800,11 @@ def latency_once(
                 def commit(n: int) -> int:
                     return t.store.append("events", make_rows(n, 1), "bench-latency")[0]
 
+                first = _warm_up(commit, rate)
                 if trace is not None:
                     trace["roles"] = _roles(clusters)
                 before = _scheduled(clusters)
-                committed, reached = _paced(commit, rate, seconds)
+                committed, reached = _paced(commit, rate, seconds, first)
                 after = _scheduled(clusters)
                 seen, sent = collect(max(committed))
             if trace is not None:
@@ -813,11 +832,12 @@ def latency_once(
                 conn.commit()
                 return n + 1
 
+            first = _warm_up(commit, rate)
             if trace is not None:
-                # This connection has run nothing yet: its backend is named by its pid.
+                # The baseline writer's backend, named by its pid (no application_name tells it apart).
                 trace["roles"] = {**_roles(clusters), conn.get_backend_pid(): "src:writer"}
             before = _scheduled(clusters)
-            committed, reached = _paced(commit, rate, seconds)
+            committed, reached = _paced(commit, rate, seconds, first)
             after = _scheduled(clusters)
             seen, _ = collect(max(committed))
         if trace is not None:

@@ -401,13 +401,12 @@ class Fenced(Exception):
 
 
 class _WriterState:
-    __slots__ = ("epoch", "inflight", "next_token", "next_ts", "propose", "reported", "writer_id")
+    __slots__ = ("epoch", "inflight", "next_token", "next_ts", "propose", "writer_id")
 
     def __init__(self, writer_id: str, epoch: int) -> None:
         self.writer_id = writer_id  # "<instance>/<host>:<pid>:<nonce>": one per process
         self.epoch = epoch
         self.inflight: dict[int, int] = {}  # transaction id -> its lowest token
-        self.reported = -1
         # What this writer's next allocation will be if no other process allocates meanwhile
         # (its last allocation's ends + 1; 0: not known yet), and whether to propose it
         # (WriteTransaction._append_copy_proposed): not after a proposal that missed, until an
@@ -671,10 +670,6 @@ class PgStreamStore:
             with self._side_cursor(commits=True) as raw:  # the append's statement commits on its own
                 txn = WriteTransaction(self, schema, instance_name, state, txn_id, Cursor(raw))
                 tokens = txn.append(rows, batch)
-            # The statement moved the writer's position and notified the master with its
-            # commit: a report of the same position need not notify again (report_positions).
-            if txn.position_written is not None:
-                state.reported = txn.position_written
             return tokens
         except Fenced:
             with self._lock:
@@ -750,9 +745,6 @@ class PgStreamStore:
                     raise
                 first_token, first_ts = cursor.fetchone()
                 _remember(state, first_token, 1, first_ts, 1, now_ms)
-            # The statement moved the writer's position and notified the master with its
-            # commit: a report of the same position need not notify again (report_positions).
-            state.reported = min(first_token, cap)
             return [first_token]
         except Fenced:
             with lock:
@@ -783,10 +775,6 @@ class PgStreamStore:
                 txn = WriteTransaction(self, schema, instance_name, state, txn_id, Cursor(raw), explicit=True)
                 yield txn
                 txn.commit()
-            # The commit moved the writer's position and notified the master: a report of the
-            # same position need not notify again (report_positions), as after a small append.
-            if txn.position_written is not None:
-                state.reported = txn.position_written
         except psycopg2.OperationalError as e:
             # Lost once a COMMIT was sent: the rows may be in (a caller that writes them again
             # would repeat them), which the error must not hide.
@@ -831,19 +819,18 @@ class PgStreamStore:
                 else:
                     cur.execute(self._head_sql(schema))
                     (position,) = cur.fetchone()
+            fresh_ms = int(self.report_interval * 500)
             with self._side_cursor() as cur:
                 cur.execute(
-                    f"UPDATE tickline_writers SET position = GREATEST(position, %s), heartbeat_ms = {NOW_MS} "
-                    "WHERE stream = %s AND instance_name = %s AND epoch = %s AND alive",
-                    (position, stream, state.writer_id, state.epoch),
+                    _REPORT_SQL, {"s": stream, "i": state.writer_id, "e": state.epoch, "p": position, "f": fresh_ms}
                 )
-                if cur.rowcount != 1:
+                alive, raised = cur.fetchone()
+                if not alive:
                     with self._lock:
                         if self._writers.get((stream, instance)) is state and not state.inflight:
                             del self._writers[(stream, instance)]  # register again on next write
                     continue
-                if position != state.reported:
-                    state.reported = position
+                if raised:
                     cur.execute("SELECT pg_notify(%s, %s)", (CHANNEL, stream))
 
     def retire_writers(self) -> None:
@@ -1062,7 +1049,6 @@ class WriteTransaction:
         self._cur = cur
         self._last_token = 0
         self._position_sent = 0  # the last token whose position update is already in the transaction
-        self.position_written: int | None = None  # at least, by the last small append's statement
         self._batch_token: int | None = None
         self._batch_rows = 0  # rows of this transaction's batch token so far
         self._statements = _statements(schema)
@@ -1167,7 +1153,6 @@ class WriteTransaction:
             first = self._allocated(first_token, batch)
             _remember(self._state, first_token, token_count, first_ts, count, now_ms)
         self._position_sent = first if batch else first + count - 1
-        self.position_written = min(self._position_sent, cap)
         return first, first_ts
 
     def _append_copy(self, rows: list[Row], count: int, batch: bool, limit: int | None) -> tuple[int, int]:
@@ -1242,8 +1227,6 @@ class WriteTransaction:
         try:
             self._copy(source, sql)
             self._committed = self._alone
-            if self._alone:
-                self.position_written = finish[0]
         except RowError:
             # The COPY had started: the call took the proposal. Those tokens and timestamps are
             # skipped with the rollback; the next proposal starts after them.
@@ -1301,7 +1284,6 @@ class WriteTransaction:
             if e.pgcode == FENCED_CODE:
                 raise Fenced(self._instance) from None
             raise
-        self.position_written = position
 
 
 class _Statements:
@@ -1623,6 +1605,24 @@ class _RowPlan:
 
 
 PREPARED_ROWS = 8  # appends of up to this many rows use prepared statements
+
+
+# A writer's report (``report_positions``): its row is written only when the report raises its
+# position or its heartbeat is older than half the report interval. While it appends, its
+# appends move both (each append's statement sets the position and the heartbeat, and notifies), so
+# a report then writes nothing, commits nothing and notifies nothing: no WAL flush on the writers'
+# database, no lock on the row the next append updates, no pass of the master's every
+# ``report_interval``. Returns (alive, raised); a report that raised the position is notified
+# (another writer's rows may wait for it). ``w`` reads the row as it was before the ``UPDATE``.
+_REPORT_SQL = (
+    "WITH w AS (SELECT position AS stored, heartbeat_ms AS beat FROM tickline_writers "
+    "WHERE stream = %(s)s AND instance_name = %(i)s AND epoch = %(e)s AND alive), "
+    "moved AS (UPDATE tickline_writers t SET position = GREATEST(t.position, %(p)s), "
+    f"heartbeat_ms = {NOW_MS} FROM w WHERE t.stream = %(s)s AND t.instance_name = %(i)s "
+    f"AND t.epoch = %(e)s AND t.alive AND (w.stored < %(p)s OR w.beat < {NOW_MS} - %(f)s) "
+    "RETURNING t.position > w.stored AS raised) "
+    "SELECT EXISTS (SELECT 1 FROM w), COALESCE((SELECT bool_or(raised) FROM moved), FALSE)"
+)
 
 
 def _report_loop(store_ref: weakref.ref[PgStreamStore], stop: threading.Event, interval: float) -> None:

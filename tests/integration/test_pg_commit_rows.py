@@ -211,3 +211,40 @@ def test_a_report_after_a_bulk_append_does_not_notify_again(store, pg_url) -> No
     finally:
         quiet.close()
         notifier.close()
+
+
+def test_a_report_while_appends_keep_the_writer_fresh_writes_nothing(store, pg_url) -> None:
+    """An append sets the writer's position and heartbeat: a report just after it leaves the row as it
+    is (no transaction of its own: the row's ``xmin`` is the append's), so it flushes no WAL and holds
+    no lock the next append would wait for. A heartbeat older than half the report interval is
+    refreshed, without a notification (the position did not move)."""
+    quiet = open_store(pg_url, report_interval=3600)
+    assert isinstance(quiet, PgStreamStore)
+    notifier = store.notifier()
+    conn = psycopg2.connect(pg_url)
+    conn.autocommit = True
+
+    def row() -> tuple[str, int, int]:
+        with conn.cursor() as cur:
+            cur.execute("SELECT xmin::text, heartbeat_ms, position FROM tickline_writers WHERE stream = 'events'")
+            return cur.fetchone()
+
+    try:
+        (token,) = quiet.append("events", [ROW], "w1")
+        assert len(drain(notifier, 1)[1]) == 1
+        after_append = row()
+        assert after_append[2] == token
+        quiet.report_positions()
+        assert row() == after_append  # not written
+        with conn.cursor() as cur:  # as if the append were older than the report interval (3600 s)
+            cur.execute("UPDATE tickline_writers SET heartbeat_ms = heartbeat_ms - 3600 * 1000")
+        stale = row()
+        quiet.report_positions()
+        refreshed = row()
+        assert refreshed[0] != stale[0] and refreshed[1] > stale[1] and refreshed[2] == token
+        select.select([notifier.fileno()], [], [], 0.2)
+        assert notifier.drain_committed() == (set(), [])
+    finally:
+        quiet.close()
+        notifier.close()
+        conn.close()
