@@ -19,8 +19,8 @@ registration never takes an epoch that was live before, and the rows of
 writers that left or died can be deleted: the table holds the live writers
 (``WRITER_EPOCHS``).
 
-Every commit and every report sends ``NOTIFY tickline, '<stream>'``, which the
-master listens to instead of polling.
+Every commit, and every report that raises a writer's position, sends ``NOTIFY
+tickline, '<stream>'``, which the master listens to instead of polling.
 """
 
 from __future__ import annotations
@@ -819,19 +819,17 @@ class PgStreamStore:
                 else:
                     cur.execute(self._head_sql(schema))
                     (position,) = cur.fetchone()
-            fresh_ms = int(self.report_interval * 500)
+            fresh_ms = int(self.report_interval * 100)  # a tenth of the interval (_REPORT_SQL)
             with self._side_cursor() as cur:
                 cur.execute(
-                    _REPORT_SQL, {"s": stream, "i": state.writer_id, "e": state.epoch, "p": position, "f": fresh_ms}
+                    _REPORT_SQL,
+                    {"s": stream, "i": state.writer_id, "e": state.epoch, "p": position, "f": fresh_ms, "c": CHANNEL},
                 )
-                alive, raised = cur.fetchone()
-                if not alive:
-                    with self._lock:
-                        if self._writers.get((stream, instance)) is state and not state.inflight:
-                            del self._writers[(stream, instance)]  # register again on next write
-                    continue
-                if raised:
-                    cur.execute("SELECT pg_notify(%s, %s)", (CHANNEL, stream))
+                alive, _notified = cur.fetchone()
+            if not alive:
+                with self._lock:
+                    if self._writers.get((stream, instance)) is state and not state.inflight:
+                        del self._writers[(stream, instance)]  # register again on next write
 
     def retire_writers(self) -> None:
         """Leave cleanly: this process's writers stop holding their streams back."""
@@ -1607,13 +1605,13 @@ class _RowPlan:
 PREPARED_ROWS = 8  # appends of up to this many rows use prepared statements
 
 
-# A writer's report (``report_positions``): its row is written only when the report raises its
-# position or its heartbeat is older than half the report interval. While it appends, its
-# appends move both (each append's statement sets the position and the heartbeat, and notifies), so
-# a report then writes nothing, commits nothing and notifies nothing: no WAL flush on the writers'
-# database, no lock on the row the next append updates, no pass of the master's every
-# ``report_interval``. Returns (alive, raised); a report that raised the position is notified
-# (another writer's rows may wait for it). ``w`` reads the row as it was before the ``UPDATE``.
+# A writer's report (``report_positions``), one statement: the row is written only when the report
+# raises the position or the heartbeat is older than a tenth of the report interval (so it is at
+# most about 1.1 intervals old, as when every report wrote it); a report that raised the position
+# notifies in the same statement (another writer's rows may wait for it). Each append's statement
+# sets the position and the heartbeat and notifies with its commit, so the reports of a writer that
+# appends more often than that write nothing: no commit (no WAL flush) on the writers' database,
+# no lock on the row its next append updates. ``w`` reads the row as it was before the ``UPDATE``.
 _REPORT_SQL = (
     "WITH w AS (SELECT position AS stored, heartbeat_ms AS beat FROM tickline_writers "
     "WHERE stream = %(s)s AND instance_name = %(i)s AND epoch = %(e)s AND alive), "
@@ -1621,7 +1619,8 @@ _REPORT_SQL = (
     f"heartbeat_ms = {NOW_MS} FROM w WHERE t.stream = %(s)s AND t.instance_name = %(i)s "
     f"AND t.epoch = %(e)s AND t.alive AND (w.stored < %(p)s OR w.beat < {NOW_MS} - %(f)s) "
     "RETURNING t.position > w.stored AS raised) "
-    "SELECT EXISTS (SELECT 1 FROM w), COALESCE((SELECT bool_or(raised) FROM moved), FALSE)"
+    "SELECT EXISTS (SELECT 1 FROM w), "
+    "(SELECT pg_notify(%(c)s, %(s)s) FROM moved WHERE moved.raised) IS NOT NULL"
 )
 
 
