@@ -64,6 +64,7 @@ nothing having moved.
 from __future__ import annotations
 
 import importlib
+import sys
 import threading
 from typing import Any
 
@@ -420,7 +421,9 @@ def open_wake(store: PgStreamStore) -> PgWake:
     """Blocking (off the reactor): a new asynchronous connection for the master's wake-up.
 
     numpy (:func:`escaped_bytes`) is imported meanwhile on a thread of its own: its 80-170 ms
-    neither lengthen the master's start nor fall on its first large wake-up.
+    neither lengthen the master's start nor fall on its first large wake-up. Once it is imported
+    (or being imported), a new connection after a lost one starts no thread.
     """
-    threading.Thread(target=importlib.import_module, args=("numpy",), name="tickline-import", daemon=True).start()
+    if "numpy" not in sys.modules:
+        threading.Thread(target=importlib.import_module, args=("numpy",), name="tickline-import", daemon=True).start()
     return PgWake(store, open_nonblocking(store.database.dsn, "tickline-wake"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import select
+import threading
 
 import psycopg2
 import pytest
@@ -398,3 +399,21 @@ def test_the_answer_is_taken_as_bytes_only_from_a_utf8_database(pg_server, monke
 
 
 _DATABASES = itertools.count()
+
+
+def test_a_new_wake_up_connection_starts_no_import_thread_once_numpy_is_imported(stores, monkeypatch) -> None:
+    """numpy is imported on a thread when the first wake-up connection opens; the connections opened
+    after a lost one (the master's slow loop opens a new one) start no thread for it."""
+    import numpy  # noqa: F401  (what the first connection's thread did)
+
+    started: list[str] = []
+    real_start = threading.Thread.start
+
+    def recording_start(self: threading.Thread) -> None:
+        started.append(self.name)
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", recording_start)
+    wake = stores[1].open_wake()
+    wake.close()
+    assert "tickline-import" not in started
