@@ -1,0 +1,91 @@
+"""The end-to-end floor: tickline's path (notify, read back, relay, apply with the token) with do-nothing relays.
+
+    flock /work/bench.lock .venv/bin/python docs/floors/end_to_end.py 3
+
+Per round, on one pair of the benchmark's clusters, 200,000 rows in 1000-row
+transactions, rows/s from the first commit to the last row applied:
+``floor`` (the rows read back by ``COPY TO`` and applied by ``COPY FROM`` as
+that text), ``floor-json`` (the rows read back as ``RDATA`` lines of JSON
+made by SQL, made ``COPY`` text again in Python), ``tickline`` and ``copy``
+(logical replication written by ``COPY``; ``bench_pg.end_to_end_once``). The
+floors' writer is the baseline's (``COPY``, durable) with a ``pg_notify`` of
+the last token in each transaction. An experiment of the twentieth session
+(docs/benchmarks.md), kept to be run again; it uses ``scripts.bench_pg``'s
+helpers as they were then.
+"""
+
+import io
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+from scripts import bench_pg as b  # noqa: E402
+
+ROWS = 200_000
+
+
+def floor_once(clusters, json_rows):
+    src, dst = clusters.source.new_database(), clusters.target.new_database()
+    s, d = b._connect(src), b._connect(dst)
+    with s.cursor() as cur:
+        cur.execute(f"CREATE TABLE events ({b.BASE_COLUMNS})")
+        cur.execute("CREATE INDEX events_token ON events (token)")
+    with d.cursor() as cur:
+        cur.execute(f"CREATE TABLE replicated_events ({b.BASE_COLUMNS})")
+        cur.execute(
+            f"CREATE INDEX replicated_events_token ON replicated_events {b.replicated_token_index('postgresql')}"
+        )
+        cur.execute("CREATE TABLE applied (token bigint)")
+        cur.execute("INSERT INTO applied VALUES (0)")
+    port = b._free_port()
+    suffix = "_json" if json_rows else ""
+    relays = []
+    for role, url in (("worker", dst), ("master", src)):  # the worker listens, the master connects to it
+        p = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, f"bulk_{role}{suffix}.py"), url, str(port)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        relays.append(p)
+        assert p.stdout.readline().strip() == "ready"
+    try:
+        started = time.perf_counter()
+        conn = b._connect(src, autocommit=False)
+        token = 1
+        with conn.cursor() as cur:
+            for start in range(0, ROWS, b.TXN_ROWS):
+                chunk = b.make_rows(start, b.TXN_ROWS)
+                text = b._copy_text(token, chunk, "base").encode()
+                cur.copy_expert(f"COPY events ({b.NAMES}) FROM STDIN", io.BytesIO(text))
+                token += len(chunk)
+                cur.execute("SELECT pg_notify('ch', %s)", (str(token - 1),))
+                conn.commit()
+        conn.close()
+        b._wait(lambda: int(b._scalar(d, "SELECT token FROM applied")) >= token - 1, "the floor's apply")
+        return ROWS / (time.perf_counter() - started)
+    finally:
+        for p in relays:
+            p.kill()
+            p.wait()
+        s.close()
+        d.close()
+
+
+def main():
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+    with tempfile.TemporaryDirectory() as workdir, b.Clusters() as clusters:
+        for _ in range(rounds):
+            for which in ("floor", "floor-json", "tickline", "copy"):
+                if which.startswith("floor"):
+                    rate = floor_once(clusters, which == "floor-json")
+                else:
+                    rate = b.end_to_end_once(clusters, workdir, ROWS, which)
+                print(f"{which:11s} {rate:,.0f} rows/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
