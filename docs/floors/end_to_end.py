@@ -6,7 +6,8 @@ Per round, on one pair of the benchmark's clusters, 200,000 rows in 1000-row
 transactions, rows/s from the first commit to the last row applied:
 ``floor`` (the rows read back by ``COPY TO`` and applied by ``COPY FROM`` as
 that text), ``floor-json`` (the rows read back as ``RDATA`` lines of JSON
-made by SQL, made ``COPY`` text again in Python), ``tickline`` and ``copy``
+made by SQL, made ``COPY`` text again in Python, naively), ``floor-json-lean``
+(the same with a worker as lean as tickline's conversion), ``tickline`` and ``copy``
 (logical replication written by ``COPY``; ``bench_pg.end_to_end_once``). The
 floors' writer is the baseline's (``COPY``, durable) with a ``pg_notify`` of
 the last token in each transaction. An experiment of the twentieth session
@@ -28,7 +29,7 @@ from scripts import bench_pg as b  # noqa: E402
 ROWS = 200_000
 
 
-def floor_once(clusters, json_rows):
+def floor_once(clusters, json_rows, worker_suffix=None):
     src, dst = clusters.source.new_database(), clusters.target.new_database()
     s, d = b._connect(src), b._connect(dst)
     with s.cursor() as cur:
@@ -43,10 +44,11 @@ def floor_once(clusters, json_rows):
         cur.execute("INSERT INTO applied VALUES (0)")
     port = b._free_port()
     suffix = "_json" if json_rows else ""
+    suffixes = {"worker": worker_suffix if worker_suffix is not None else suffix, "master": suffix}
     relays = []
     for role, url in (("worker", dst), ("master", src)):  # the worker listens, the master connects to it
         p = subprocess.Popen(
-            [sys.executable, os.path.join(HERE, f"bulk_{role}{suffix}.py"), url, str(port)],
+            [sys.executable, os.path.join(HERE, f"bulk_{role}{suffixes[role]}.py"), url, str(port)],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -79,8 +81,10 @@ def main():
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
     with tempfile.TemporaryDirectory() as workdir, b.Clusters() as clusters:
         for _ in range(rounds):
-            for which in ("floor", "floor-json", "tickline", "copy"):
-                if which.startswith("floor"):
+            for which in ("floor", "floor-json", "floor-json-lean", "tickline", "copy"):
+                if which == "floor-json-lean":
+                    rate = floor_once(clusters, True, "_json_lean")
+                elif which.startswith("floor"):
                     rate = floor_once(clusters, which == "floor-json")
                 else:
                     rate = b.end_to_end_once(clusters, workdir, ROWS, which)

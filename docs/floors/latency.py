@@ -4,7 +4,9 @@
 
 Per round, on one pair of the benchmark's clusters, 1,000 single-row commits/s
 for 5 s after the benchmark's warm-up: ``floor`` (relays in a select loop),
-``floor-twisted`` (the same relays on Twisted's epoll reactor), ``tickline``
+``floor-twisted`` (the same relays on Twisted's epoll reactor),
+``floor-twisted-blocking`` (its worker applying by a blocking statement in
+``dataReceived``: one reactor wake-up per commit), ``tickline``
 and ``baseline`` (``bench_pg.latency_once``); with ``seed-worker`` as the
 second argument also ``seed-worker``: tickline's master with a minimal
 seed-protocol worker (``latency_seed_worker.py``) instead of tickline's. The floor's writer commits
@@ -44,7 +46,7 @@ def python_cpu(before, after, commits):
     return ", ".join(sorted(out))
 
 
-def floor_once(clusters, twisted, rate=1000, seconds=5.0):
+def floor_once(clusters, twisted, rate=1000, seconds=5.0, worker_suffix=None):
     src, dst = clusters.source.new_database(), clusters.target.new_database()
     s, d = b._connect(src), b._connect(dst)
     with s.cursor() as cur:
@@ -60,10 +62,11 @@ def floor_once(clusters, twisted, rate=1000, seconds=5.0):
         b._add_applied_trigger(cur, "replicated_events")
     port = b._free_port()
     suffix = "_twisted" if twisted else ""
+    suffixes = {"worker": worker_suffix if worker_suffix is not None else suffix, "master": suffix}
     relays = []
     for role, url in (("worker", dst), ("master", src)):  # the worker listens, the master connects to it
         p = subprocess.Popen(
-            [sys.executable, os.path.join(HERE, f"latency_{role}{suffix}.py"), url, str(port)],
+            [sys.executable, os.path.join(HERE, f"latency_{role}{suffixes[role]}.py"), url, str(port)],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -151,10 +154,12 @@ def main():
             return out
 
         for _ in range(rounds):
-            for which in ("floor", "floor-twisted", "seed-worker", "tickline", "baseline"):
+            for which in ("floor", "floor-twisted", "floor-twisted-blocking", "seed-worker", "tickline", "baseline"):
                 if which == "seed-worker" and sys.argv[2:3] != ["seed-worker"]:
                     continue
-                if which.startswith("floor"):
+                if which == "floor-twisted-blocking":
+                    r = floor_once(clusters, True, worker_suffix="_twisted_blocking")
+                elif which.startswith("floor"):
                     r = floor_once(clusters, which == "floor-twisted")
                 elif which == "seed-worker":
                     r = seed_worker_once(clusters, workdir)
