@@ -16,44 +16,20 @@ helpers as they were then.
 """
 
 import io
-import os
-import subprocess
 import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
-from scripts import bench_pg as b  # noqa: E402
+from floors_common import b, floor_databases, start_relays, stop
 
 ROWS = 200_000
 
 
 def floor_once(clusters, json_rows, worker_suffix=None):
-    src, dst = clusters.source.new_database(), clusters.target.new_database()
-    s, d = b._connect(src), b._connect(dst)
-    with s.cursor() as cur:
-        cur.execute(f"CREATE TABLE events ({b.BASE_COLUMNS})")
-        cur.execute("CREATE INDEX events_token ON events (token)")
-    with d.cursor() as cur:
-        cur.execute(f"CREATE TABLE replicated_events ({b.BASE_COLUMNS})")
-        cur.execute(
-            f"CREATE INDEX replicated_events_token ON replicated_events {b.replicated_token_index('postgresql')}"
-        )
-        cur.execute("CREATE TABLE applied (token bigint)")
-        cur.execute("INSERT INTO applied VALUES (0)")
-    port = b._free_port()
+    src, dst, s, d = floor_databases(clusters, applied_trigger=False)
     suffix = "_json" if json_rows else ""
-    suffixes = {"worker": worker_suffix if worker_suffix is not None else suffix, "master": suffix}
-    relays = []
-    for role, url in (("worker", dst), ("master", src)):  # the worker listens, the master connects to it
-        p = subprocess.Popen(
-            [sys.executable, os.path.join(HERE, f"bulk_{role}{suffixes[role]}.py"), url, str(port)],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        relays.append(p)
-        assert p.stdout.readline().strip() == "ready"
+    worker = worker_suffix if worker_suffix is not None else suffix
+    relays = start_relays({"worker": f"bulk_worker{worker}.py", "master": f"bulk_master{suffix}.py"}, src, dst)
     try:
         started = time.perf_counter()
         conn = b._connect(src, autocommit=False)
@@ -70,9 +46,7 @@ def floor_once(clusters, json_rows, worker_suffix=None):
         b._wait(lambda: int(b._scalar(d, "SELECT token FROM applied")) >= token - 1, "the floor's apply")
         return ROWS / (time.perf_counter() - started)
     finally:
-        for p in relays:
-            p.kill()
-            p.wait()
+        stop(relays)
         s.close()
         d.close()
 

@@ -24,9 +24,7 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
-from scripts import bench_pg as b  # noqa: E402
+from floors_common import HERE, b, floor_databases, start_relays, stop, target_tables
 
 
 def python_cpu(before, after, commits):
@@ -47,31 +45,10 @@ def python_cpu(before, after, commits):
 
 
 def floor_once(clusters, twisted, rate=1000, seconds=5.0, worker_suffix=None):
-    src, dst = clusters.source.new_database(), clusters.target.new_database()
-    s, d = b._connect(src), b._connect(dst)
-    with s.cursor() as cur:
-        cur.execute(f"CREATE TABLE events ({b.BASE_COLUMNS})")
-        cur.execute("CREATE INDEX events_token ON events (token)")
-    with d.cursor() as cur:
-        cur.execute(f"CREATE TABLE replicated_events ({b.BASE_COLUMNS})")
-        cur.execute(
-            f"CREATE INDEX replicated_events_token ON replicated_events {b.replicated_token_index('postgresql')}"
-        )
-        cur.execute("CREATE TABLE applied (token bigint)")
-        cur.execute("INSERT INTO applied VALUES (0)")
-        b._add_applied_trigger(cur, "replicated_events")
-    port = b._free_port()
+    src, dst, s, d = floor_databases(clusters, applied_trigger=True)
     suffix = "_twisted" if twisted else ""
-    suffixes = {"worker": worker_suffix if worker_suffix is not None else suffix, "master": suffix}
-    relays = []
-    for role, url in (("worker", dst), ("master", src)):  # the worker listens, the master connects to it
-        p = subprocess.Popen(
-            [sys.executable, os.path.join(HERE, f"latency_{role}{suffixes[role]}.py"), url, str(port)],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        relays.append(p)
-        assert p.stdout.readline().strip() == "ready"
+    worker = worker_suffix if worker_suffix is not None else suffix
+    relays = start_relays({"worker": f"latency_worker{worker}.py", "master": f"latency_master{suffix}.py"}, src, dst)
     writer = b._connect(src)
     cur = writer.cursor()
     now = int(time.time() * 1000) << 18
@@ -96,9 +73,7 @@ def floor_once(clusters, twisted, rate=1000, seconds=5.0, worker_suffix=None):
         result["cpu"] = python_cpu(before, after, len(committed))
         return result
     finally:
-        for p in relays:
-            p.kill()
-            p.wait()
+        stop(relays)
         writer.close()
         s.close()
         d.close()
@@ -107,13 +82,7 @@ def floor_once(clusters, twisted, rate=1000, seconds=5.0, worker_suffix=None):
 def seed_worker_once(clusters, workdir, rate=1000, seconds=5.0):
     t = b.Tickline(clusters, workdir, "seed-worker")
     with t.dst.cursor() as cur:
-        cur.execute(f"CREATE TABLE replicated_events ({b.BASE_COLUMNS})")
-        cur.execute(
-            f"CREATE INDEX replicated_events_token ON replicated_events {b.replicated_token_index('postgresql')}"
-        )
-        cur.execute("CREATE TABLE applied (token bigint)")
-        cur.execute("INSERT INTO applied VALUES (0)")
-        b._add_applied_trigger(cur, "replicated_events")
+        target_tables(cur, applied_trigger=True)
     worker = subprocess.Popen(
         [sys.executable, os.path.join(HERE, "latency_seed_worker.py"), t.dst_url, str(t.port)],
         stdout=subprocess.PIPE,
