@@ -44,6 +44,20 @@ def python_cpu(before, after, commits):
     return ", ".join(sorted(out))
 
 
+def paced_delays(clusters, dst_url, commit, rate, seconds):
+    """The benchmark's warm-up, then paced single-row commits: commit -> applied p50 / p99 and the
+    CPU per commit of the path's Python processes (the applied rows seen by the benchmark's listener)."""
+    with b._listeners(dst_url, None) as collect:
+        first = b._warm_up(commit, rate)
+        before = b._scheduled(clusters)
+        committed, reached = b._paced(commit, rate, seconds, first)
+        after = b._scheduled(clusters)
+        seen, _ = collect(max(committed))
+    result = b._delays(committed, seen, reached)
+    result["cpu"] = python_cpu(before, after, len(committed))
+    return result
+
+
 def floor_once(clusters, twisted, rate=1000, seconds=5.0, worker_suffix=None):
     src, dst, s, d = floor_databases(clusters, applied_trigger=True)
     suffix = "_twisted" if twisted else ""
@@ -58,20 +72,12 @@ def floor_once(clusters, twisted, rate=1000, seconds=5.0, worker_suffix=None):
         "coalesce(state_key, '\\N'), coalesce(redacts, '\\N'))) FROM i"
     )
     try:
-        with b._listeners(dst, None) as collect:
 
-            def commit(n):
-                cur.execute(sql, (n + 1, "floor", now + n, *b.make_rows(n, 1)[0]))
-                return n + 1
+        def commit(n):
+            cur.execute(sql, (n + 1, "floor", now + n, *b.make_rows(n, 1)[0]))
+            return n + 1
 
-            first = b._warm_up(commit, rate)
-            before = b._scheduled(clusters)
-            committed, reached = b._paced(commit, rate, seconds, first)
-            after = b._scheduled(clusters)
-            seen, _ = collect(max(committed))
-        result = b._delays(committed, seen, reached)
-        result["cpu"] = python_cpu(before, after, len(committed))
-        return result
+        return paced_delays(clusters, dst, commit, rate, seconds)
     finally:
         stop(relays)
         writer.close()
@@ -91,19 +97,11 @@ def seed_worker_once(clusters, workdir, rate=1000, seconds=5.0):
     try:
         assert worker.stdout.readline().strip() == "ready"
         t.store.append("events", b.make_rows(0, 1), "bench-latency")
-        with b._listeners(t.dst_url, None) as collect:
 
-            def commit(n):
-                return t.store.append("events", b.make_rows(n, 1), "bench-latency")[0]
+        def commit(n):
+            return t.store.append("events", b.make_rows(n, 1), "bench-latency")[0]
 
-            first = b._warm_up(commit, rate)
-            before = b._scheduled(clusters)
-            committed, reached = b._paced(commit, rate, seconds, first)
-            after = b._scheduled(clusters)
-            seen, _ = collect(max(committed))
-        result = b._delays(committed, seen, reached)
-        result["cpu"] = python_cpu(before, after, len(committed))
-        return result
+        return paced_delays(clusters, t.dst_url, commit, rate, seconds)
     finally:
         worker.kill()
         worker.wait()
