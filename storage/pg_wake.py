@@ -24,21 +24,34 @@ connection's own session, so masters never share or race on it), which runs
 
 **Plain lines.** A stream whose columns are all text (the usual case:
 ``events``) has its lines read *plain*: each value between double quotes as
-it is, not escaped (:func:`plain_line_sql`: a run of ``NOT NULL`` columns by
-one ``array_to_string``, a nullable one as ``'"' || v || '"'`` or ``null``),
-the ``RDATA <stream> `` prefix put in by the aggregate's separator. That is
+it is, not escaped (:func:`plain_line_sql`: one ``concat`` per row, a nullable
+value as ``null`` or between quotes), the ``RDATA <stream> `` prefix put in
+by the aggregate's separator. That is
 the JSON line exactly when no value holds a quote, a backslash or a control
 character, which the master checks on the whole answer with one byte count
 (:func:`plain_lines`: those bytes are then two per non-NULL value, which the
 server counts, and a newline per row). Measured on 1,000-row ranges of the
 bench's rows (docs/benchmarks.md, wake6): about 1.55-1.6 µs of the backend
-per row with ``ts`` against 2.0 by ``array_to_json``, and 0.1 µs of the
+per row with ``ts`` against 2.0 by ``array_to_json`` (1.25 since the
+twenty-first session: ``concat``, and the lines gathered in their
+subquery's order, checked, not sorted again; see *Gathering* below), and 0.1 µs of the
 master's per row for the check (0.03 since mw8: counted by numpy above 4 KB,
 :func:`escaped_bytes`; on a UTF-8 session the answer's text is taken as the
 bytes sent, not decoded and encoded again). An answer that fails the check is left to
 the master's reads (which escape), and the stream's next ``ESCAPED_WAKES``
 wake-ups build its lines escaped (``pg_lines``' SQL), so a stream whose
 values often need escapes does not pay a second read each time.
+
+**Gathering.** Each variant's lines are joined by one ``string_agg`` over
+a subquery whose top is ``ORDER BY token, seq OFFSET 0``, without an
+``ORDER BY`` of the aggregate's own: that one copied every line into a sort
+(about 0.35 µs of the backend per row). PostgreSQL feeds a plain aggregate
+over such a subquery in its order, but does not promise it ("will usually
+work", its documentation says), so the same pass compares the ``seq`` values
+as the aggregate took them with the same values sorted (``array_agg`` of
+integers, about 0.04 µs per row): a range whose lines came in any other
+order is answered with the count -1, and the master reads it itself (its
+reads are ``COPY`` of a query whose top-level ``ORDER BY`` sets the order).
 
 **Order.** The proof of the safe time (docs/time.md) needs the mark read
 before the live writers and the positions (a snapshot) and before the
@@ -97,8 +110,10 @@ def _literal(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
-# PostgreSQL's FUNC_MAX_ARGS: num_nulls(), which counts a plain read's NULL values, takes at most this many.
-MAX_PLAIN_COLUMNS = 100
+# PostgreSQL's FUNC_MAX_ARGS: the most arguments a call takes (concat() and num_nulls() included).
+FUNC_MAX_ARGS = 100
+# num_nulls(), which counts a plain read's NULL values, takes one argument per column.
+MAX_PLAIN_COLUMNS = FUNC_MAX_ARGS
 
 
 def plain_text(schema: StreamSchema) -> bool:
@@ -111,47 +126,70 @@ def plain_text(schema: StreamSchema) -> bool:
 def plain_line_sql(schema: StreamSchema, with_ts: bool) -> str:
     """SQL for a row's line after its ``RDATA <stream> `` prefix, its text values quoted but not escaped.
 
-    Each run of ``NOT NULL`` columns by one ``array_to_string`` (one call per
-    run of two or more, no JSON escaping; a NULL there, which the table
-    refuses, would be ``\\x01``, which :func:`plain_lines` refuses; a run of
-    one is the value between quotes), each nullable column
-    between quotes or ``null``. The row is ``t``, the batch marks ``b`` of
+    One ``concat(...)`` per row (calls of at most ``FUNC_MAX_ARGS`` arguments,
+    nested): it writes its arguments into one buffer, where a chain of ``||``
+    made a new text per step (about 0.1 µs of the backend per row less on
+    the bench's rows, docs/benchmarks.md). A ``NOT NULL`` value goes between
+    quote literals; a nullable one is ``null`` or between quotes, by a
+    ``CASE`` on each side that takes in the literal next to it (``concat``
+    skips a NULL argument: the value itself then adds nothing). A NULL in a
+    ``NOT NULL`` column, which the table refuses, would come out as ``""``,
+    which :func:`plain_lines` refuses (its count of NULL values would not
+    match the quotes). The row is ``t``, the batch marks ``b`` of
     ``pg_lines.lines_select_sql``; the head is ``pg_lines.line_sql``'s.
     """
-    # (literal text, None) or (None, SQL expression), in order; adjacent literals are joined (a
-    # concatenation fewer per row).
-    parts: list[tuple[str | None, str | None]] = [(" [", None)]
-    run: list[str] = []
-
-    def end_run() -> None:
-        if run:
-            joined = run[0] if len(run) == 1 else f"array_to_string(ARRAY[{', '.join(run)}], '\",\"', E'\\x01')"
-            parts.extend([('"', None), (None, joined), ('"', None)])
-            run.clear()
-
-    for i, c in enumerate(schema.columns):
-        if c.nullable:
-            end_run()
-            parts.extend([("," if i else "", None), (None, f"COALESCE('\"' || t.{c.name} || '\"', 'null')")])
-        else:
-            if not run and i:
-                parts.append((",", None))
-            run.append(f"t.{c.name}")
-    end_run()
-    parts.extend([(",", None), (None, "t.ts::text"), ("]", None)] if with_ts else [("]", None)])
     mark = "CASE WHEN t.seq < b.last_seq THEN 'batch' ELSE t.token::text END"
-    pieces = [f"t.instance_name || ' ' || {mark}"]
-    literal = ""
-    for text, expression in parts:
-        if text is not None:
-            literal += text
+    # ("text", literal) | ("value", SQL) | ("open", column) | ("close", column), in order.
+    items: list[tuple[str, str]] = [("value", "t.instance_name"), ("text", " "), ("value", mark), ("text", " [")]
+    for i, c in enumerate(schema.columns):
+        if i:
+            items.append(("text", ","))
+        if c.nullable:
+            items += [("open", c.name), ("value", f"t.{c.name}"), ("close", c.name)]
+        else:
+            items += [("text", '"'), ("value", f"t.{c.name}"), ("text", '"')]
+    if with_ts:
+        items += [("text", ","), ("value", "t.ts")]
+    items.append(("text", "]"))
+    arguments: list[str] = []
+    literal = ""  # text not written yet
+    closing: str | None = None  # a nullable column whose closing quote is not written yet
+    for kind, what in items:
+        if kind == "text":
+            literal += what
             continue
-        if literal:
-            pieces.append(_literal(literal))
-            literal = ""
-        pieces.append(str(expression))
-    pieces.append(_literal(literal))
-    return " || ".join(pieces)
+        if closing is not None:
+            arguments.append(_either(closing, literal, '"' + literal))
+            closing, literal = None, ""
+        if kind == "close":
+            closing = what
+            continue
+        if kind == "open":
+            arguments.append(_either(what, literal + "null", literal + '"'))
+        else:
+            if literal:
+                arguments.append(_literal(literal))
+            arguments.append(what)
+        literal = ""
+    if closing is not None:
+        arguments.append(_either(closing, literal, '"' + literal))
+    elif literal:
+        arguments.append(_literal(literal))
+    return _concat(arguments)
+
+
+def _either(column: str, if_null: str, if_not: str) -> str:
+    """SQL: the literal ``if_null`` where ``t.<column>`` is NULL, else ``if_not``."""
+    return f"CASE WHEN t.{column} IS NULL THEN {_literal(if_null)} ELSE {_literal(if_not)} END"
+
+
+def _concat(arguments: list[str]) -> str:
+    """``concat`` of the SQL ``arguments``, nested where there are more than a call may take."""
+    while len(arguments) > FUNC_MAX_ARGS:
+        arguments = [
+            f"concat({', '.join(arguments[i : i + FUNC_MAX_ARGS])})" for i in range(0, len(arguments), FUNC_MAX_ARGS)
+        ]
+    return f"concat({', '.join(arguments)})"
 
 
 def plain_lines(data: bytes, rows: int, columns: int, nulls: int) -> bool:
@@ -211,13 +249,13 @@ def _lines_cte(index: int, schema: StreamSchema, variants: tuple[bool, ...], pla
     def gathered(variant: bool) -> str:
         if variant not in variants:
             return "NULL::text"
-        # ORDER BY in the aggregate itself: PostgreSQL does not promise that an aggregate takes its
-        # input in a subquery's order, and the lines' order is the delivery order. The sort of
-        # rows already in order is cheap next to building the lines.
-        order = "ORDER BY x.token, x.seq"
+        # In the subquery's order, not sorted again by an ORDER BY of the aggregate's own (which
+        # copied every line into a sort: about 0.35 µs of the backend per row). PostgreSQL does not
+        # promise an aggregate its subquery's order, so the CTE checks it (in_order) and the
+        # master reads a range whose lines came in another order itself.
         if plain:
-            return f"{_literal(prefix)} || string_agg(x.line_{int(variant)}, {_literal(chr(10) + prefix)} {order}) || E'\\n'"
-        return f"string_agg(x.line_{int(variant)}, E'\\n' {order}) || E'\\n'"
+            return f"{_literal(prefix)} || string_agg(x.line_{int(variant)}, {_literal(chr(10) + prefix)}) || E'\\n'"
+        return f"string_agg(x.line_{int(variant)}, E'\\n') || E'\\n'"
 
     # The longest line: the variant with ts where it is asked (the longer one).
     longest = "0" if plain else f"COALESCE(max(octet_length(x.line_{int(max(variants))})), 0)::integer"
@@ -228,6 +266,9 @@ def _lines_cte(index: int, schema: StreamSchema, variants: tuple[bool, ...], pla
         f"({first_tokens_sql(schema.table, after, position, 'max_rows + 1')}) AS x), "
         f"l{index} AS (SELECT {gathered(False)} AS lines, {gathered(True)} AS lines_ts, "
         f"max(x.token) AS last, count(*) AS cnt, {longest} AS longest, {nulls} AS nulls, "
+        # Whether the aggregates took the rows in (token, seq) order: the seqs as taken against the
+        # same seqs sorted (integers only: about 0.04 µs per row).
+        "COALESCE(array_agg(x.seq) = array_agg(x.seq ORDER BY x.token, x.seq), true) AS in_order, "
         f"(SELECT u{index}.found FROM u{index}) AS found FROM ({select}) AS x)"
     )
 
@@ -261,7 +302,8 @@ def wake_function_sql(
         selects.append(
             f"SELECT {_literal(schema.name)}::text, NULL::bigint, NULL::bigint, NULL::boolean, NULL::bigint, "
             f"NULL::bigint, l{index}.lines, l{index}.lines_ts, l{index}.last, "
-            f"CASE WHEN l{index}.found > max_rows THEN -1 ELSE l{index}.cnt END, l{index}.longest, l{index}.nulls "
+            f"CASE WHEN l{index}.found > max_rows OR NOT l{index}.in_order THEN -1 ELSE l{index}.cnt END, "
+            f"l{index}.longest, l{index}.nulls "
             f"FROM l{index} WHERE l{index}.cnt > 0 OR l{index}.found > max_rows"
         )
     query = "WITH " + ", ".join(ctes) + " " + " UNION ALL ".join(selects)

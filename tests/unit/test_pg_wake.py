@@ -191,6 +191,48 @@ def test_the_wake_ups_lines_are_the_python_encoders_bytes(stores) -> None:
     assert pg_wake.plain_line_sql(TEXTS, True) in sql and "array_to_json" not in sql
 
 
+def test_a_plain_line_of_the_widest_plain_stream_is_the_python_encoders_bytes(stores) -> None:
+    """``MAX_PLAIN_COLUMNS`` text columns, every other one nullable: more arguments than one
+    ``concat`` call takes (the calls are nested), NULLs and values side by side, a batch."""
+    from tests.unit.test_pg_lines import _python
+
+    writer, reader, wake = stores
+    columns = tuple(Column(f"c{i}", "text", nullable=bool(i % 2)) for i in range(pg_wake.MAX_PLAIN_COLUMNS))
+    schema = StreamSchema("wide", columns)
+    assert pg_wake.plain_text(schema) and pg_wake.plain_line_sql(schema, True).count("concat(") > 1
+    rows = [[f"v{i}-{k}" if k % 2 == 0 or (i + k) % 3 else None for k in range(len(columns))] for i in range(4)]
+    writer.register_stream(schema)
+    writer.append(schema.name, rows, "w")
+    writer.append(schema.name, rows[:2], "w", batch=True)
+    reader.catalog()
+    wake.start(True, {schema.name: (0, (False, True))}, 1000)
+    encoded, last, count = drive(wake)[2][schema.name][1]
+    assert (last, count) == (5, 6)
+    for variant in (False, True):
+        assert encoded[variant] == _python(reader, schema, 0, last, variant)
+
+
+def test_lines_that_reach_the_aggregate_out_of_order_are_left_to_the_master(stores, monkeypatch) -> None:
+    """The lines are gathered in their subquery's order, which PostgreSQL does not promise an
+    aggregate: the function checks the order it took them in, and a range whose lines came in
+    another order (here: a subquery that orders them backwards) is left to the master's reads."""
+    writer, _reader, wake = stores
+    writer.append("events", [[f"$o{i}", "!r", "m.room.message", None, None] for i in range(3)], "w")
+    writer.append("events", [["$b1", "!r", "t", "sk", None], ["$b2", "!r", "t", None, "$x"]], "w", batch=True)
+    wake.start(True, {"events": (0, (True,))}, 1000)
+    assert "events" in drive(wake)[2]  # in order: read by the wake-up
+    ordered = wake_function_sql
+
+    def backwards(*args):
+        sql = ordered(*args)
+        assert "ORDER BY t.token, t.seq OFFSET 0" in sql
+        return sql.replace("ORDER BY t.token, t.seq OFFSET 0", "ORDER BY t.token DESC, t.seq DESC OFFSET 0")
+
+    monkeypatch.setattr(pg_wake, "wake_function_sql", backwards)
+    wake.start(True, {"events": (0, (False, True))}, 1000)  # another shape of call: a function made anew
+    assert "events" not in drive(wake)[2]
+
+
 _wake_names = (f"wakeprop{i}" for i in itertools.count())
 
 
