@@ -238,7 +238,8 @@ def chunk_formatter(schema: StreamSchema) -> Callable[..., tuple[list[str] | Non
         "            return None, len(out)",
         f"        {', '.join(f'v{i}' for i in range(n))}{',' if n == 1 else ''} = row",
         *values,
-        '        append(f"{ts}\\t{tok}\\t{name}\\t{ts}\\t' + "\\t".join(parts) + '")',
+        "        t = str(ts)",  # seq and ts: the one text, converted once (about 10 % of the loop)
+        '        append(f"{t}\\t{tok}\\t{name}\\t{t}\\t' + "\\t".join(parts) + '")',
         "        ts += 1",
         "        tok += step",
         "    return out, nulls",
