@@ -18,7 +18,7 @@ connection's own session, so masters never share or race on it), which runs
    a batch's rows only when a token repeats). A larger range is left to the
    master's reads (``replication.read_ahead``: two at once on the database
    threads, the columns sent by ``storage.pg_columns_out``, about 1 µs of
-   the server's CPU per row against the 1.3-1.6 of a line built here, and
+   the server's CPU per row against the 1.25-1.4 of a line built here, and
    the fan-out starts after the first quarter chunk); a commit of up to
    ``limit`` rows still reaches the master in one round trip.
 
@@ -47,11 +47,17 @@ a subquery whose top is ``ORDER BY token, seq OFFSET 0``, without an
 ``ORDER BY`` of the aggregate's own: that one copied every line into a sort
 (about 0.35 µs of the backend per row). PostgreSQL feeds a plain aggregate
 over such a subquery in its order, but does not promise it ("will usually
-work", its documentation says), so the same pass compares the ``seq`` values
-as the aggregate took them with the same values sorted (``array_agg`` of
-integers, about 0.04 µs per row): a range whose lines came in any other
-order is answered with the count -1, and the master reads it itself (its
-reads are ``COPY`` of a query whose top-level ``ORDER BY`` sets the order).
+work", its documentation says), so the same pass compares the tokens as
+the aggregate took them with the same tokens sorted, and the ``seq`` values
+the same way (``array_agg`` of integers, each sorted alone: under 0.05 µs
+per row); both non-decreasing is the ``(token, seq)`` order, and every range
+tickline writes passes (``seq`` is the row's ``ts``, non-decreasing in that
+order). A range whose lines came in any other order (or whose ``seq`` values
+do not follow it) is answered without its lines and with the count
+``OUT_OF_ORDER``, the master reads it itself (its reads are ``COPY`` of
+a query whose top-level ``ORDER BY`` sets the order), and logs it once per
+connection. Measured on PostgreSQL 15, where the plan feeds the aggregate
+from the ordered join with no sort between.
 
 **Order.** The proof of the safe time (docs/time.md) needs the mark read
 before the live writers and the positions (a snapshot) and before the
@@ -77,6 +83,7 @@ nothing having moved.
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 import threading
 from typing import Any
@@ -94,6 +101,8 @@ from storage.schema import StreamSchema
 from storage.store import DatabaseUnavailable
 from storage.time_index import stream_safe_time
 
+logger = logging.getLogger(__name__)
+
 # After a plain read whose values needed escapes, the stream's next wake-ups build escaped lines
 # (pg_lines' SQL): a stream whose values often hold quotes would otherwise pay a second read each time.
 ESCAPED_WAKES = 100
@@ -110,6 +119,8 @@ def _literal(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
+# The count of a stream's answer whose lines reached their aggregate out of order (see the module doc).
+OUT_OF_ORDER = -2
 # PostgreSQL's FUNC_MAX_ARGS: the most arguments a call takes (concat() and num_nulls() included).
 FUNC_MAX_ARGS = 100
 # num_nulls(), which counts a plain read's NULL values, takes one argument per column.
@@ -220,7 +231,8 @@ def _lines_cte(index: int, schema: StreamSchema, variants: tuple[bool, ...], pla
 
     Two CTEs: ``u<index>``, the last token and the count of the first
     ``max_rows + 1`` rows after ``afters[index]``, and ``l<index>``, the
-    lines of each variant gathered in order, the last token, the count, the
+    lines of each variant gathered in their subquery's order, whether they
+    came in it (``in_order``, see the module doc), the last token, the count, the
     longest line, that first count and the NULL values. Only a range of at most ``max_rows``
     rows is read (the lines of a larger one are left to the master's reads,
     cheaper per row: see the module doc), whole: every row up to the
@@ -266,9 +278,13 @@ def _lines_cte(index: int, schema: StreamSchema, variants: tuple[bool, ...], pla
         f"({first_tokens_sql(schema.table, after, position, 'max_rows + 1')}) AS x), "
         f"l{index} AS (SELECT {gathered(False)} AS lines, {gathered(True)} AS lines_ts, "
         f"max(x.token) AS last, count(*) AS cnt, {longest} AS longest, {nulls} AS nulls, "
-        # Whether the aggregates took the rows in (token, seq) order: the seqs as taken against the
-        # same seqs sorted (integers only: about 0.04 µs per row).
-        "COALESCE(array_agg(x.seq) = array_agg(x.seq ORDER BY x.token, x.seq), true) AS in_order, "
+        # Whether the aggregates took the rows in (token, seq) order: the tokens as taken against them
+        # sorted, and the seqs the same way (each a sort of integers alone). Both non-decreasing is
+        # that order (ties are the same row for it), whether seqs repeat or not; rows written by
+        # tickline have seq = ts, non-decreasing in (token, seq) order (storage.time_index), so a
+        # range in order passes (one that did not would only be read by the master instead).
+        "COALESCE(array_agg(x.token) = array_agg(x.token ORDER BY x.token) "
+        "AND array_agg(x.seq) = array_agg(x.seq ORDER BY x.seq), true) AS in_order, "
         f"(SELECT u{index}.found FROM u{index}) AS found FROM ({select}) AS x)"
     )
 
@@ -301,8 +317,11 @@ def wake_function_sql(
         ctes.append(_lines_cte(index, schema, variants, plain))
         selects.append(
             f"SELECT {_literal(schema.name)}::text, NULL::bigint, NULL::bigint, NULL::boolean, NULL::bigint, "
-            f"NULL::bigint, l{index}.lines, l{index}.lines_ts, l{index}.last, "
-            f"CASE WHEN l{index}.found > max_rows OR NOT l{index}.in_order THEN -1 ELSE l{index}.cnt END, "
+            # Out of order (OUT_OF_ORDER): no lines sent, the master reads the range itself.
+            f"NULL::bigint, CASE WHEN l{index}.in_order THEN l{index}.lines END, "
+            f"CASE WHEN l{index}.in_order THEN l{index}.lines_ts END, l{index}.last, "
+            f"CASE WHEN l{index}.found > max_rows THEN -1 WHEN NOT l{index}.in_order THEN {OUT_OF_ORDER} "
+            f"ELSE l{index}.cnt END, "
             f"l{index}.longest, l{index}.nulls "
             f"FROM l{index} WHERE l{index}.cnt > 0 OR l{index}.found > max_rows"
         )
@@ -333,6 +352,7 @@ class PgWake:
         self._functions: dict[tuple[tuple[str, ...], tuple[tuple[int, tuple[bool, ...], bool], ...]], str] = {}
         self._cursor: Any = None
         self._pending: tuple[bool, WakeReads, dict[str, int]] | None = None
+        self._out_of_order_logged = False
         # Per stream: the wake-ups left that build its lines escaped (ESCAPED_WAKES).
         self._escaped: dict[str, int] = {}
         # A UTF-8 session's text is taken as the bytes sent (psycopg2's BYTES caster): the lines are
@@ -416,8 +436,16 @@ class PgWake:
                 if found is not None:
                     times[name] = found
                 continue
+            if count == OUT_OF_ORDER and not self._out_of_order_logged:
+                self._out_of_order_logged = True  # once per connection: the plan is the connection's
+                logger.warning(
+                    "the wake-up's lines of %s reached their aggregate out of (token, seq) order; "
+                    "the master reads such ranges itself (correct, slower)",
+                    name,
+                )
             if count < 0 or (limit is not None and longest > limit):
-                unread.add(name)  # more rows than the limit, or a line too long: the master reads them
+                # More rows than the limit, lines out of order, or a line too long: the master reads them.
+                unread.add(name)
                 continue
             encoded = {}
             if lines is not None:

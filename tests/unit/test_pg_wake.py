@@ -192,15 +192,16 @@ def test_the_wake_ups_lines_are_the_python_encoders_bytes(stores) -> None:
 
 
 def test_a_plain_line_of_the_widest_plain_stream_is_the_python_encoders_bytes(stores) -> None:
-    """``MAX_PLAIN_COLUMNS`` text columns, every other one nullable: more arguments than one
-    ``concat`` call takes (the calls are nested), NULLs and values side by side, a batch."""
+    """``MAX_PLAIN_COLUMNS`` text columns, two of three nullable (the first and the last, and
+    nullable ones side by side): more arguments than one ``concat`` call takes (the calls are
+    nested), NULLs and values side by side, a batch."""
     from tests.unit.test_pg_lines import _python
 
     writer, reader, wake = stores
-    columns = tuple(Column(f"c{i}", "text", nullable=bool(i % 2)) for i in range(pg_wake.MAX_PLAIN_COLUMNS))
+    columns = tuple(Column(f"c{i}", "text", nullable=i % 3 != 1) for i in range(pg_wake.MAX_PLAIN_COLUMNS))
     schema = StreamSchema("wide", columns)
     assert pg_wake.plain_text(schema) and pg_wake.plain_line_sql(schema, True).count("concat(") > 1
-    rows = [[f"v{i}-{k}" if k % 2 == 0 or (i + k) % 3 else None for k in range(len(columns))] for i in range(4)]
+    rows = [[f"v{i}-{k}" if k % 3 == 1 or (i + k) % 2 else None for k in range(len(columns))] for i in range(4)]
     writer.register_stream(schema)
     writer.append(schema.name, rows, "w")
     writer.append(schema.name, rows[:2], "w", batch=True)
@@ -212,15 +213,23 @@ def test_a_plain_line_of_the_widest_plain_stream_is_the_python_encoders_bytes(st
         assert encoded[variant] == _python(reader, schema, 0, last, variant)
 
 
-def test_lines_that_reach_the_aggregate_out_of_order_are_left_to_the_master(stores, monkeypatch) -> None:
+@pytest.mark.parametrize("stream", ["events", "numbers"])  # read plain; escaped (pg_lines' SQL)
+def test_lines_that_reach_the_aggregate_out_of_order_are_left_to_the_master(
+    stores, monkeypatch, caplog, stream
+) -> None:
     """The lines are gathered in their subquery's order, which PostgreSQL does not promise an
     aggregate: the function checks the order it took them in, and a range whose lines came in
-    another order (here: a subquery that orders them backwards) is left to the master's reads."""
+    another order (here: a subquery that orders them backwards) is left to the master's reads,
+    which is logged once."""
     writer, _reader, wake = stores
-    writer.append("events", [[f"$o{i}", "!r", "m.room.message", None, None] for i in range(3)], "w")
-    writer.append("events", [["$b1", "!r", "t", "sk", None], ["$b2", "!r", "t", None, "$x"]], "w", batch=True)
-    wake.start(True, {"events": (0, (True,))}, 1000)
-    assert "events" in drive(wake)[2]  # in order: read by the wake-up
+    if stream == "events":
+        writer.append("events", [[f"$o{i}", "!r", "m.room.message", None, None] for i in range(3)], "w")
+        writer.append("events", [["$b1", "!r", "t", "sk", None], ["$b2", "!r", "t", None, "$x"]], "w", batch=True)
+    else:
+        writer.append("numbers", [[float(i), True] for i in range(3)], "w")
+        writer.append("numbers", [[None, False], [0.5, True]], "w", batch=True)
+    wake.start(True, {stream: (0, (True,))}, 1000)
+    assert stream in drive(wake)[2]  # in order: read by the wake-up
     ordered = wake_function_sql
 
     def backwards(*args):
@@ -229,8 +238,12 @@ def test_lines_that_reach_the_aggregate_out_of_order_are_left_to_the_master(stor
         return sql.replace("ORDER BY t.token, t.seq OFFSET 0", "ORDER BY t.token DESC, t.seq DESC OFFSET 0")
 
     monkeypatch.setattr(pg_wake, "wake_function_sql", backwards)
-    wake.start(True, {"events": (0, (False, True))}, 1000)  # another shape of call: a function made anew
-    assert "events" not in drive(wake)[2]
+    for _ in range(2):
+        wake.start(True, {stream: (0, (False, True))}, 1000)  # another shape of call: a function made anew
+        assert stream not in drive(wake)[2]
+    assert [r.getMessage().split(";")[0] for r in caplog.records if r.name == "storage.pg_wake"] == [
+        f"the wake-up's lines of {stream} reached their aggregate out of (token, seq) order"
+    ]
 
 
 _wake_names = (f"wakeprop{i}" for i in itertools.count())
