@@ -754,12 +754,13 @@ def main(
         if any(s in PG_SCENARIOS for s in chosen):
             from scripts.bench_pg import run as run_pg
 
-            # Each PostgreSQL scenario starts and replicates whole databases: 3 interleaved runs at most.
+            # --repeat runs of each side, as asked (each starts and replicates whole databases: a
+            # run of end-to-end takes a few seconds, of latency about seconds + 2 per side).
             pg_results = run_pg(
                 chosen,
                 rows,
                 workdir,
-                min(repeat, 3),
+                repeat,
                 rate,
                 seconds,
                 catch_up_rows=catch_up_rows,
