@@ -49,12 +49,10 @@ a subquery whose top is ``ORDER BY token, seq OFFSET 0``, without an
 over such a subquery in its order, but does not promise it ("will usually
 work", its documentation says), so the same pass compares the tokens as
 the aggregate took them with the same tokens sorted, and the ``seq`` values
-the same way (``array_agg`` of integers, each sorted alone: under 0.05 µs
-per row); both non-decreasing is the ``(token, seq)`` order, and every range
-tickline writes passes (``seq`` is the row's ``ts``, non-decreasing in that
-order). A range whose lines came in any other order (or whose ``seq`` values
-do not follow it) is answered without its lines and with the count
-``OUT_OF_ORDER``, the master reads it itself (its reads are ``COPY`` of
+as taken with the same values in ``(token, seq)`` order (``array_agg`` of
+integers): both equal is exactly that order, whatever the data. A range
+whose lines came in any other order is answered without its lines and with
+the count ``OUT_OF_ORDER``, the master reads it itself (its reads are ``COPY`` of
 a query whose top-level ``ORDER BY`` sets the order), and logs it once per
 connection. Measured on PostgreSQL 15, where the plan feeds the aggregate
 from the ordered join with no sort between.
@@ -278,13 +276,13 @@ def _lines_cte(index: int, schema: StreamSchema, variants: tuple[bool, ...], pla
         f"({first_tokens_sql(schema.table, after, position, 'max_rows + 1')}) AS x), "
         f"l{index} AS (SELECT {gathered(False)} AS lines, {gathered(True)} AS lines_ts, "
         f"max(x.token) AS last, count(*) AS cnt, {longest} AS longest, {nulls} AS nulls, "
-        # Whether the aggregates took the rows in (token, seq) order: the tokens as taken against them
-        # sorted, and the seqs the same way (each a sort of integers alone). Both non-decreasing is
-        # that order (ties are the same row for it), whether seqs repeat or not; rows written by
-        # tickline have seq = ts, non-decreasing in (token, seq) order (storage.time_index), so a
-        # range in order passes (one that did not would only be read by the master instead).
+        # Whether the aggregates took the rows in (token, seq) order, exactly, with no assumption on
+        # the data: the tokens as taken equal to them sorted puts each token's rows where that order
+        # puts them, and the seqs as taken equal to them in (token, seq) order then orders the rows
+        # of each token. (Seqs alone sorted would not do: a batch token's later appends take later
+        # timestamps than a token allocated between them.)
         "COALESCE(array_agg(x.token) = array_agg(x.token ORDER BY x.token) "
-        "AND array_agg(x.seq) = array_agg(x.seq ORDER BY x.seq), true) AS in_order, "
+        "AND array_agg(x.seq) = array_agg(x.seq ORDER BY x.token, x.seq), true) AS in_order, "
         f"(SELECT u{index}.found FROM u{index}) AS found FROM ({select}) AS x)"
     )
 

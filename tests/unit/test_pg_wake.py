@@ -246,6 +246,34 @@ def test_lines_that_reach_the_aggregate_out_of_order_are_left_to_the_master(
     ]
 
 
+def test_a_batch_token_appended_around_another_token_is_read_by_the_wake_up_in_order(stores, caplog) -> None:
+    """A transaction's batch token appended again after another token was allocated (its own single
+    row, another writer's row) has rows with later timestamps than that token's: still the
+    ``(token, seq)`` order, so the wake-up reads them, with no warning."""
+    writer, reader, wake = stores
+    other = open_store(reader.database.dsn)
+    row = ["$s", "!r", "t", None, None]
+    try:
+        with writer.writing("events", "w") as txn:
+            txn.append([row, row], batch=True)
+            other.append("events", [row], "w2")
+            txn.append([row])
+            txn.append([row, row], batch=True)
+        writer.append("events", [row], "w")  # the writer's position past the others
+    finally:
+        other.close()
+    wake.start(True, {"events": (0, (True,))}, 1000)
+    encoded, last, count = drive(wake)[2]["events"][1]
+    assert count == 7 and encoded[True] == _python_lines(reader, last)
+    assert not [r for r in caplog.records if r.name == "storage.pg_wake"]
+
+
+def _python_lines(reader, last: int) -> bytes:
+    from tests.unit.test_pg_lines import _python
+
+    return _python(reader, EVENTS, 0, last, True)
+
+
 _wake_names = (f"wakeprop{i}" for i in itertools.count())
 
 
