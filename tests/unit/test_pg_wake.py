@@ -213,9 +213,10 @@ def test_a_plain_line_of_the_widest_plain_stream_is_the_python_encoders_bytes(st
         assert encoded[variant] == _python(reader, schema, 0, last, variant)
 
 
-@pytest.mark.parametrize("stream", ["events", "numbers"])  # read plain; escaped (pg_lines' SQL)
+# Read plain or escaped (pg_lines' SQL); with a batch in the range (the check of the seqs runs) or not.
+@pytest.mark.parametrize(("stream", "batch"), [("events", True), ("events", False), ("numbers", True)])
 def test_lines_that_reach_the_aggregate_out_of_order_are_left_to_the_master(
-    stores, monkeypatch, caplog, stream
+    stores, monkeypatch, caplog, stream, batch
 ) -> None:
     """The lines are gathered in their subquery's order, which PostgreSQL does not promise an
     aggregate: the function checks the order it took them in, and a range whose lines came in
@@ -224,7 +225,8 @@ def test_lines_that_reach_the_aggregate_out_of_order_are_left_to_the_master(
     writer, _reader, wake = stores
     if stream == "events":
         writer.append("events", [[f"$o{i}", "!r", "m.room.message", None, None] for i in range(3)], "w")
-        writer.append("events", [["$b1", "!r", "t", "sk", None], ["$b2", "!r", "t", None, "$x"]], "w", batch=True)
+        if batch:
+            writer.append("events", [["$b1", "!r", "t", "sk", None], ["$b2", "!r", "t", None, "$x"]], "w", batch=True)
     else:
         writer.append("numbers", [[float(i), True] for i in range(3)], "w")
         writer.append("numbers", [[None, False], [0.5, True]], "w", batch=True)
