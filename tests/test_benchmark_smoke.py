@@ -110,14 +110,7 @@ def test_postgresql_scenarios_print_their_lines_against_logical_replication() ->
 
 def test_a_postgresql_scenario_runs_as_many_times_as_repeat_asks() -> None:
     """``--repeat 4``: four interleaved runs of each side (the PostgreSQL scenarios once stopped at three)."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "end-to-end", "--rows", "2000", "--repeat", "4"],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_tickline("bench", "end-to-end", "--rows", "2000", "--repeat", "4", timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "4 runs per scenario" in proc.stdout and "median of 4 interleaved runs" in proc.stdout, proc.stdout
 
