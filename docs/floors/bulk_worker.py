@@ -1,22 +1,13 @@
 # End-to-end floor, "worker": the lines up to each END line applied by one COPY and the applied
-# token in one transaction, synchronous_commit off.
-import io
-import socket
+# token in one transaction, synchronous_commit off. The rows arrive as COPY text: found by the END
+# line alone, not split line by line.
 import sys
 
-import psycopg2
+from relay_common import accept_master, apply_connection, copy_rows
 
 dst, port = sys.argv[1], int(sys.argv[2])
-conn = psycopg2.connect(dst)
-cur = conn.cursor()
-cur.execute("SET synchronous_commit = off")
-conn.commit()
-srv = socket.socket()
-srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-srv.bind(("127.0.0.1", port))
-srv.listen(1)
-print("ready", flush=True)
-s, _ = srv.accept()
+conn, cur = apply_connection(dst, autocommit=False)
+s = accept_master(port)
 buf = b""
 while True:
     data = s.recv(262144)
@@ -35,9 +26,4 @@ while True:
         top = int(buf[i + 4 : j])
         rows = buf[:i]
         buf = buf[j + 1 :]
-        cur.copy_expert(
-            "COPY replicated_events (token, instance_name, ts, event_id, room_id, type, state_key, redacts) FROM STDIN",
-            io.BytesIO(rows),
-        )
-        cur.execute("UPDATE applied SET token = %s", (top,))
-        conn.commit()
+        copy_rows(conn, cur, rows, top)

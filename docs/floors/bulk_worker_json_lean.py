@@ -1,34 +1,15 @@
 # End-to-end floor with JSON rows, "worker" as lean as tickline's own conversion (from the
 # twentieth session's review): a group's JSON parsed by one orjson call, escapes ruled out by one
 # backslash check of the group's JSON, each value's type and range checked, rows formatted plainly.
-import io
-import socket
 import sys
 
 import orjson
-import psycopg2
+from relay_common import accept_master, apply_connection, copy_escape, copy_groups
 
 dst, port = sys.argv[1], int(sys.argv[2])
-conn = psycopg2.connect(dst)
-cur = conn.cursor()
-cur.execute("SET synchronous_commit = off")
-conn.commit()
-srv = socket.socket()
-srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-srv.bind(("127.0.0.1", port))
-srv.listen(1)
-print("ready", flush=True)
-s, _ = srv.accept()
-buf = b""
-pending = []
+conn, cur = apply_connection(dst, autocommit=False)
+s = accept_master(port)
 N = "\\N"
-
-
-def esc(v):
-    if v is None:
-        return N
-    v = str(v)
-    return v.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
 
 
 def text(lines):
@@ -54,24 +35,8 @@ def text(lines):
             )
     else:
         for p, r in zip(parts, rows, strict=True):
-            out.append(f"{p[3].decode()}\t{p[2].decode()}\t{r[5]}\t" + "\t".join(esc(v) for v in r[:5]) + "\n")
+            out.append(f"{p[3].decode()}\t{p[2].decode()}\t{r[5]}\t" + "\t".join(copy_escape(v) for v in r[:5]) + "\n")
     return "".join(out).encode()
 
 
-while True:
-    data = s.recv(262144)
-    if not data:
-        break
-    buf += data
-    *lines, buf = buf.split(b"\n")
-    for line in lines:
-        if line.startswith(b"END "):
-            cur.copy_expert(
-                "COPY replicated_events (token, instance_name, ts, event_id, room_id, type, state_key, redacts) FROM STDIN",
-                io.BytesIO(text(pending)),
-            )
-            cur.execute("UPDATE applied SET token = %s", (int(line[4:]),))
-            conn.commit()
-            pending = []
-            continue
-        pending.append(line)
+copy_groups(s, conn, cur, text)

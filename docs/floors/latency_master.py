@@ -1,16 +1,12 @@
 # Latency floor, "master": LISTEN on the source, each notification's payload sent as a line (a select loop).
 import select
-import socket
 import sys
 
-import psycopg2
+from relay_common import connect, listen_connection
 
 src, port = sys.argv[1], int(sys.argv[2])
-conn = psycopg2.connect(src)
-conn.autocommit = True
-conn.cursor().execute("LISTEN ch")
-sock = socket.create_connection(("127.0.0.1", port))
-sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+conn = listen_connection(src)
+sock = connect(port)
 print("ready", flush=True)
 while True:
     select.select([conn], [], [])

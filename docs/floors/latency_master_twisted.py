@@ -5,41 +5,26 @@ import sys
 from twisted.internet import epollreactor
 
 epollreactor.install()  # before anything imports the default reactor
-import psycopg2  # noqa: E402
+from relay_common import listen_connection  # noqa: E402
+from relay_twisted import ConnectionReader  # noqa: E402
 from twisted.internet import protocol, reactor  # noqa: E402
 
 src, port = sys.argv[1], int(sys.argv[2])
-conn = psycopg2.connect(src)
-conn.autocommit = True
-conn.cursor().execute("LISTEN ch")
+conn = listen_connection(src)
 
 
 class Out(protocol.Protocol):
     def connectionMade(self):
         self.transport.setTcpNoDelay(True)
-        reactor.addReader(Reader(self.transport))
+        reactor.addReader(ConnectionReader(conn, self.notified))
         print("ready", flush=True)
 
-
-class Reader:
-    def __init__(self, transport):
-        self.t = transport
-
-    def fileno(self):
-        return conn.fileno()
-
-    def logPrefix(self):
-        return "reader"
-
-    def connectionLost(self, reason):
-        pass
-
-    def doRead(self):
+    def notified(self):
         conn.poll()
         if conn.notifies:
             out = "".join(n.payload + "\n" for n in conn.notifies)
             conn.notifies.clear()
-            self.t.socket.send(out.encode())
+            self.transport.socket.send(out.encode())
 
 
 protocol.ClientCreator(reactor, Out).connectTCP("127.0.0.1", port)

@@ -9,7 +9,9 @@ from twisted.internet import epollreactor
 epollreactor.install()  # before anything imports the default reactor
 import psycopg2  # noqa: E402
 import psycopg2.extensions as ext  # noqa: E402
-from twisted.internet import protocol, reactor  # noqa: E402
+from relay_common import PREPARE_APPLY  # noqa: E402
+from relay_twisted import ConnectionReader, serve_lines  # noqa: E402
+from twisted.internet import reactor  # noqa: E402
 
 dst, port = sys.argv[1], int(sys.argv[2])
 
@@ -30,10 +32,7 @@ wait(conn)
 cur = conn.cursor()
 cur.execute("SET synchronous_commit = off")
 wait(conn)
-cur.execute(
-    "PREPARE ins (bigint, text, bigint, text, text, text, text, text) AS WITH u AS (UPDATE applied SET token = $1) "
-    "INSERT INTO replicated_events (token, instance_name, ts, event_id, room_id, type, state_key, redacts) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)"
-)
+cur.execute(PREPARE_APPLY)
 wait(conn)
 queue = collections.deque()
 busy = [False]
@@ -53,41 +52,19 @@ def start():
     busy[0] = True
 
 
-class Db:
-    def fileno(self):
-        return conn.fileno()
-
-    def logPrefix(self):
-        return "db"
-
-    def connectionLost(self, reason):
-        pass
-
-    def doRead(self):
-        if busy[0] and conn.poll() == ext.POLL_OK:
-            busy[0] = False
-            start()
-
-
-reactor.addReader(Db())
-
-
-class In(protocol.Protocol):
-    buf = b""
-
-    def connectionMade(self):
-        self.transport.setTcpNoDelay(True)
-
-    def dataReceived(self, data):
-        self.buf += data
-        *lines, self.buf = self.buf.split(b"\n")
-        for line in lines:
-            queue.append(line.decode().split("\t"))
+def answered():
+    if busy[0] and conn.poll() == ext.POLL_OK:
+        busy[0] = False
         start()
 
 
-f = protocol.Factory()
-f.protocol = In
-reactor.listenTCP(port, f, interface="127.0.0.1")
-print("ready", flush=True)
-reactor.run()
+reactor.addReader(ConnectionReader(conn, answered))
+
+
+def received(lines):
+    for line in lines:
+        queue.append(line.decode().split("\t"))
+    start()
+
+
+serve_lines(port, received)
