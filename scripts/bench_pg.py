@@ -66,7 +66,7 @@ import statistics
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -135,6 +135,15 @@ class Clusters:
     def __exit__(self, *exc: object) -> None:
         self.target.stop()
         self.source.stop()
+
+    def runs(self, repeat: int, sides: Iterable[str]) -> Iterator[tuple[int, str]]:
+        """(run number, side) for ``repeat`` interleaved runs of each side; each run's databases are
+        dropped once it is over (the target's first: its subscriptions hold slots on the source)."""
+        for i in range(repeat):
+            for which in sides:
+                yield i, which
+                self.target.drop_databases()
+                self.source.drop_databases()
 
 
 class Baseline:
@@ -887,11 +896,10 @@ def run(
         if "writer" in chosen:
             single = max(200, min(2000, rows // 10))
             wr: dict[str, list[dict[str, float]]] = {"tickline": [], "plain": []}
-            for i in range(repeat):
-                for which in wr:
-                    value = writer_once(clusters, rows, single, which)
-                    wr[which].append(value)
-                    log(f"writer run {i + 1} {which}: {value}")
+            for i, which in clusters.runs(repeat, wr):
+                value = writer_once(clusters, rows, single, which)
+                wr[which].append(value)
+                log(f"writer run {i + 1} {which}: {value}")
             w = {k: {m: _median([v[m] for v in runs_]) for m in ("single", "bulk")} for k, runs_ in wr.items()}
             results["writer"] = w
             t, p = w["tickline"], w["plain"]
@@ -908,11 +916,10 @@ def run(
             )
         if "end-to-end" in chosen:
             runs: dict[str, list[float]] = {"tickline": [], "copy": [], "execute_values": []}
-            for i in range(repeat):
-                for which in runs:
-                    got = end_to_end_once(clusters, workdir, rows, which)
-                    runs[which].append(got)
-                    log(f"end-to-end run {i + 1} {which}: {_fmt(got)} rows/s")
+            for i, which in clusters.runs(repeat, runs):
+                got = end_to_end_once(clusters, workdir, rows, which)
+                runs[which].append(got)
+                log(f"end-to-end run {i + 1} {which}: {_fmt(got)} rows/s")
             r = {k: _median(v) for k, v in runs.items()}
             results["end-to-end"] = r
             print(
@@ -929,11 +936,10 @@ def run(
             )
         if "latency" in chosen:
             lat: dict[str, list[dict[str, float]]] = {"tickline": [], "baseline": [], "rdata": []}
-            for i in range(repeat):
-                for which in lat:
-                    value = latency_once(clusters, workdir, rate, seconds, which)
-                    lat[which].append(value)
-                    log(f"latency run {i + 1} {which}: {value}")
+            for i, which in clusters.runs(repeat, lat):
+                value = latency_once(clusters, workdir, rate, seconds, which)
+                lat[which].append(value)
+                log(f"latency run {i + 1} {which}: {value}")
             agg = {w: {k: _median([v[k] for v in runs_]) for k in runs_[0]} for w, runs_ in lat.items()}
             results["latency"] = agg
             t, b, r = agg["tickline"], agg["baseline"], agg.pop("rdata")
@@ -964,11 +970,10 @@ def run(
         if "catch-up" in chosen:
             n = catch_up_rows or rows
             cu: dict[str, list[float]] = {"tickline": [], "baseline": []}
-            for i in range(repeat):
-                for which in cu:
-                    got = catch_up_once(clusters, workdir, n, which)
-                    cu[which].append(got)
-                    log(f"catch-up run {i + 1} {which}: {_fmt(got)} rows/s")
+            for i, which in clusters.runs(repeat, cu):
+                got = catch_up_once(clusters, workdir, n, which)
+                cu[which].append(got)
+                log(f"catch-up run {i + 1} {which}: {_fmt(got)} rows/s")
             c = {k: _median(v) for k, v in cu.items()}
             results["catch-up"] = c
             print(

@@ -115,6 +115,31 @@ def test_a_postgresql_scenario_runs_as_many_times_as_repeat_asks() -> None:
     assert "4 runs per scenario" in proc.stdout and "median of 4 interleaved runs" in proc.stdout, proc.stdout
 
 
+def test_each_benchmark_run_s_databases_are_dropped_once_it_is_over() -> None:
+    """The PostgreSQL scenarios' runs each make databases on both clusters: gone after the run, so that
+    the clusters do not grow with ``--repeat``."""
+    import psycopg2
+
+    from scripts.bench_pg import Clusters
+
+    def databases(server) -> set[str]:
+        conn = psycopg2.connect(server.url())
+        with conn.cursor() as cur:
+            cur.execute("SELECT datname FROM pg_database WHERE datname LIKE 't%'")
+            names = {name for (name,) in cur.fetchall()}
+        conn.close()
+        return names - {"template0", "template1"}
+
+    with Clusters() as clusters:
+        seen = []
+        for _, which in clusters.runs(2, ["tickline", "baseline"]):
+            made = {clusters.source.new_database().rsplit("/", 1)[1], clusters.target.new_database().rsplit("/", 1)[1]}
+            live = databases(clusters.source) | databases(clusters.target)
+            assert live == made, (which, live, made)  # the run's own, and none of an earlier run
+            seen.append(made)
+        assert len(seen) == 4 and not databases(clusters.source) | databases(clusters.target)
+
+
 def test_fanout_scenario_prints_a_ratio_line_per_variant_and_a_plot(tmp_path) -> None:
     png = tmp_path / "fanout.png"
     proc = subprocess.run(
