@@ -117,16 +117,18 @@ ORACLE_LOCK = 0x74736F  # "tso": held by the allocation function for microsecond
 #   the new tokens allocated (the safe-time proof in docs/time.md needs it).
 # * ``n_tokens`` consecutive tokens of the stream's sequence (``setval`` moves
 #   it once for the whole range); 0 takes timestamps only.
-_ALLOCATION_BODY = f"""
+_LOCK_STEP = f"""
     IF pg_advisory_lock({ORACLE_LOCK}) IS NULL THEN
         RETURN;
-    END IF;
+    END IF;"""
+_TOKENS_STEP = """
     IF n_tokens > 0 THEN
         first_token := nextval(seq);
         IF n_tokens > 1 THEN
             last := setval(seq, first_token + n_tokens - 1, true);
         END IF;
-    END IF;
+    END IF;"""
+_TIMESTAMPS_STEP = f"""
     last := pg_sequence_last_value('{ORACLE_SEQUENCE}'::regclass);
     called := last IS NOT NULL;
     IF NOT called THEN
@@ -140,6 +142,7 @@ _ALLOCATION_BODY = f"""
     END IF;
     called := pg_advisory_unlock({ORACLE_LOCK});
 """
+_ALLOCATION_BODY = _LOCK_STEP + _TOKENS_STEP + _TIMESTAMPS_STEP
 _ORACLE_SQL = f"""
 CREATE FUNCTION {ORACLE_FUNCTION}(seq regclass, n_ts integer, n_tokens integer, now_ms bigint,
     OUT first_token bigint, OUT first_ts bigint) LANGUAGE plpgsql AS $fn$
@@ -148,6 +151,31 @@ DECLARE
     called boolean;
 BEGIN
 {_ALLOCATION_BODY}
+END
+$fn$
+"""
+
+# A write transaction's later batch append (``WriteTransaction``): timestamps for its rows
+# and the token they share. That is the transaction's batch token if it is still the last
+# token of the stream's sequence; if another token of the stream was allocated since (the
+# transaction's own rows outside the batch, another writer's), a new token, so that ``ts``
+# still increases with the token (its rows' timestamps come after that other token's). Decided
+# under the oracle's lock, as every allocation: no allocation can come between the test and
+# the timestamps.
+BATCH_FUNCTION = "tickline_allocate_batch_v1"
+_BATCH_TOKEN_STEP = """
+    first_token := pg_sequence_last_value(seq);
+    IF first_token IS DISTINCT FROM batch_token THEN
+        first_token := nextval(seq);
+    END IF;"""
+_BATCH_SQL = f"""
+CREATE FUNCTION {BATCH_FUNCTION}(seq regclass, n_ts integer, batch_token bigint, now_ms bigint,
+    OUT first_token bigint, OUT first_ts bigint) LANGUAGE plpgsql AS $fn$
+DECLARE
+    last bigint;
+    called boolean;
+BEGIN
+{_LOCK_STEP + _BATCH_TOKEN_STEP + _TIMESTAMPS_STEP}
 END
 $fn$
 """
@@ -380,6 +408,8 @@ def _create_oracle(cur: Cursor) -> None:
         )
     if cur.execute("SELECT 1 FROM pg_proc WHERE proname = %s", (ORACLE_FUNCTION,)).fetchone() is None:
         cur.execute(_ORACLE_SQL)
+    if cur.execute("SELECT 1 FROM pg_proc WHERE proname = %s", (BATCH_FUNCTION,)).fetchone() is None:
+        cur.execute(_BATCH_SQL)
     if cur.execute("SELECT 1 FROM pg_proc WHERE proname = %s", (PROPOSAL_FUNCTION,)).fetchone() is None:
         cur.execute(_PROPOSAL_SQL)
     if cur.execute("SELECT 1 FROM pg_proc WHERE proname = %s", (FENCED_FUNCTION,)).fetchone() is None:
@@ -1003,6 +1033,9 @@ BEGIN = "BEGIN ISOLATION LEVEL READ COMMITTED; "
 _ALLOCATE_SQL = (
     f"SELECT first_token, first_ts FROM {ORACLE_FUNCTION}(%s::regclass, %s::integer, %s::integer, %s::bigint)"
 )
+_ALLOCATE_BATCH_SQL = (
+    f"SELECT first_token, first_ts FROM {BATCH_FUNCTION}(%s::regclass, %s::integer, %s::bigint, %s::bigint)"
+)
 _PROPOSE_SQL = f"SELECT {PROPOSAL_FUNCTION}(%s::regclass, %s::integer, %s::integer, %s::bigint, %s::bigint, %s::bigint)"
 # The writer's position and its NOTIFY, or the fenced error if this epoch is no longer live.
 _FINISH_SQL = (
@@ -1019,7 +1052,10 @@ class WriteTransaction:
     timestamps), the ``INSERT`` and the writer's position with its ``NOTIFY``
     (committed by the transaction's single commit). A large one allocates,
     then sends the rows by ``COPY``; its position moves with the commit (:meth:`commit`).
-    With ``batch``, every batch append of the transaction shares one token.
+    With ``batch``, the batch appends of the transaction share one token, but
+    for one after another token of the stream was allocated (its own rows
+    outside the batch, another writer's): it starts a new batch token, so that
+    ``ts`` increases with the token in the stream (docs/time.md).
     """
 
     def __init__(
@@ -1064,8 +1100,10 @@ class WriteTransaction:
         count = len(rows)
         if not count:
             return []
+        previous_batch = self._batch_token
         if batch:
-            # Every batch append of one transaction shares its token (see _allocated).
+            # The batch appends of one transaction share its token (see _allocated), so their rows
+            # count together; checked before knowing whether this one starts a new token.
             self._batch_rows += count
             check_batch_rows(self._schema.name, self._batch_rows)
         limit = self._store.max_line_bytes
@@ -1073,6 +1111,8 @@ class WriteTransaction:
             first_token, _ = self._append_copy(rows, count, batch, limit)
         else:
             first_token, _ = self._append_small(check_rows(self._schema, rows, limit), batch)
+        if batch and previous_batch is not None and first_token != previous_batch:
+            self._batch_rows = count  # a new batch token (_allocated): its rows alone count from now on
         tokens = [first_token] * count if batch else list(range(first_token, first_token + count))
         self._last_token = tokens[-1]
         return tokens
@@ -1082,15 +1122,22 @@ class WriteTransaction:
             return 0 if self._batch_token is not None else 1
         return count
 
-    def _allocated(self, first_token: int | None, batch: bool) -> int:
-        """Remember what was allocated (under the store's lock); the first token of the rows."""
-        if batch and self._batch_token is not None:
-            return self._batch_token
+    def _allocated(self, first_token: int | None, batch: bool, token_count: int) -> tuple[int, int]:
+        """Remember what was allocated (under the store's lock): the rows' first token, the tokens taken.
+
+        A later batch append (``token_count`` 0) took a token of its own if
+        another token of the stream was allocated since the batch's
+        (``BATCH_FUNCTION``): that is the transaction's batch token from now on.
+        """
         assert first_token is not None
+        if batch and self._batch_token is not None:
+            if first_token == self._batch_token:
+                return first_token, 0
+            token_count = 1
         self._state.inflight.setdefault(self._id, first_token)
         if batch:
             self._batch_token = first_token
-        return first_token
+        return first_token, token_count
 
     def _cap(self) -> int:
         """The highest position this writer may claim: below its other transactions in flight."""
@@ -1111,9 +1158,8 @@ class WriteTransaction:
             params = [now_ms, state.epoch, MAX_TOKEN]  # the cap is set under the lock
         else:
             sql = self._statements.batch(count, token_count == 0, self._cur.cursor)
-            params = [_seq(schema), count, token_count, now_ms]
-            if token_count == 0:
-                params.append(self._batch_token)
+            # A later batch append: the batch token in place of the token count (BATCH_FUNCTION).
+            params = [_seq(schema), count, self._batch_token if token_count == 0 else token_count, now_ms]
             params.append(self._instance)
         doubles = self._statements.doubles
         for i, row in enumerate(values, 1):
@@ -1132,8 +1178,6 @@ class WriteTransaction:
             if claims:
                 params[2] = cap
             else:
-                if token_count == 0:
-                    params.append(self._batch_token)
                 params += [cap, schema.name, state.writer_id, state.epoch, CHANNEL, schema.name]
             # A prepared statement's parameters as literals where they can be (execute_literals):
             # the same text psycopg2 would send, for a third of its CPU.
@@ -1148,7 +1192,7 @@ class WriteTransaction:
                 if e.pgcode == FENCED_CODE:
                     raise Fenced(self._instance) from None
                 raise
-            first = self._allocated(first_token, batch)
+            first, token_count = self._allocated(first_token, batch, token_count)
             _remember(self._state, first_token, token_count, first_ts, count, now_ms)
         self._position_sent = first if batch else first + count - 1
         return first, first_ts
@@ -1166,11 +1210,13 @@ class WriteTransaction:
             if took is not None:
                 return took
         now_ms = store._now_ms()
+        # A later batch append: the batch token in place of the token count (BATCH_FUNCTION).
+        sql, third = (_ALLOCATE_BATCH_SQL, self._batch_token) if token_count == 0 else (_ALLOCATE_SQL, token_count)
         with store._lock:
             first_token, first_ts = self._cur.execute(
-                self._first(prepared(self._cur.cursor, _ALLOCATE_SQL)), (_seq(schema), count, token_count, now_ms)
+                self._first(prepared(self._cur.cursor, sql)), (_seq(schema), count, third, now_ms)
             ).fetchone()
-            first = self._allocated(first_token, batch)
+            first, token_count = self._allocated(first_token, batch, token_count)
             _remember(self._state, first_token, token_count, first_ts, count, now_ms)
         self._copy(_CopySource(self._statements, rows, self._instance, first, 0 if batch else 1, first_ts, limit))
         return first, first_ts
@@ -1394,22 +1440,22 @@ class _Statements:
     def _build_batch(self, count: int, shared: bool) -> str:
         """A batch's statement (its rows share a token; its notification names the stream only).
 
-        ``shared``: the token is the transaction's batch token, already allocated (a parameter).
+        ``shared``: a later batch append of the transaction: its third parameter is the
+        transaction's batch token, which ``BATCH_FUNCTION`` continues or replaces (the token
+        the rows get is the call's ``first_token`` either way); else it is the number of
+        tokens to allocate (1).
         """
         schema = self.schema
         rows = ", ".join([f"(%s::int, {self._casts()})"] * count)
         aliases = ", ".join(f"v.{name}" for name in schema.column_names)
-        if shared:
-            token, last = "%s::bigint", "COALESCE(%s::bigint, a.first_token)"
-        else:
-            token, last = "a.first_token", "a.first_token"
+        function, third = (BATCH_FUNCTION, "%s::bigint") if shared else (ORACLE_FUNCTION, "%s")
         names = ", ".join(("seq", "token", "instance_name", "ts", *schema.column_names))
         return (
-            f"WITH a AS (SELECT first_token, first_ts FROM {ORACLE_FUNCTION}(%s::regclass, %s, %s, %s)), "
+            f"WITH a AS (SELECT first_token, first_ts FROM {function}(%s::regclass, %s, {third}, %s)), "
             f"ins AS (INSERT INTO {schema.table} ({names}) "
-            f"SELECT a.first_ts + v._i - 1, {token}, %s, a.first_ts + v._i - 1, {aliases} "
+            f"SELECT a.first_ts + v._i - 1, a.first_token, %s, a.first_ts + v._i - 1, {aliases} "
             f"FROM a, (VALUES {rows}) AS v(_i, {', '.join(schema.column_names)})), "
-            f"u AS (UPDATE tickline_writers SET position = GREATEST(position, LEAST({last}, %s)), "
+            f"u AS (UPDATE tickline_writers SET position = GREATEST(position, LEAST(a.first_token, %s)), "
             f"heartbeat_ms = {NOW_MS} FROM a "
             f"WHERE stream = %s AND instance_name = %s AND epoch = %s AND alive RETURNING position) "
             f"SELECT a.first_token, a.first_ts, pg_notify(%s, %s) FROM a "
