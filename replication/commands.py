@@ -720,15 +720,19 @@ class TickCommand(Command):
         return cls(_word(stream, "stream"), _token(token, "safe_token"), _token(ts, "safe_ts"))
 
     def to_args(self) -> str:
-        return f"{self.stream} {self.safe_token} {self.safe_ts}"
+        return self.args_of(self.stream, self.safe_token, self.safe_ts)
+
+    @staticmethod
+    def args_of(stream: str, safe_token: int, safe_ts: int) -> str:
+        return f"{stream} {safe_token} {safe_ts}"
+
+    @classmethod
+    def line(cls, stream: str, safe_token: int, safe_ts: int) -> bytes:
+        """``TickCommand(stream, safe_token, safe_ts).encode()`` without the object (the master sends one per commit)."""
+        return f"{cls.NAME} {cls.args_of(stream, safe_token, safe_ts)}\n".encode()
 
 
 COMMAND_CLASSES[TickCommand.NAME] = TickCommand
-
-
-def encode_tick(stream: str, safe_token: int, safe_ts: int) -> bytes:
-    """``TickCommand(stream, safe_token, safe_ts).encode()`` without the object (the master sends one per commit)."""
-    return f"TICK {stream} {safe_token} {safe_ts}\n".encode()
 
 
 SERVER_COMMANDS = SERVER_COMMANDS | {TickCommand.NAME}

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from twisted.internet import defer, task
 from twisted.python.failure import Failure
 
-from replication.commands import PositionCommand, ReplicateCommand, encode_tick
+from replication.commands import PositionCommand, ReplicateCommand, TickCommand
 from replication.rows import encode_json_rows
 from storage import time_index
 from storage.store import TOKEN, TS
@@ -230,7 +230,7 @@ class TimeTicker:
         if tick_ts <= last_ts and at == last_token:
             return
         self._sent[key] = (max(tick_ts, last_ts), at)
-        target.send_live(sub, encode_tick(stream, at, tick_ts), at, at, "TICK")
+        target.send_live(sub, TickCommand.line(stream, at, tick_ts), at, at, "TICK")
 
     def safe_time_ms(self, stream: str) -> int | None:
         """The stream's latest safe time as Unix milliseconds (None: none yet)."""

@@ -28,7 +28,6 @@ from replication.commands import (
     UnknownCommand,
     UserSyncCommand,
     encode_rdata,
-    encode_tick,
     parse_line,
 )
 
@@ -380,5 +379,5 @@ def test_fast_rdata_parse_declines_what_the_full_parser_must_judge(raw: bytes) -
 
 
 @pytest.mark.parametrize("stream, token, ts", [("events", 12, 470655961688440832), ("a_b", 0, 0), ("é", 2**62, 1)])
-def test_encode_tick_is_the_tick_commands_bytes(stream: str, token: int, ts: int) -> None:
-    assert encode_tick(stream, token, ts) == TickCommand(stream, token, ts).encode()
+def test_tick_line_is_the_tick_commands_bytes(stream: str, token: int, ts: int) -> None:
+    assert TickCommand.line(stream, token, ts) == TickCommand(stream, token, ts).encode()
