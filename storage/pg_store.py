@@ -1052,10 +1052,11 @@ class WriteTransaction:
     timestamps), the ``INSERT`` and the writer's position with its ``NOTIFY``
     (committed by the transaction's single commit). A large one allocates,
     then sends the rows by ``COPY``; its position moves with the commit (:meth:`commit`).
-    With ``batch``, the batch appends of the transaction share one token, but
-    for one after another token of the stream was allocated (its own rows
-    outside the batch, another writer's): it starts a new batch token, so that
-    ``ts`` increases with the token in the stream (docs/time.md).
+    With ``batch``, the transaction's batch appends share one token as long
+    as no other token of the stream is allocated between them. A batch append
+    that comes after such a token (the transaction's own rows outside the
+    batch, another writer's) starts a new batch token, so that ``ts`` keeps
+    increasing with the token in the stream (docs/time.md).
     """
 
     def __init__(
@@ -1101,18 +1102,24 @@ class WriteTransaction:
         if not count:
             return []
         previous_batch = self._batch_token
+        batch_rows = self._batch_rows
         if batch:
-            # The batch appends of one transaction share its token (see _allocated), so their rows
-            # count together; checked before knowing whether this one starts a new token.
-            self._batch_rows += count
-            check_batch_rows(self._schema.name, self._batch_rows)
+            # The batch steps of one transaction share its token while nothing else of the stream is
+            # allocated (see _allocated), so their rows count together. This transaction's own rows
+            # since the batch's last step mean a new token for certain: this step's rows count alone.
+            # Another writer's are not known before the call: the bound is then checked as if shared.
+            own_since = previous_batch is not None and self._last_token != previous_batch
+            batch_rows = count if own_since else batch_rows + count
+            check_batch_rows(self._schema.name, batch_rows)
         limit = self._store.max_line_bytes
         if count >= COPY_ROWS:
             first_token, _ = self._append_copy(rows, count, batch, limit)
         else:
             first_token, _ = self._append_small(check_rows(self._schema, rows, limit), batch)
-        if batch and previous_batch is not None and first_token != previous_batch:
-            self._batch_rows = count  # a new batch token (_allocated): its rows alone count from now on
+        if batch:
+            # Counted once the step is in (a refused one adds nothing); a new batch token
+            # (_allocated) counts its own rows from now on.
+            self._batch_rows = count if first_token != previous_batch else batch_rows
         tokens = [first_token] * count if batch else list(range(first_token, first_token + count))
         self._last_token = tokens[-1]
         return tokens

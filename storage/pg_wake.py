@@ -279,8 +279,8 @@ def _lines_cte(index: int, schema: StreamSchema, variants: tuple[bool, ...], pla
         # Whether the aggregates took the rows in (token, seq) order, exactly, with no assumption on
         # the data: the tokens as taken equal to them sorted puts each token's rows where that order
         # puts them, and the seqs as taken equal to them in (token, seq) order then orders the rows
-        # of each token. (Seqs alone sorted would not do: a batch token's later appends take later
-        # timestamps than a token allocated between them.)
+        # of each token. (Seqs alone sorted would not do for rows written by hand, which need not
+        # follow "seq increases with the token"; tickline's own writes do, docs/time.md.)
         "COALESCE(array_agg(x.token) = array_agg(x.token ORDER BY x.token) "
         "AND array_agg(x.seq) = array_agg(x.seq ORDER BY x.token, x.seq), true) AS in_order, "
         f"(SELECT u{index}.found FROM u{index}) AS found FROM ({select}) AS x)"

@@ -43,7 +43,8 @@ def test_a_batch_over_the_bound_is_refused_and_commits_nothing(db_url) -> None:
 
 
 def test_batch_appends_of_one_transaction_count_together_on_postgresql(pg_url) -> None:
-    # On PostgreSQL every batch append of one transaction shares its token.
+    # On PostgreSQL the batch appends of one transaction share its token while nothing else of the
+    # stream is allocated between them (docs/time.md, "Batches appended in steps").
     store = open_store(pg_url)
     store.register_stream(EVENTS)
     try:

@@ -46,7 +46,7 @@ def stores(pg_url):
     writer.close()
 
 
-@pytest.mark.parametrize("size", [2, 150], ids=["statement", "copy"])
+@pytest.mark.parametrize("size", [2, 20, 150], ids=["prepared", "statement", "copy"])
 def test_a_batch_continued_after_another_writers_token_gets_a_new_token(stores, size) -> None:
     writer, other = stores
     with writer.writing("events", "w") as txn:
@@ -107,6 +107,43 @@ def test_a_new_batch_token_counts_its_own_rows_against_the_bound(stores, monkeyp
         txn.append(_rows(6), batch=True)
         txn.append(_rows(5), batch=True)  # one token of 11 rows
     assert len(writer.read_rows("events", 0, 10**18, 100)) == 6 + 1 + 4 + 5
+
+
+def test_a_step_after_the_transactions_own_rows_counts_alone(stores, monkeypatch) -> None:
+    """Its own rows since the batch's last step make a new token certain: the step is not refused
+    for rows it will never share a token with."""
+    writer, _ = stores
+    monkeypatch.setattr(limits, "MAX_BATCH_ROWS", 10)
+    with writer.writing("events", "w") as txn:
+        first = txn.append(_rows(6), batch=True)
+        txn.append([ROW])
+        later = txn.append(_rows(5), batch=True)
+    assert later[0] > first[0] and len(writer.read_rows("events", 0, 10**18, 100)) == 12
+
+
+def test_a_refused_step_adds_nothing_to_the_batch(stores, monkeypatch) -> None:
+    writer, _ = stores
+    monkeypatch.setattr(limits, "MAX_BATCH_ROWS", 10)
+    with writer.writing("events", "w") as txn:
+        tokens = txn.append(_rows(6), batch=True)
+        with pytest.raises(RowError, match="a batch of 11 rows"):
+            txn.append(_rows(5), batch=True)  # refused before anything is sent: the transaction goes on
+        tokens += txn.append(_rows(4), batch=True)
+    assert len(set(tokens)) == 1 and len(writer.read_rows("events", 0, 10**18, 100)) == 10
+
+
+def test_a_write_after_a_new_batch_token_continues_from_it(stores) -> None:
+    """The writer's record of its next allocation (what a large append proposes) follows the new token."""
+    writer, other = stores
+    with writer.writing("events", "w") as txn:
+        txn.append(_rows(2), batch=True)
+        other.append("events", [ROW], "w2")
+        (later, *_) = txn.append(_rows(150), batch=True)
+    (state,) = [s for key, s in pg_store(writer)._writers.items() if key == ("events", "w")]
+    assert state.next_token == later + 1
+    tokens = writer.append("events", _rows(150), "w")  # proposed, and taken
+    assert tokens[0] == later + 1 and state.propose
+    _assert_ts_increases_with_token(writer)
 
 
 def test_concurrent_writers_keep_ts_increasing_with_the_token(stores, pg_url) -> None:
