@@ -68,6 +68,7 @@ from storage.pg_db import committed
 from storage.pg_lines import (
     PLAN_SETTINGS,
     CopyChunks,
+    LineRange,
     SessionFunctions,
     first_tokens_sql,
     last_line_token,
@@ -287,44 +288,28 @@ class _Found(enum.Enum):
     BATCH = "a read without the range statement found a batch"
 
 
-def read_columns(
-    cursor: Any,
-    schema: StreamSchema,
-    after: int,
-    upto: int,
-    limit: int,
-    prefix: str,
-    with_ts: bool,
-) -> tuple[bytes, int, int] | None:
+def read_columns(cursor: Any, read: LineRange) -> tuple[bytes, int, int] | None:
     """``(lines, last token, rows)`` built here from the columns, or None if they need the server's escaping.
 
     No check of ``max_line_bytes``: :func:`read_lines` makes it. A range is
     first read without the range statement (:func:`_read_plain`); if it
     holds a batch, again with it.
     """
-    table = schema.table
+    table = read.schema.table
     # Read and written by several database threads without a lock: a lost update only costs a
     # read more or less by the statement (every plain read finds a batch by itself).
     left = _BATCHED_READS.get(table, 0)
-    if left > 0 or limit < 1:
+    if left > 0 or read.limit < 1:
         _BATCHED_READS[table] = max(left - 1, 0)
     else:
-        got = _read_plain(cursor, schema, after, upto, limit, prefix, with_ts)
+        got = _read_plain(cursor, read)
         if got is not _Found.BATCH:
             return got
         _BATCHED_READS[table] = BATCH_MEMORY
-    return _read_ranged(cursor, schema, after, upto, limit, prefix, with_ts)
+    return _read_ranged(cursor, read)
 
 
-def _read_plain(
-    cursor: Any,
-    schema: StreamSchema,
-    after: int,
-    upto: int,
-    limit: int,
-    prefix: str,
-    with_ts: bool,
-) -> tuple[bytes, int, int] | Literal[_Found.BATCH] | None:
+def _read_plain(cursor: Any, read: LineRange) -> tuple[bytes, int, int] | Literal[_Found.BATCH] | None:
     """The range by one ``COPY`` of its first ``limit + 1`` rows, without the range statement; ``BATCH`` if it holds a batch.
 
     The range statement scans the range's rows once before the ``COPY`` does
@@ -336,14 +321,15 @@ def _read_plain(
     query string, then the ``COMMIT``.
     """
     sql = cursor.mogrify(
-        range_copy_sql(schema, with_ts, limited=True), {"after": after, "last": upto, "limit": limit + 1}
+        range_copy_sql(read.schema, read.with_ts, limited=True),
+        {"after": read.after, "last": read.upto, "limit": read.limit + 1},
     )
     chunks = CopyChunks()
     with committed(cursor):
         cursor.copy_expert(_STEER + sql.decode(), chunks)
     if not chunks:
-        return b"", after, 0
-    if len(chunks) > limit:
+        return b"", read.after, 0
+    if len(chunks) > read.limit:
         # The row past the limit: kept out, unless it continues the last row's token.
         past, last = chunks.pop(), chunks[-1]
         if past[: past.find(HEAD_END)] == last[: last.find(HEAD_END)]:
@@ -353,7 +339,7 @@ def _read_plain(
         return None
     if rows.repeats():
         return _Found.BATCH
-    return _with_last(rows.lines(prefix.encode()), prefix, len(chunks))
+    return _with_last(rows.lines(read.prefix.encode()), read.prefix, len(chunks))
 
 
 def _with_last(lines: bytes, prefix: str, count: int) -> tuple[bytes, int, int]:
@@ -361,58 +347,42 @@ def _with_last(lines: bytes, prefix: str, count: int) -> tuple[bytes, int, int]:
     return lines, last_line_token(lines, prefix), count
 
 
-def _read_ranged(
-    cursor: Any,
-    schema: StreamSchema,
-    after: int,
-    upto: int,
-    limit: int,
-    prefix: str,
-    with_ts: bool,
-) -> tuple[bytes, int, int] | None:
+def _read_ranged(cursor: Any, read: LineRange) -> tuple[bytes, int, int] | None:
     """The range through the range statement: its last token and whether a batch may be in it, then its ``COPY``."""
     # Both made outside the transaction below (its rollback would take a function made in it).
+    schema, after = read.schema, read.after
     statement = _RANGE_STATEMENTS.name(cursor, schema, False)
-    function = _COLUMNS_FUNCTIONS.name(cursor, schema, with_ts)
+    function = _COLUMNS_FUNCTIONS.name(cursor, schema, read.with_ts)
     chunks = CopyChunks()
     with committed(cursor):
         # One transaction: its SET LOCAL steers the plain COPY's plan (the function's SET clause
         # does the same for a range with batches) and ends with it.
-        cursor.execute(f"{_STEER}EXECUTE {statement}(%s, %s, %s)", (after, upto, limit))
+        cursor.execute(f"{_STEER}EXECUTE {statement}(%s, %s, %s)", (after, read.upto, read.limit))
         last, batched = cursor.fetchone()
         if last is not None and batched:
             # The function's heads without the prefix too (lines_from_rows adds it).
             query = cursor.mogrify(f"SELECT * FROM pg_temp.{function}(%s, %s, %s)", (after, last, "")).decode()
             cursor.copy_expert(f"COPY ({query}) TO STDOUT WITH {copy_options(schema)}", chunks)
         elif last is not None:
-            sql = range_copy_sql(schema, with_ts)
+            sql = range_copy_sql(schema, read.with_ts)
             cursor.copy_expert(cursor.mogrify(sql, {"after": after, "last": last}).decode(), chunks)
     if not chunks:
         return b"", after, 0
     rows = len(chunks)
-    lines = lines_from_rows(chunks, rows, prefix.encode())
+    lines = lines_from_rows(chunks, rows, read.prefix.encode())
     if lines is None:
         return None
-    return _with_last(lines, prefix, rows)
+    return _with_last(lines, read.prefix, rows)
 
 
-def read_lines(
-    cursor: Any,
-    schema: StreamSchema,
-    after: int,
-    upto: int,
-    limit: int,
-    prefix: str,
-    with_ts: bool,
-    max_line_bytes: int | None,
-) -> tuple[bytes, int, int] | None:
+def read_lines(cursor: Any, read: LineRange, max_line_bytes: int | None) -> tuple[bytes, int, int] | None:
     """``pg_lines.read_lines``'s answer, byte for byte: built here from the columns when they allow it.
 
     Otherwise (see the module doc) the server builds them (``pg_lines``).
     """
-    got = read_columns(cursor, schema, after, upto, limit, prefix, with_ts) if handles(schema) else None
+    got = read_columns(cursor, read) if handles(read.schema) else None
     if got is None:
-        return pg_lines.read_lines(cursor, schema, after, upto, limit, prefix, with_ts, max_line_bytes)
+        return pg_lines.read_lines(cursor, read, max_line_bytes)
     if max_line_bytes is not None and not longest_within(got[0], max_line_bytes):
         return None
     return got

@@ -64,6 +64,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import attr
+
 from storage.schema import StreamSchema
 
 CSV_DELIMITER = "\x01"
@@ -232,33 +234,38 @@ class CopyChunks(list[bytes]):
 _LINES_FUNCTIONS = SessionFunctions("tickline_lines", lines_function_sql)
 
 
-def read_lines(
-    cursor: Any,
-    schema: StreamSchema,
-    after: int,
-    upto: int,
-    limit: int,
-    prefix: str,
-    with_ts: bool,
-    max_line_bytes: int | None,
-) -> tuple[bytes, int, int] | None:
-    """``(lines, last token, rows)`` of about ``limit`` rows in ``(after, upto]`` (see the module doc).
+@attr.s(slots=True, frozen=True, auto_attribs=True)
+class LineRange:
+    """One read of a stream's ``RDATA`` lines: about ``limit`` rows in ``(after, upto]``, never part
+    of a token, each line ``prefix`` then its instance, token and row (with ``ts`` if ``with_ts``)."""
+
+    schema: StreamSchema
+    after: int
+    upto: int
+    limit: int
+    prefix: str
+    with_ts: bool
+
+
+def read_lines(cursor: Any, read: LineRange, max_line_bytes: int | None) -> tuple[bytes, int, int] | None:
+    """``(lines, last token, rows)`` of the range (see the module doc).
 
     None if a line came out over ``max_line_bytes`` (the caller builds them).
     ``cursor``: on an autocommit connection (the function is created on it once).
     """
-    function = _LINES_FUNCTIONS.name(cursor, schema, with_ts)
+    function = _LINES_FUNCTIONS.name(cursor, read.schema, read.with_ts)
     query = cursor.mogrify(
-        f"SELECT * FROM pg_temp.{function}(%s, %s, %s, %s, %s)", (after, upto, limit, prefix, max_line_bytes)
+        f"SELECT * FROM pg_temp.{function}(%s, %s, %s, %s, %s)",
+        (read.after, read.upto, read.limit, read.prefix, max_line_bytes),
     )
     chunks = CopyChunks()
     cursor.copy_expert(f"COPY ({query.decode()}) TO STDOUT WITH {_COPY_OPTIONS}", chunks)
     if not chunks:
-        return b"", after, 0
+        return b"", read.after, 0
     data = b"".join(chunks)
     if max_line_bytes is not None and _QUOTE_BYTE in data:
         return None
-    return data, last_line_token(data, prefix), data.count(b"\n")
+    return data, last_line_token(data, read.prefix), data.count(b"\n")
 
 
 def last_line_token(lines: bytes, prefix: str) -> int:

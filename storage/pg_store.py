@@ -61,7 +61,7 @@ from storage.pg_db import (
     quietly_close,
     rollback_explicit,
 )
-from storage.pg_lines import row_json_sql
+from storage.pg_lines import LineRange, row_json_sql
 from storage.pg_row_literals import row_literals
 from storage.schema import COLUMN_TYPES, INT64_MAX, RowError, StreamSchema, check_instance_name
 from storage.store import FIRST_VALUE, DatabaseUnavailable, StreamCatalog
@@ -996,7 +996,7 @@ class PgStreamStore:
         """
         schema = self.schema(stream)
         with self._side_cursor() as cur:
-            return read_lines(cur, schema, after, upto, limit, prefix, with_ts, self.max_line_bytes)
+            return read_lines(cur, LineRange(schema, after, upto, limit, prefix, with_ts), self.max_line_bytes)
 
     def read_rows_json(self, stream: str, after: int, upto: int, limit: int) -> list[JsonRow]:
         """Like :meth:`read_rows`, each row ``(seq, token, instance_name bytes, ts, JSON array bytes)``.

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from storage import pg_columns_out, pg_lines
 from storage.pg_columns_out import lines_from_rows, longest_within
+from storage.pg_lines import LineRange
 from storage.pg_store import PgStreamStore
 from storage.schema import INT64_MAX, INT64_MIN, Column, StreamSchema
 from storage.store import open_store
@@ -71,13 +72,14 @@ def store(pg_url: str) -> Iterator[PgStreamStore]:
 def _both(store: PgStreamStore, schema: StreamSchema, after: int, upto: int, limit: int, with_ts: bool, max_bytes):
     prefix = f"RDATA {schema.name} "
     with store._side_cursor() as cur:
-        server = pg_lines.read_lines(cur, schema, after, upto, limit, prefix, with_ts, max_bytes)
-        columns = pg_columns_out.read_lines(cur, schema, after, upto, limit, prefix, with_ts, max_bytes)
+        read = LineRange(schema, after, upto, limit, prefix, with_ts)
+        server = pg_lines.read_lines(cur, read, max_bytes)
+        columns = pg_columns_out.read_lines(cur, read, max_bytes)
         # Without the range statement first (and with it if the rows hold a batch), then with it.
         pg_columns_out._BATCHED_READS.clear()
-        fast = pg_columns_out.read_columns(cur, schema, after, upto, limit, prefix, with_ts)
+        fast = pg_columns_out.read_columns(cur, read)
         pg_columns_out._BATCHED_READS[schema.table] = 1
-        ranged = pg_columns_out.read_columns(cur, schema, after, upto, limit, prefix, with_ts)
+        ranged = pg_columns_out.read_columns(cur, read)
         assert ranged == fast
         # Every read ends its own transaction (its SET LOCALs and snapshot go with it).
         assert cur.connection.get_transaction_status() == psycopg2.extensions.TRANSACTION_STATUS_IDLE
@@ -145,8 +147,9 @@ def test_a_read_without_the_range_statement_ends_at_whole_tokens_and_rereads_a_b
             (0, 1, 1, 1),
         ):
             pg_columns_out._BATCHED_READS.clear()
-            got = pg_columns_out.read_columns(cur, schema, after, 7, limit, prefix, False)
-            server = pg_lines.read_lines(cur, schema, after, 7, limit, prefix, False, None)
+            read = LineRange(schema, after, 7, limit, prefix, False)
+            got = pg_columns_out.read_columns(cur, read)
+            server = pg_lines.read_lines(cur, read, None)
             assert got == server and got is not None and got[1:] == (end, count)
             batch_read = after < 6 and 6 - after <= limit  # token 6's second row among the limit + 1 read
             assert pg_columns_out._BATCHED_READS.get(schema.table, 0) == (
@@ -155,7 +158,7 @@ def test_a_read_without_the_range_statement_ends_at_whole_tokens_and_rereads_a_b
         # After a batch, the next reads take the range statement (counted down), then read without it again.
         pg_columns_out._BATCHED_READS["stream_plain"] = 2
         for left in (1, 0, 0):
-            assert pg_columns_out.read_columns(cur, schema, 0, 2, 5, prefix, False) == (
+            assert pg_columns_out.read_columns(cur, LineRange(schema, 0, 2, 5, prefix, False)) == (
                 b'RDATA plain w 1 ["r1",null,null]\nRDATA plain w 2 ["r2",null,null]\n',
                 2,
                 2,
@@ -170,7 +173,7 @@ def test_a_session_without_standard_conforming_strings_reads_the_same(store: PgS
     with store._side_cursor() as cur:
         cur.execute("SET standard_conforming_strings = off")
         try:
-            fast = pg_columns_out.read_columns(cur, schema, 0, 1, 10, "RDATA nonstd ", False)
+            fast = pg_columns_out.read_columns(cur, LineRange(schema, 0, 1, 10, "RDATA nonstd ", False))
         finally:
             cur.execute("SET standard_conforming_strings = on")
     assert fast == (b'RDATA nonstd w 1 ["a \\\\ \\"b\\"",null,"c"]\n', 1, 1)

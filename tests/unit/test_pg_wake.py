@@ -318,7 +318,7 @@ def test_the_wake_ups_lines_are_the_server_built_lines(stores, appends, variants
         built: dict[bool, tuple[bytes, int, int]] = {}
         with reader._side_cursor() as cur:
             for v in variants:
-                got = pg_lines.read_lines(cur, schema, after, position, 10**6, prefix, v, None)
+                got = pg_lines.read_lines(cur, pg_lines.LineRange(schema, after, position, 10**6, prefix, v), None)
                 assert got is not None  # no limit on a line's bytes
                 built[v] = got
         return first, position, built
