@@ -142,18 +142,24 @@ _TIMESTAMPS_STEP = f"""
     END IF;
     called := pg_advisory_unlock({ORACLE_LOCK});
 """
-_ALLOCATION_BODY = _LOCK_STEP + _TOKENS_STEP + _TIMESTAMPS_STEP
-_ORACLE_SQL = f"""
-CREATE FUNCTION {ORACLE_FUNCTION}(seq regclass, n_ts integer, n_tokens integer, now_ms bigint,
+
+
+def _allocation_function_sql(name: str, tokens_parameter: str, tokens_step: str) -> str:
+    """An allocation function: the oracle's lock, the tokens (``tokens_step``), the timestamps, the unlock."""
+    return f"""
+CREATE FUNCTION {name}(seq regclass, n_ts integer, {tokens_parameter}, now_ms bigint,
     OUT first_token bigint, OUT first_ts bigint) LANGUAGE plpgsql AS $fn$
 DECLARE
     last bigint;
     called boolean;
 BEGIN
-{_ALLOCATION_BODY}
+{_LOCK_STEP + tokens_step + _TIMESTAMPS_STEP}
 END
 $fn$
 """
+
+
+_ORACLE_SQL = _allocation_function_sql(ORACLE_FUNCTION, "n_tokens integer", _TOKENS_STEP)
 
 # A write transaction's later batch append (``WriteTransaction``): timestamps for its rows
 # and the token they share. That is the transaction's batch token if it is still the last
@@ -168,17 +174,7 @@ _BATCH_TOKEN_STEP = """
     IF first_token IS DISTINCT FROM batch_token THEN
         first_token := nextval(seq);
     END IF;"""
-_BATCH_SQL = f"""
-CREATE FUNCTION {BATCH_FUNCTION}(seq regclass, n_ts integer, batch_token bigint, now_ms bigint,
-    OUT first_token bigint, OUT first_ts bigint) LANGUAGE plpgsql AS $fn$
-DECLARE
-    last bigint;
-    called boolean;
-BEGIN
-{_LOCK_STEP + _BATCH_TOKEN_STEP + _TIMESTAMPS_STEP}
-END
-$fn$
-"""
+_BATCH_SQL = _allocation_function_sql(BATCH_FUNCTION, "batch_token bigint", _BATCH_TOKEN_STEP)
 
 # The floor (``tickline_tso.last_ts``) kept at or below the oracle's sequence, so the
 # allocation need not read it: whatever raises the floor (``allocate_timestamps``, an
