@@ -720,16 +720,13 @@ class TickCommand(Command):
         return cls(_word(stream, "stream"), _token(token, "safe_token"), _token(ts, "safe_ts"))
 
     def to_args(self) -> str:
-        return self.args_of(self.stream, self.safe_token, self.safe_ts)
+        return f"{self.stream} {self.safe_token} {self.safe_ts}"
 
     @staticmethod
-    def args_of(stream: str, safe_token: int, safe_ts: int) -> str:
-        return f"{stream} {safe_token} {safe_ts}"
-
-    @classmethod
-    def line(cls, stream: str, safe_token: int, safe_ts: int) -> bytes:
-        """``TickCommand(stream, safe_token, safe_ts).encode()`` without the object (the master sends one per commit)."""
-        return f"{cls.NAME} {cls.args_of(stream, safe_token, safe_ts)}\n".encode()
+    def line(stream: str, safe_token: int, safe_ts: int) -> bytes:
+        """``TickCommand(stream, safe_token, safe_ts).encode()`` without the object (the master sends one per
+        commit and subscription: one f-string, no call; the same bytes, tests/unit/test_commands.py)."""
+        return f"TICK {stream} {safe_token} {safe_ts}\n".encode()
 
 
 COMMAND_CLASSES[TickCommand.NAME] = TickCommand

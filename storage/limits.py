@@ -150,12 +150,21 @@ class _RowSizer:
         return values
 
 
-def check_batch_rows(stream: str, rows: int) -> None:
-    """A batch of ``rows`` rows (one token) is within ``MAX_BATCH_ROWS``; else a RowError naming it."""
+def check_batch_rows(stream: str, rows: int, steps: bool = False) -> None:
+    """A batch of ``rows`` rows (one token) is within ``MAX_BATCH_ROWS``; else a RowError naming it.
+
+    ``steps``: the rows of several batch appends of one transaction, which
+    share one token unless another is allocated between them (PostgreSQL).
+    """
     if rows > MAX_BATCH_ROWS:
+        what = (
+            f"{rows} rows of one transaction's batch appends (one token while no other is allocated between them) are"
+            if steps
+            else f"a batch of {rows} rows sharing one token is"
+        )
         raise RowError(
-            f"stream {stream!r}: a batch of {rows} rows sharing one token is over the limit of "
-            f"{MAX_BATCH_ROWS} rows per batch (write them without batch: still one transaction)"
+            f"stream {stream!r}: {what} over the limit of {MAX_BATCH_ROWS} rows per batch "
+            "(write them without batch: still one transaction)"
         )
 
 

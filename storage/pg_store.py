@@ -1106,7 +1106,7 @@ class WriteTransaction:
             # Another writer's are not known before the call: the bound is then checked as if shared.
             own_since = previous_batch is not None and self._last_token != previous_batch
             batch_rows = count if own_since else batch_rows + count
-            check_batch_rows(self._schema.name, batch_rows)
+            check_batch_rows(self._schema.name, batch_rows, steps=batch_rows > count)
         limit = self._store.max_line_bytes
         if count >= COPY_ROWS:
             first_token, _ = self._append_copy(rows, count, batch, limit)

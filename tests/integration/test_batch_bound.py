@@ -49,7 +49,7 @@ def test_batch_appends_of_one_transaction_count_together_on_postgresql(pg_url) -
     store.register_stream(EVENTS)
     try:
         with (
-            pytest.raises(RowError, match="a batch of 100001 rows sharing one token"),
+            pytest.raises(RowError, match="100001 rows of one transaction's batch appends"),
             store.writing("events", "w") as txn,
         ):
             txn.append(_rows(MAX_BATCH_ROWS // 2), batch=True)

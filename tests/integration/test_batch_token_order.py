@@ -103,7 +103,10 @@ def test_a_new_batch_token_counts_its_own_rows_against_the_bound(stores, monkeyp
         later = txn.append(_rows(4), batch=True)  # 10 rows so far: checked before the new token shows
         more = txn.append(_rows(5), batch=True)  # the new token's 9 rows
     assert later[0] == more[0]
-    with pytest.raises(RowError, match="a batch of 11 rows sharing one token"), writer.writing("events", "w") as txn:
+    with (
+        pytest.raises(RowError, match="11 rows of one transaction's batch appends"),
+        writer.writing("events", "w") as txn,
+    ):
         txn.append(_rows(6), batch=True)
         txn.append(_rows(5), batch=True)  # one token of 11 rows
     assert len(writer.read_rows("events", 0, 10**18, 100)) == 6 + 1 + 4 + 5
@@ -126,7 +129,7 @@ def test_a_refused_step_adds_nothing_to_the_batch(stores, monkeypatch) -> None:
     monkeypatch.setattr(limits, "MAX_BATCH_ROWS", 10)
     with writer.writing("events", "w") as txn:
         tokens = txn.append(_rows(6), batch=True)
-        with pytest.raises(RowError, match="a batch of 11 rows"):
+        with pytest.raises(RowError, match="11 rows of one transaction's batch appends"):
             txn.append(_rows(5), batch=True)  # refused before anything is sent: the transaction goes on
         tokens += txn.append(_rows(4), batch=True)
     assert len(set(tokens)) == 1 and len(writer.read_rows("events", 0, 10**18, 100)) == 10

@@ -250,7 +250,8 @@ def test_lines_that_reach_the_aggregate_out_of_order_are_left_to_the_master(
 
 def test_rows_whose_seqs_are_not_in_token_order_are_read_by_the_wake_up_in_order(stores, caplog) -> None:
     """A token's row whose ``seq`` is above later tokens' (rows written by hand need not follow "seq
-    increases with the token"; tickline's own writes do, docs/time.md) is still in ``(token, seq)``
+    increases with the token"; tickline's own writes do: a row's seq is its ts, which increases with
+    the token, docs/time.md) is still in ``(token, seq)``
     order as the wake-up reads it: no fallback, no warning. A check of the seqs sorted alone would
     take this range for out of order."""
     writer, reader, wake = stores
