@@ -192,10 +192,12 @@ class WriteTransaction(Protocol):
     def append(self, rows: Iterable[Row], batch: bool = False) -> list[int]:
         """Check and insert rows: each gets its own token, or with ``batch`` all share one.
 
-        On PostgreSQL a later batch append of the same transaction continues
-        the transaction's batch token while no other token of the stream was
-        allocated since (else it starts a new one, so that ``ts`` increases with
-        the token); on SQLite every batch append has a token of its own.
+        A later batch append of the same transaction continues the
+        transaction's batch token while no other token of the stream was
+        allocated since; else it starts a new one, so that ``ts`` increases
+        with the token (on SQLite only the transaction's own rows outside the
+        batch can come between: it holds the write lock; on PostgreSQL
+        another writer's rows can too).
         """
         ...
 

@@ -560,7 +560,13 @@ class SqliteStreamStore:
 
 
 class SqliteWriteTransaction:
-    """Rows appended in one open write transaction (see ``SqliteStreamStore.writing``)."""
+    """Rows appended in one open write transaction (see ``SqliteStreamStore.writing``).
+
+    With ``batch``, the transaction's batch appends share one token as long
+    as no other token of the stream is allocated between them, as on
+    PostgreSQL. Here only the transaction itself can (its own rows outside the
+    batch): it holds the database's write lock from its start to its end.
+    """
 
     def __init__(self, store: SqliteStreamStore, conn: sqlite3.Connection, schema: StreamSchema, instance: str) -> None:
         self._store = store
@@ -573,21 +579,31 @@ class SqliteWriteTransaction:
             f"{ROW_LINE_COLUMN}) VALUES ({placeholders})"
         )
         self._line = row_line_encoder(schema)
+        self._batch_token: int | None = None
+        self._batch_rows = 0  # rows of the batch token so far
+        self._last_token = 0
 
     def append(self, rows: Iterable[Row], batch: bool = False) -> list[int]:
         values = check_rows(self._schema, rows, self._store.max_line_bytes)
         if not values:
             return []
-        if batch:
-            check_batch_rows(self._schema.name, len(values))
-        conn = self._conn
         count = len(values)
-        token_count = 1 if batch else count
-        (head,) = conn.execute(
-            "UPDATE tickline_stream_heads SET token = token + ? WHERE stream = ? RETURNING token",
-            (token_count, self._schema.name),
-        ).fetchone()
-        first_token = head - token_count + 1
+        # A batch append continues the batch token if it is still the stream's last token.
+        shared = batch and self._batch_token is not None and self._last_token == self._batch_token
+        batch_rows = self._batch_rows + count if shared else count
+        if batch:
+            check_batch_rows(self._schema.name, batch_rows, steps=shared)
+        conn = self._conn
+        if shared:
+            assert self._batch_token is not None
+            first_token = self._batch_token
+        else:
+            token_count = 1 if batch else count
+            (head,) = conn.execute(
+                "UPDATE tickline_stream_heads SET token = token + ? WHERE stream = ? RETURNING token",
+                (token_count, self._schema.name),
+            ).fetchone()
+            first_token = head - token_count + 1
         tokens = [first_token] * count if batch else list(range(first_token, first_token + count))
         first_ts = self._store._allocate_timestamps(conn, count)
         instance = self._instance
@@ -600,6 +616,9 @@ class SqliteWriteTransaction:
                 for i, (token, row) in enumerate(zip(tokens, values, strict=True))
             ],
         )
+        if batch:
+            self._batch_token, self._batch_rows = first_token, batch_rows
+        self._last_token = tokens[-1]
         return tokens
 
 

@@ -42,10 +42,10 @@ def test_a_batch_over_the_bound_is_refused_and_commits_nothing(db_url) -> None:
         store.close()
 
 
-def test_batch_appends_of_one_transaction_count_together_on_postgresql(pg_url) -> None:
-    # On PostgreSQL the batch appends of one transaction share its token while nothing else of the
-    # stream is allocated between them (docs/time.md, "Batches appended in steps").
-    store = open_store(pg_url)
+def test_batch_appends_of_one_transaction_count_together(db_url) -> None:
+    # The batch appends of one transaction share its token while nothing else of the stream is
+    # allocated between them (docs/time.md, "Batches appended in steps").
+    store = open_store(db_url)
     store.register_stream(EVENTS)
     try:
         with (

@@ -1,10 +1,11 @@
 """Within a stream, ``ts`` increases with the token, also for a transaction's batch appended in steps.
 
-On PostgreSQL the batch appends of one write transaction share its batch
-token. A later one after another token of the stream was allocated (the
-transaction's own row outside the batch, another writer's row) would give its
-rows timestamps above that token's: it starts a new batch token instead
-(``storage.pg_store.BATCH_FUNCTION``, decided under the oracle's lock).
+The batch appends of one write transaction share its batch token. A later
+one after another token of the stream was allocated (the transaction's own
+row outside the batch; on PostgreSQL also another writer's row) would give
+its rows timestamps above that token's: it starts a new batch token instead
+(on PostgreSQL ``storage.pg_store.BATCH_FUNCTION``, decided under the
+oracle's lock; SQLite's write transaction holds the write lock throughout).
 What relies on the rule (the ordered lanes, ``first_token_at``) then holds
 around such a batch too (docs/time.md).
 """
@@ -61,24 +62,34 @@ def test_a_batch_continued_after_another_writers_token_gets_a_new_token(stores, 
     assert len(rows) == 3 * size + 1
 
 
-def test_a_batch_continued_after_its_own_row_gets_a_new_token(stores) -> None:
-    writer, _ = stores
+@pytest.fixture
+def writer(db_url):
+    """A store of either backend (the rules below hold on both)."""
+    store = open_store(db_url)
+    store.register_stream(EVENTS)
+    yield store
+    store.close()
+
+
+def test_a_batch_continued_after_its_own_row_gets_a_new_token(writer) -> None:
     with writer.writing("events", "w") as txn:
         first = txn.append(_rows(3), batch=True)
         (own,) = txn.append([ROW])
         later = txn.append(_rows(3), batch=True)
-    assert first[0] < own < later[0]
+        last = txn.append(_rows(2), batch=True)
+    assert first[0] < own < later[0] == last[0]
     _assert_ts_increases_with_token(writer)
 
 
-def test_a_batch_appended_in_steps_with_nothing_between_shares_one_token(stores) -> None:
-    writer, _ = stores
+def test_a_batch_appended_in_steps_with_nothing_between_shares_one_token(writer) -> None:
     with writer.writing("events", "w") as txn:
         tokens = (
             txn.append(_rows(2), batch=True) + txn.append(_rows(150), batch=True) + txn.append(_rows(5), batch=True)
         )
     assert len(set(tokens)) == 1 and len(tokens) == 157
-    _assert_ts_increases_with_token(writer)
+    assert writer.heads()["events"] == tokens[0]  # one token taken
+    rows = _assert_ts_increases_with_token(writer)
+    assert [r[4] for r in rows] == [r[0] for r in _rows(2) + _rows(150) + _rows(5)]  # in the order appended
 
 
 def test_the_time_lookup_finds_the_new_batch_token_after_the_other_writers(stores) -> None:
@@ -112,10 +123,9 @@ def test_a_new_batch_token_counts_its_own_rows_against_the_bound(stores, monkeyp
     assert len(writer.read_rows("events", 0, 10**18, 100)) == 6 + 1 + 4 + 5
 
 
-def test_a_step_after_the_transactions_own_rows_counts_alone(stores, monkeypatch) -> None:
+def test_a_step_after_the_transactions_own_rows_counts_alone(writer, monkeypatch) -> None:
     """Its own rows since the batch's last step make a new token certain: the step is not refused
     for rows it will never share a token with."""
-    writer, _ = stores
     monkeypatch.setattr(limits, "MAX_BATCH_ROWS", 10)
     with writer.writing("events", "w") as txn:
         first = txn.append(_rows(6), batch=True)
@@ -124,8 +134,7 @@ def test_a_step_after_the_transactions_own_rows_counts_alone(stores, monkeypatch
     assert later[0] > first[0] and len(writer.read_rows("events", 0, 10**18, 100)) == 12
 
 
-def test_a_refused_step_adds_nothing_to_the_batch(stores, monkeypatch) -> None:
-    writer, _ = stores
+def test_a_refused_step_adds_nothing_to_the_batch(writer, monkeypatch) -> None:
     monkeypatch.setattr(limits, "MAX_BATCH_ROWS", 10)
     with writer.writing("events", "w") as txn:
         tokens = txn.append(_rows(6), batch=True)
