@@ -287,7 +287,9 @@ def read_since(
 ) -> defer.Deferred[tuple[bytes, int, int]]:
     """Like ``Master.read_encoded``, dropping rows older than ``since_ts``.
 
-    Returns ``(bytes, last token read, rows sent)``. When rows at the end of
+    A token is kept or dropped whole: a batch with rows on both sides of the
+    time (appended in steps, docs/time.md) is sent whole, as the atomic unit a
+    client applies (a read never splits a token). Returns ``(bytes, last token read, rows sent)``. When rows at the end of
     the chunk were dropped, the bytes end with ``POSITION <stream> <instance>
     <last sent> <last read>`` so the client moves past them (a client that
     received nothing of them would otherwise take the next POSITION as rows
@@ -299,7 +301,8 @@ def read_since(
         if not rows:
             return b"", after, 0
         last_read = rows[-1][TOKEN]
-        kept = [row for row in rows if row[TS] >= since_ts]
+        recent = {row[TOKEN] for row in rows if row[TS] >= since_ts}
+        kept = [row for row in rows if row[TOKEN] in recent]
         data, _ = encode_json_rows(stream, kept, with_ts)
         last_sent = kept[-1][TOKEN] if kept else after
         if last_sent != last_read:

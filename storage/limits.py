@@ -154,7 +154,7 @@ def check_batch_rows(stream: str, rows: int, steps: bool = False) -> None:
     """A batch of ``rows`` rows (one token) is within ``MAX_BATCH_ROWS``; else a RowError naming it.
 
     ``steps``: the rows of several batch appends of one transaction, which
-    share one token unless another is allocated between them (PostgreSQL).
+    share one token unless another is allocated between them.
     """
     if rows > MAX_BATCH_ROWS:
         what = (

@@ -605,6 +605,11 @@ class SqliteWriteTransaction:
             ).fetchone()
             first_token = head - token_count + 1
         tokens = [first_token] * count if batch else list(range(first_token, first_token + count))
+        # Recorded before the rows go in: an insert that fails after some rows, caught by the caller
+        # who goes on, must still make the next batch step take a token after these.
+        if batch:
+            self._batch_token, self._batch_rows = first_token, batch_rows
+        self._last_token = tokens[-1]
         first_ts = self._store._allocate_timestamps(conn, count)
         instance = self._instance
         line = self._line
@@ -616,9 +621,6 @@ class SqliteWriteTransaction:
                 for i, (token, row) in enumerate(zip(tokens, values, strict=True))
             ],
         )
-        if batch:
-            self._batch_token, self._batch_rows = first_token, batch_rows
-        self._last_token = tokens[-1]
         return tokens
 
 

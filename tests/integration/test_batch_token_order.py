@@ -20,7 +20,7 @@ from replication.streams import EVENTS
 from storage import limits
 from storage.schema import RowError
 from storage.store import open_store
-from tests.stores import pg_store
+from tests.stores import pg_store, sqlite_store
 
 ROW = ["$e", "!room", "m.room.message", None, None]
 
@@ -203,3 +203,27 @@ def test_a_database_made_by_an_earlier_version_gets_the_batch_function(pg_url) -
         assert len(set(tokens)) == 1
     finally:
         again.close()
+
+
+def test_a_batch_step_after_a_failed_append_the_caller_went_on_from_takes_a_new_token(tmp_path) -> None:
+    """SQLite: an append whose insert fails after its tokens were taken (a trigger here), caught by
+    the caller who goes on in the same transaction: the next batch step still takes a token after
+    those (on PostgreSQL a failed statement ends the transaction)."""
+    store = sqlite_store(open_store(f"sqlite:///{tmp_path}/s.db"))
+    store.register_stream(EVENTS)
+    store.database.write(
+        lambda conn: conn.execute(
+            f"CREATE TRIGGER boom BEFORE INSERT ON {EVENTS.table} WHEN NEW.event_id = '$boom' "
+            "BEGIN SELECT RAISE(ABORT, 'boom'); END"
+        )
+    )
+    try:
+        with store.writing("events", "w") as txn:
+            (first, _) = txn.append(_rows(2), batch=True)
+            with pytest.raises(Exception, match="boom"):
+                txn.append([ROW, ["$boom", "!room", "m.room.message", None, None]])
+            (later,) = txn.append(_rows(1), batch=True)
+        assert later > first + 1  # past the failed append's tokens
+        _assert_ts_increases_with_token(store)
+    finally:
+        store.close()

@@ -286,3 +286,31 @@ def test_an_idle_stream_ticks_on_while_another_is_written_with_no_allocation_on_
     while allocated() == allocated_late:
         assert time.monotonic() < deadline, "no allocation once the writes stopped"
         client.try_line(0.05)
+
+
+def test_replicate_at_a_time_inside_a_batch_appended_in_steps_sends_the_whole_batch(master, db_url) -> None:
+    """A batch whose steps fall on both sides of the instant is replayed whole: a client applies a
+    batch as one, so part of it would be applied as if it were all."""
+    from storage.store import open_store
+
+    m = master(database=db_url)
+    (before,) = m.append("events", [row(0)])
+    store = open_store(m.database)
+    try:
+        with store.writing("events", "writer") as txn:
+            (batch, *_) = txn.append([row(n) for n in range(1, 4)], batch=True)
+            time.sleep(0.01)  # the instant strictly between the two steps' milliseconds
+            cut_ms = int(time.time() * 1000)
+            time.sleep(0.01)
+            assert set(txn.append([row(n) for n in range(4, 6)], batch=True)) == {batch}
+    finally:
+        store.close()
+    (after,) = m.append("events", [row(6)])
+    assert [physical_ms(ts) >= cut_ms for token, ts in stored(m) if token == batch] == [False] * 3 + [True] * 2
+    client = m.connect()
+    client.handshake()
+    client.send(f"REPLICATE events @{cut_ms}")
+    assert client.expect("POSITION").split()[3:] == [str(before), str(before)]
+    lines = collect(client, lambda line: line.startswith("RDATA") and line.split()[3] == str(after))
+    got = [(line.split()[3], orjson.loads(line.split(" ", 4)[4])[0]) for line in lines if line.startswith("RDATA")]
+    assert got == [("batch", f"$e{n}") for n in range(1, 5)] + [(str(batch), "$e5"), (str(after), "$e6")]
