@@ -168,6 +168,18 @@ def check_batch_rows(stream: str, rows: int, steps: bool = False) -> None:
         )
 
 
+def batch_step_rows(stream: str, rows_so_far: int, count: int, continues: bool) -> int:
+    """The rows of a batch token once a batch append of ``count`` rows is in, checked against the bound.
+
+    ``continues``: the append may continue the transaction's batch token
+    (nothing of the stream allocated since that the writer knows of), so the
+    token's ``rows_so_far`` count too; else it starts a token of its own.
+    """
+    rows = rows_so_far + count if continues else count
+    check_batch_rows(stream, rows, steps=rows > count)
+    return rows
+
+
 def check_row(schema: StreamSchema, row: Row, max_line_bytes: int | None) -> tuple[Any, ...]:
     """One row checked against its columns and the line limit; the values as stored."""
     return _RowSizer(schema).check(row, max_line_bytes, rdata_overhead(schema.name))

@@ -45,7 +45,7 @@ from storage.contracts import CommittedRows, JsonRow, Row, StoredRow
 from storage.limits import (
     DEFAULT_MAX_LINE_BYTES,
     RowChecker,
-    check_batch_rows,
+    batch_step_rows,
     check_rows,
     max_row_json_bytes,
     rdata_overhead,
@@ -1101,12 +1101,10 @@ class WriteTransaction:
         batch_rows = self._batch_rows
         if batch:
             # The batch steps of one transaction share its token while nothing else of the stream is
-            # allocated (see _allocated), so their rows count together. This transaction's own rows
-            # since the batch's last step mean a new token for certain: this step's rows count alone.
-            # Another writer's are not known before the call: the bound is then checked as if shared.
-            own_since = previous_batch is not None and self._last_token != previous_batch
-            batch_rows = count if own_since else batch_rows + count
-            check_batch_rows(self._schema.name, batch_rows, steps=batch_rows > count)
+            # allocated (see _allocated). This transaction's own rows since the batch's last step mean
+            # a new token for certain; another writer's are not known before the call: the bound is
+            # then checked as if the token were continued.
+            batch_rows = batch_step_rows(self._schema.name, batch_rows, count, self._last_token == previous_batch)
         limit = self._store.max_line_bytes
         if count >= COPY_ROWS:
             first_token, _ = self._append_copy(rows, count, batch, limit)

@@ -15,7 +15,7 @@ from typing import Any
 
 from storage import sqlite_order, time_index, tso
 from storage.contracts import JsonRow, Row, StoredRow
-from storage.limits import DEFAULT_MAX_LINE_BYTES, check_batch_rows, check_rows
+from storage.limits import DEFAULT_MAX_LINE_BYTES, batch_step_rows, check_rows
 from storage.schema import ROW_JSON_COLUMN, ROW_LINE_COLUMN, StreamSchema, check_instance_name
 from storage.sqlite_db import WRITER_CHECKPOINT_BYTES, SqliteChangeWatch, SqliteDatabase
 from storage.sqlite_order import UNORDERED_TABLE, OrderedStream, StreamOrder
@@ -590,9 +590,7 @@ class SqliteWriteTransaction:
         count = len(values)
         # A batch append continues the batch token if it is still the stream's last token.
         shared = batch and self._batch_token is not None and self._last_token == self._batch_token
-        batch_rows = self._batch_rows + count if shared else count
-        if batch:
-            check_batch_rows(self._schema.name, batch_rows, steps=shared)
+        batch_rows = batch_step_rows(self._schema.name, self._batch_rows, count, shared) if batch else 0
         conn = self._conn
         if shared:
             assert self._batch_token is not None
